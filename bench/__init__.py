@@ -1,0 +1,1 @@
+"""The benchmark harness: kernel-vs-reference parity and timing, roofline fractions, reports."""

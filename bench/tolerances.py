@@ -1,0 +1,39 @@
+"""The one tolerance table. Never loosen an entry to make a test pass: find the bug instead.
+
+An error budget has two parts: rounding of the compared array to its own dtype (``ulps`` of that
+dtype), and float32 accumulation over the reduction (``acc`` f32 epsilons times sqrt(reduction length)).
+Both are relative to ``scale``, the largest magnitude of the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+# quantity -> (rtol in ulps of the compared dtype, atol in ulps of it, acc: f32 eps per sqrt(len))
+TABLE = {
+    "value": (64, 4, 8),  # loss and per-token f32 outputs (logp, entropy, kl), any input dtype
+    "grad": (2, 1, 8),  # gradients, stored in the input dtype
+    "f64_check": (64, 4, 8),  # the f32 reference against an independent float64 NumPy formula
+}
+
+
+def tolerance(quantity: str, dtype, reduction_len: int, scale: float = 1.0) -> dict:
+  """``rtol`` / ``atol`` for ``np.testing.assert_allclose``."""
+  rtol_ulps, atol_ulps, acc = TABLE[quantity]
+  eps = float(jnp.finfo(dtype).eps)  # jnp.finfo knows bfloat16
+  scale = max(float(scale), 1e-30)
+  return dict(rtol=rtol_ulps * eps, atol=scale * (atol_ulps * eps + acc * F32_EPS * math.sqrt(reduction_len)))
+
+
+def assert_close(actual, expected, quantity: str, dtype, reduction_len: int, err_msg: str = ""):
+  """Compare ``actual`` to ``expected`` (both cast to f64) under the budget for ``dtype`` arrays."""
+  actual = np.asarray(actual, dtype=np.float64)
+  expected = np.asarray(expected, dtype=np.float64)
+  scale = float(np.max(np.abs(expected))) if expected.size else 1.0
+  np.testing.assert_allclose(actual, expected, err_msg=err_msg,
+                             **tolerance(quantity, dtype, reduction_len, scale))

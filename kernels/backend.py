@@ -1,0 +1,154 @@
+"""Where a kernel runs and how it is lowered: the one place that looks at the platform.
+
+Every op asks :func:`resolve` for a :class:`Target` and passes it down; nothing below this module calls
+``jax.default_backend()``. That is what lets a CPU host lower the real TPU (Mosaic) and CUDA (Triton)
+kernels ahead of time: the target is a value, chosen by an argument or by :func:`use_target`.
+
+Kernel families (a kernel module implements each):
+  * ``tiled``:   a (rows, vocab) grid whose last axis is a sequential reduction with VMEM scratch —
+                 the Mosaic TPU shape. The CPU interpreter runs the same family.
+  * ``rowloop``: one program per row with a ``fori_loop`` over vocabulary chunks and masked loads and
+                 stores — the Triton shape (GPU programs are independent, so no grid-axis reduction).
+
+Also here: per-backend compiler params and the jax 0.10 / 0.11 shims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import warnings
+from typing import Literal
+
+import jax
+
+Platform = Literal["tpu", "gpu", "cpu"]
+PLATFORMS: tuple[str, ...] = ("tpu", "gpu", "cpu")
+
+# GPU Pallas lowering. Upstream is moving from Triton to Mosaic GPU (jax 0.11 warns that Triton is
+# deprecated); Triton is what works today on both H100 and older parts. Change it here, nowhere else.
+GPU_LOWERING: Literal["triton"] = "triton"
+
+# The custom-call names the real (non-interpreted) kernels lower to; tests assert on them.
+LOWERED_KERNEL_MARKERS = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A kernel target: the platform whose kernel family and lowering to use, and whether to interpret."""
+
+  platform: Platform
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+    if self.platform == "cpu" and not self.interpret:
+      raise ValueError("CPU has no Pallas lowering: the cpu target always runs in interpret mode")
+
+  @property
+  def family(self) -> Literal["tiled", "rowloop"]:
+    return "rowloop" if self.platform == "gpu" else "tiled"
+
+  @property
+  def lowering_platform(self) -> str:
+    """The name ``jax.jit(...).lower(lowering_platforms=...)`` expects."""
+    return {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}[self.platform]
+
+
+def host_platform() -> Platform:
+  """The platform of jax's default backend, as a :data:`Platform`."""
+  name = jax.default_backend()
+  if name in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  if name == "tpu":
+    return "tpu"
+  return "cpu"
+
+
+_TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar("kernel_target", default=None)
+
+
+@contextlib.contextmanager
+def use_target(platform: Platform, interpret: bool | None = None):
+  """Make ``platform`` the default target of every op called inside the block.
+
+  ``interpret`` defaults to True only for ``cpu``. Example (lower the TPU kernel on a CPU host)::
+
+      with use_target("tpu"):
+        jax.jit(f).trace(*specs).lower(lowering_platforms=("tpu",))
+  """
+  token = _TARGET.set(make_target(platform, interpret))
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def make_target(platform: Platform, interpret: bool | None = None) -> Target:
+  return Target(platform, platform == "cpu" if interpret is None else interpret)
+
+
+def resolve(platform: Platform | None = None, interpret: bool | None = None) -> Target:
+  """The target for one call: explicit arguments, else :func:`use_target`, else the host's backend."""
+  if platform is not None:
+    return make_target(platform, interpret)
+  ctx = _TARGET.get()
+  if ctx is not None:
+    return ctx if interpret is None else Target(ctx.platform, interpret)
+  return make_target(host_platform(), interpret)
+
+
+# ----------------------------------------------------------------------------- version shims
+def _tpu_module():
+  from jax.experimental.pallas import tpu as pltpu
+
+  return pltpu
+
+
+def _triton_module():
+  with warnings.catch_warnings():  # jax 0.11 warns on import that the Triton backend is deprecated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as pltriton
+  return pltriton
+
+
+def compiler_params(target: Target, *, dimension_semantics=None, num_warps=None, num_stages=None,
+                    vmem_limit_bytes=None):
+  """Per-backend compiler params for ``pallas_call`` (None when interpreting)."""
+  if target.interpret:
+    return None
+  if target.platform == "tpu":
+    pltpu = _tpu_module()
+    cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+    kw = {}
+    if dimension_semantics is not None:
+      kw["dimension_semantics"] = tuple(dimension_semantics)
+    if vmem_limit_bytes is not None:
+      kw["vmem_limit_bytes"] = int(vmem_limit_bytes)
+    return cls(**kw)
+  pltriton = _triton_module()
+  cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+  kw = {}
+  if num_warps is not None:
+    kw["num_warps"] = int(num_warps)
+  if num_stages is not None:
+    kw["num_stages"] = int(num_stages)
+  return cls(**kw)
+
+
+def scratch_vmem(shape, dtype):
+  """A VMEM scratch buffer (the tiled family's accumulators; the interpreter accepts it too)."""
+  return _tpu_module().VMEM(shape, dtype)
+
+
+def masked_load(ref, *, mask, other):
+  """Triton-style masked load (rowloop family); ``pl.load`` in older jax, ``triton.load`` now."""
+  return _triton_module().load(ref, mask=mask, other=other)
+
+
+def masked_store(ref, value, *, mask):
+  return _triton_module().store(ref, value, mask=mask)
