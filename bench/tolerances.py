@@ -30,6 +30,23 @@ def tolerance(quantity: str, dtype, reduction_len: int, scale: float = 1.0) -> d
   return dict(rtol=rtol_ulps * eps, atol=scale * (atol_ulps * eps + acc * F32_EPS * math.sqrt(reduction_len)))
 
 
+def parity_error(actual, expected, quantity: str, dtype, reduction_len: int) -> float:
+  """Largest |actual - expected| / (atol + rtol * |expected|): <= 1 is within tolerance."""
+  actual = np.asarray(actual, dtype=np.float64)
+  expected = np.asarray(expected, dtype=np.float64)
+  if actual.shape != expected.shape:
+    return float("inf")
+  if not expected.size:
+    return 0.0
+  tol = tolerance(quantity, dtype, reduction_len, float(np.max(np.abs(expected))))
+  bound = tol["atol"] + tol["rtol"] * np.abs(expected)
+  err = np.abs(actual - expected)
+  nan_mismatch = np.isnan(actual) != np.isnan(expected)
+  if nan_mismatch.any():
+    return float("inf")
+  return float(np.nanmax(err / bound)) if np.isfinite(err).any() else 0.0
+
+
 def assert_close(actual, expected, quantity: str, dtype, reduction_len: int, err_msg: str = ""):
   """Compare ``actual`` to ``expected`` (both cast to f64) under the budget for ``dtype`` arrays."""
   actual = np.asarray(actual, dtype=np.float64)

@@ -1,0 +1,90 @@
+"""Bench reports: results.json (environment + every case) and a markdown table, also printed."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform as _platform
+import subprocess
+
+import jax
+
+from bench.roofline import DevicePeaks
+from bench.run import CaseResult
+
+
+def git_commit() -> str | None:
+  root = pathlib.Path(__file__).resolve().parents[1]
+  try:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return sha + ("-dirty" if dirty else "")
+
+
+def environment(peaks: DevicePeaks, target_platform: str, interpret: bool) -> dict:
+  dev = jax.devices()[0]
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "device_kind": dev.device_kind,
+      "device_platform": dev.platform,
+      "device_count": jax.device_count(),
+      "kernel_target": target_platform,
+      "interpret_mode": interpret,
+      "jax": jax.__version__,
+      "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+      "python": _platform.python_version(),
+      "host": _platform.machine(),
+      "git_commit": git_commit(),
+      "peaks": dataclasses.asdict(peaks),
+  }
+
+
+def _fmt_time(s):
+  return "-" if s is None else (f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s")
+
+
+def _fmt_pct(x):
+  return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _fmt_bytes(b):
+  return "-" if b is None else f"{b / 2**20:.1f} MiB"
+
+
+def markdown_table(results: list[CaseResult]) -> str:
+  head = ("| case | kernel median (IQR) | reference median | speedup | kernel roofline | reference roofline "
+          "| kernel temp mem | reference temp mem | parity (err/tol) | ok |")
+  rows = [head, "|" + "---|" * 10]
+  for r in results:
+    if r.kernel is None:
+      rows.append(f"| {r.name} | failed: {r.error} |" + " - |" * 7 + " no |")
+      continue
+    k, ref = r.kernel, r.reference
+    parity = ", ".join(f"{label} {err:.2g}" for label, err in r.parity.items())
+    rows.append(f"| {r.name} | {_fmt_time(k.timing.median_s)} ({_fmt_time(k.timing.iqr_s)}) "
+                f"| {_fmt_time(ref.timing.median_s)} | {r.speedup:.2f}x | {_fmt_pct(k.roofline_fraction)} "
+                f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_bytes(k.memory.temp_bytes)} "
+                f"| {_fmt_bytes(ref.memory.temp_bytes)} | {parity} | {'yes' if r.ok else 'NO'} |")
+  return "\n".join(rows)
+
+
+def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult]) -> pathlib.Path:
+  out_dir.mkdir(parents=True, exist_ok=True)
+  payload = {"environment": env, "cases": [dataclasses.asdict(r) for r in results]}
+  (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+  note = ("\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
+          "and parity, and are not kernel performance.\n" if env["interpret_mode"] else "\n")
+  header = (f"# Bench: {env['device_kind']} ({env['device_platform']}), jax {env['jax']}, {env['date']}, "
+            f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
+            f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n")
+  (out_dir / "summary.md").write_text(header + markdown_table(results) + "\n")
+  return out_dir
+
+
+def _bw(peaks: dict) -> str:
+  bw = peaks.get("hbm_bytes_per_s")
+  return "unknown" if bw is None else f"{bw / 1e9:.1f} GB/s"

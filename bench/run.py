@@ -1,0 +1,66 @@
+"""Run one case: compile kernel and reference, check parity on the case's own inputs, time both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from bench import harness, roofline
+from bench.cases import Case
+from bench.tolerances import parity_error
+
+
+@dataclasses.dataclass
+class ImplResult:
+  timing: harness.Timing
+  memory: harness.Memory
+  roofline_fraction: float | None
+  achieved_bytes_per_s: float | None
+
+
+@dataclasses.dataclass
+class CaseResult:
+  name: str
+  op: str
+  shape: str
+  mode: str
+  params: dict
+  bytes: float | None
+  flops: float | None
+  kernel: ImplResult | None
+  reference: ImplResult | None
+  parity: dict  # check label -> error as a fraction of its tolerance (<= 1 passes)
+  ok: bool
+  speedup: float | None  # reference median / kernel median
+  error: str | None = None
+
+
+def _impl(fn, args, case: Case, peaks, warmup, repeats) -> tuple[ImplResult, object]:
+  compiled, compile_s = harness.compile_fn(fn, args)
+  outputs = jax.block_until_ready(compiled(*args))
+  timing = harness.time_compiled(compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s)
+  frac = roofline.roofline_fraction(timing.median_s, case.bytes, case.flops, peaks)
+  bps = case.bytes / timing.median_s if case.bytes else None
+  return ImplResult(timing, harness.memory_of(compiled), frac, bps), outputs
+
+
+def run_case(case: Case, peaks: roofline.DevicePeaks, *, seed: int = 0, warmup: int = 2,
+             repeats: int = 10) -> CaseResult:
+  """Parity first: a kernel that disagrees with the reference is marked failed, however fast."""
+  base = dict(name=case.name, op=case.op, shape=case.shape_name, mode=case.mode, params=case.params,
+              bytes=case.bytes, flops=case.flops)
+  try:
+    args = case.make_inputs(seed)
+    kernel, k_out = _impl(case.kernel, args, case, peaks, warmup, repeats)
+    reference, r_out = _impl(case.reference, args, case, peaks, warmup, repeats)
+  except Exception as e:  # a broken case is reported as a failed row, not a crashed run
+    return CaseResult(**base, kernel=None, reference=None, parity={}, ok=False, speedup=None,
+                      error=f"{type(e).__name__}: {e}")
+  k_flat, r_flat = jax.tree.leaves(k_out), jax.tree.leaves(r_out)
+  parity = {c.label: parity_error(np.asarray(k_flat[c.index]), np.asarray(r_flat[c.index]), c.quantity,
+                                  c.dtype, c.reduction_len) for c in case.checks}
+  ok = all(err <= 1.0 for err in parity.values())
+  return CaseResult(**base, kernel=kernel, reference=reference, parity=parity, ok=ok,
+                    speedup=reference.timing.median_s / kernel.timing.median_s)
