@@ -1,4 +1,9 @@
 import os
+
+# 8 simulated CPU devices for the sharded tests; must be set before jax initialises its backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import hypothesis
 
 # Interpret-mode kernels compile per shape: keep hypothesis runs few and deadline-free.

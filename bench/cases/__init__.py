@@ -16,7 +16,7 @@ SIZES = ("small", "large")
 class Check:
   """Compare flattened output ``index`` of kernel and reference under the tolerance table."""
 
-  index: int
+  index: int | tuple[int, ...]  # one flattened output, or several (the worst one counts)
   quantity: str  # a key of bench.tolerances.TABLE
   dtype: str  # dtype whose rounding the budget allows for
   reduction_len: int
@@ -41,14 +41,14 @@ class Case:
     return f"{self.op}/{self.shape_name}/{self.mode}"
 
 
-SUITES = ("grpo_loss",)
+SUITES = ("grpo_loss", "optim")
 
 
 def all_cases(size: str, platform: str, suites: tuple[str, ...] | None = None) -> list[Case]:
   """Every selected suite's cases at ``size`` for kernels targeting ``platform``."""
-  from bench.cases import grpo_loss
+  from bench.cases import grpo_loss, optim
 
-  registry = {"grpo_loss": grpo_loss.cases}
+  registry = {"grpo_loss": grpo_loss.cases, "optim": optim.cases}
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
   unknown = sorted(set(suites or ()) - set(registry))

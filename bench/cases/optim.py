@@ -1,0 +1,84 @@
+"""Optimizer bench cases: fused AdamW / Lion vs optax on a decoder-shaped f32 parameter tree.
+
+Two kernel variants per optimizer: ``inplace`` (fused_*_step, writes params: the 7 x 4 bytes/param
+minimum for AdamW) and ``optax-api`` (the GradientTransformation returning a delta, then
+``optax.apply_updates``). The reference is ``optax.adamw`` / ``optax.lion`` + ``apply_updates`` under
+one jit, which XLA fuses per leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from bench.cases import Case, Check
+from bench.shapes import DECODER_SHAPES, DecoderShape
+from kernels import optim
+
+SHAPES_BY_SIZE = {"small": ("cpu-small",), "large": ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+# bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes p, mu
+BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4}
+HYPER = {"adamw": dict(learning_rate=1e-3, weight_decay=0.1), "lion": dict(learning_rate=1e-4, weight_decay=0.1)}
+
+
+def make_inputs(shape: DecoderShape, which: str, seed: int):
+  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(shape.param_shapes())))
+  params = {k: jax.random.normal(next(keys), s, jnp.float32) * 0.02 for k, s in shape.param_shapes().items()}
+  grads = {k: jax.random.normal(next(keys), s, jnp.float32) * 1e-3 for k, s in shape.param_shapes().items()}
+  # start from a non-trivial state: one optax step
+  tx = _optax(which)
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params)
+  return params, grads, state
+
+
+def _optax(which):
+  return (optax.adamw if which == "adamw" else optax.lion)(**HYPER[which])
+
+
+def _reference(which, params, grads, state):
+  updates, state = _optax(which).update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def _fused_pair(which, platform):
+  make = optim.fused_adamw_step if which == "adamw" else optim.fused_lion_step
+  return make(**HYPER[which], impl="pallas", platform=platform)
+
+
+def _convert_state(which, state):
+  """optax state -> the fused state (same leaves)."""
+  inner = state[0]
+  if which == "adamw":
+    return optim.FusedAdamWState(inner.count, inner.mu, inner.nu)
+  return optim.FusedLionState(inner.count, inner.mu)
+
+
+def _inplace(which, platform, params, grads, state):
+  _, step = _fused_pair(which, platform)
+  return step(params, grads, _convert_state(which, state))
+
+
+def _optax_api(which, platform, params, grads, state):
+  tx, _ = _fused_pair(which, platform)
+  updates, new_state = tx.update(grads, _convert_state(which, state), params)
+  return optax.apply_updates(params, updates), new_state
+
+
+def cases(size: str, platform: str) -> list[Case]:
+  out = []
+  for name in SHAPES_BY_SIZE[size]:
+    shape = DECODER_SHAPES[name]
+    n_leaves, n_params = len(shape.param_shapes()), shape.num_params()
+    params_check = Check(tuple(range(n_leaves)), "optimizer", "float32", 1, "params")
+    for which in ("adamw", "lion"):
+      inputs = functools.partial(make_inputs, shape, which)
+      ref = functools.partial(_reference, which)
+      info = dict(model=name, params=n_params, leaves=n_leaves, dtype="float32")
+      for variant, fn in (("inplace", _inplace), ("optax-api", _optax_api)):
+        out.append(Case(f"optim/{which}-{variant}", name, "step", inputs, functools.partial(fn, which, platform),
+                        ref, BYTES_PER_PARAM[which] * n_params, None, (params_check,), info))
+  return out
