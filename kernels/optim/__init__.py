@@ -94,7 +94,7 @@ def _apply(delta_fn, n_state, param, grad, states, master, scalars, *, delta_onl
   else:
     outs = body(scalars, *(jnp.asarray(a).astype(jnp.float32) for a in (source, grad, *states)))
     outs = tuple(o.astype(d) for o, d in zip(outs, out_dtypes))
-  param_out = outs[0] if master is None or delta_only else outs[-1].astype(param.dtype)
+  param_out = outs[0]  # the new param in its own dtype (the kernel writes the cast beside the master)
   new_master = None if master is None or delta_only else outs[-1]
   return param_out, outs[1:1 + n_state], new_master
 
@@ -272,8 +272,8 @@ _DOC_COMMON = """
 def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                 *, mask=None, mesh=None, partition_specs=None, impl: str = "auto", platform=None,
                 interpret=None) -> optax.GradientTransformation:
-  return _make(_adamw_tree, _adamw_init, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
-               mask, mesh, partition_specs, dict(impl=impl, platform=platform, interpret=interpret))[0]
+  return fused_adamw_step(learning_rate, b1, b2, eps, weight_decay, mask=mask, mesh=mesh,
+                          partition_specs=partition_specs, impl=impl, platform=platform, interpret=interpret)[0]
 
 
 def fused_adamw_step(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -286,8 +286,8 @@ def fused_adamw_step(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: flo
 def fused_lion(learning_rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, *, mask=None,
                mesh=None, partition_specs=None, impl: str = "auto", platform=None,
                interpret=None) -> optax.GradientTransformation:
-  return _make(_lion_tree, _lion_init, learning_rate, dict(b1=b1, b2=b2, weight_decay=weight_decay), mask, mesh,
-               partition_specs, dict(impl=impl, platform=platform, interpret=interpret))[0]
+  return fused_lion_step(learning_rate, b1, b2, weight_decay, mask=mask, mesh=mesh, partition_specs=partition_specs,
+                         impl=impl, platform=platform, interpret=interpret)[0]
 
 
 def fused_lion_step(learning_rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, *, mask=None,
