@@ -95,11 +95,15 @@ def test_ten_steps_match_optax_on_fsdp_tp_mesh(name):
 
 @given(shape=st.lists(st.integers(1, 40), min_size=0, max_size=3), family=st.sampled_from(sorted(FAMILIES)),
        lr=st.floats(1e-5, 1e-1), b1=st.floats(0.0, 0.99), b2=st.floats(0.5, 0.9999), wd=st.floats(0.0, 0.5),
-       count=st.integers(0, 1000), bf16_master=st.booleans())
-def test_adamw_update_matches_reference_hypothesis(shape, family, lr, b1, b2, wd, count, bf16_master):
-  rng = np.random.default_rng()
+       count=st.integers(0, 1000), bf16_master=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_adamw_update_matches_reference_hypothesis(shape, family, lr, b1, b2, wd, count, bf16_master, seed):
+  rng = np.random.default_rng(seed)  # drawn by hypothesis, so a failure reproduces
   p, g, mu = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
   nu = jnp.asarray(rng.random(size=shape), jnp.float32)
+  # Outputs are sums of terms as large as the operands ((1-b)*g + b*mu can nearly cancel, and whether
+  # XLA contracts it into an FMA differs between the fused and interpreted paths), so the rounding
+  # budget is relative to the operands, not to the possibly tiny result.
+  operand_scale = max(float(np.max(np.abs(np.asarray(a)), initial=0.0)) for a in (p, g, mu, nu))
   kw = dict(lr=lr, b1=b1, b2=b2, weight_decay=wd)
   param, master = (p.astype(jnp.bfloat16), p) if bf16_master else (p, None)
   ours = kernels.adamw_update(param, g, mu, nu, count, master=master, impl="pallas", platform=FAMILIES[family],
@@ -108,13 +112,13 @@ def test_adamw_update_matches_reference_hypothesis(shape, family, lr, b1, b2, wd
   assert ours.param.dtype == param.dtype
   for a, b in zip(ours, ref):
     if b is not None:
-      assert_close(a, b, "optimizer", a.dtype, 1)
+      assert_close(a, b, "optimizer", a.dtype, 1, scale=max(operand_scale, float(np.max(np.abs(b)))))
   lion = kernels.lion_update(param, g, mu, master=master, impl="pallas", platform=FAMILIES[family], interpret=True,
                              blocks=_small_blocks(family), lr=lr, b1=b1, b2=b2, weight_decay=wd)
   lion_ref = kernels.lion_update(param, g, mu, master=master, impl="xla", lr=lr, b1=b1, b2=b2, weight_decay=wd)
   for a, b in zip(lion, lion_ref):
     if b is not None:
-      assert_close(a, b, "optimizer", a.dtype, 1)
+      assert_close(a, b, "optimizer", a.dtype, 1, scale=max(operand_scale, float(np.max(np.abs(b)))))
 
 
 def _small_blocks(family):  # small tiles so ragged edges are exercised
