@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,40 +33,13 @@ LOSS_SHAPES: dict[str, LossShape] = {
 PRODUCTION_LOSS_SHAPES = ("qwen2.5-8k", "llama3-8k")
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-  """The parameter shapes of a Qwen2-style decoder (for optimizer benchmarks with no checkpoint)."""
+def decoder_param_shapes(name: str) -> dict[str, tuple[int, ...]]:
+  """Parameter name -> shape of the `rl.model` preset `name` (nothing materialised): the optimizer
+  benchmarks' parameter tree, at real model sizes with no checkpoint."""
+  from flax import nnx
 
-  vocab: int
-  hidden: int
-  intermediate: int
-  layers: int
-  heads: int
-  kv_heads: int
-  tied: bool = True
+  from rl.model import abstract_model, preset
+  from rl.model.partition import path_name
 
-  def param_shapes(self) -> dict[str, tuple[int, ...]]:
-    h, hd = self.hidden, self.hidden // self.heads
-    kv = self.kv_heads * hd
-    layer = {"q_proj.weight": (h, h), "q_proj.bias": (h,), "k_proj.weight": (h, kv), "k_proj.bias": (kv,),
-             "v_proj.weight": (h, kv), "v_proj.bias": (kv,), "o_proj.weight": (h, h),
-             "gate_proj.weight": (h, self.intermediate), "up_proj.weight": (h, self.intermediate),
-             "down_proj.weight": (self.intermediate, h), "input_layernorm.weight": (h,),
-             "post_attention_layernorm.weight": (h,)}
-    shapes = {"embed_tokens.weight": (self.vocab, h), "norm.weight": (h,)}
-    if not self.tied:
-      shapes["lm_head.weight"] = (h, self.vocab)
-    for i in range(self.layers):
-      shapes.update({f"layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
-
-  def num_params(self) -> int:
-    return sum(math.prod(s) for s in self.param_shapes().values())
-
-
-DECODER_SHAPES: dict[str, DecoderShape] = {
-    "tiny": DecoderShape(vocab=1000, hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2),
-    "cpu-small": DecoderShape(vocab=8000, hidden=256, intermediate=704, layers=4, heads=4, kv_heads=2),
-    "qwen2.5-0.5b": DecoderShape(vocab=151936, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
-    "qwen2.5-1.5b": DecoderShape(vocab=151936, hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2),
-}
+  state = nnx.state(abstract_model(preset(name)), nnx.Param)
+  return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(state)}

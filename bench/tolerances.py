@@ -18,8 +18,8 @@ F32_EPS = float(np.finfo(np.float32).eps)
 TABLE = {
     "value": (64, 4, 8),  # loss and per-token f32 outputs (logp, entropy, kl), any input dtype
     "grad": (2, 1, 8),  # gradients, stored in the input dtype
-    "f64_check": (64, 4, 8),
-    "optimizer": (4, 4, 0),  # element-wise updates: same ops, only fusion / rounding order may differ  # the f32 reference against an independent float64 NumPy formula
+    "f64_check": (64, 4, 8),  # the f32 reference against an independent float64 NumPy formula
+    "optimizer": (4, 4, 0),  # element-wise updates: same ops, only fusion / rounding order may differ
 }
 
 

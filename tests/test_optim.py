@@ -10,7 +10,7 @@ from hypothesis import given
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
-from bench.shapes import DECODER_SHAPES
+from bench.shapes import decoder_param_shapes
 from bench.tolerances import assert_close
 from kernels import backend
 from kernels.optim import ElementwiseBlocks
@@ -138,7 +138,7 @@ def test_no_recompile_across_steps():
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_lowers_real_kernel_at_1_5b_shapes(platform):
   """Every distinct parameter shape of Qwen2.5-1.5B, AdamW and Lion, lowered for the real backend."""
-  shapes = sorted(set(DECODER_SHAPES["qwen2.5-1.5b"].param_shapes().values()))
+  shapes = sorted(set(decoder_param_shapes("qwen2.5-1.5b").values()))
   tree = {str(s): jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes}
   target = backend.make_target(platform, interpret=False)
   for make in (kernels.fused_adamw(1e-3), kernels.fused_lion(1e-3)):

@@ -9,13 +9,14 @@ one jit, which XLA fuses per leaf.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from bench.cases import Case, Check
-from bench.shapes import DECODER_SHAPES, DecoderShape
+from bench.shapes import decoder_param_shapes
 from kernels import optim
 
 SHAPES_BY_SIZE = {"small": ("cpu-small",), "large": ("qwen2.5-0.5b", "qwen2.5-1.5b")}
@@ -24,10 +25,10 @@ BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4}
 HYPER = {"adamw": dict(learning_rate=1e-3, weight_decay=0.1), "lion": dict(learning_rate=1e-4, weight_decay=0.1)}
 
 
-def make_inputs(shape: DecoderShape, which: str, seed: int):
-  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(shape.param_shapes())))
-  params = {k: jax.random.normal(next(keys), s, jnp.float32) * 0.02 for k, s in shape.param_shapes().items()}
-  grads = {k: jax.random.normal(next(keys), s, jnp.float32) * 1e-3 for k, s in shape.param_shapes().items()}
+def make_inputs(shapes: dict[str, tuple[int, ...]], which: str, seed: int):
+  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(shapes)))
+  params = {k: jax.random.normal(next(keys), s, jnp.float32) * 0.02 for k, s in shapes.items()}
+  grads = {k: jax.random.normal(next(keys), s, jnp.float32) * 1e-3 for k, s in shapes.items()}
   # start from a non-trivial state: one optax step
   tx = _optax(which)
   state = tx.init(params)
@@ -71,11 +72,11 @@ def _optax_api(which, platform, params, grads, state):
 def cases(size: str, platform: str) -> list[Case]:
   out = []
   for name in SHAPES_BY_SIZE[size]:
-    shape = DECODER_SHAPES[name]
-    n_leaves, n_params = len(shape.param_shapes()), shape.num_params()
+    shapes = decoder_param_shapes(name)
+    n_leaves, n_params = len(shapes), sum(math.prod(s) for s in shapes.values())
     params_check = Check(tuple(range(n_leaves)), "optimizer", "float32", 1, "params")
     for which in ("adamw", "lion"):
-      inputs = functools.partial(make_inputs, shape, which)
+      inputs = functools.partial(make_inputs, shapes, which)
       ref = functools.partial(_reference, which)
       info = dict(model=name, params=n_params, leaves=n_leaves, dtype="float32")
       for variant, fn in (("inplace", _inplace), ("optax-api", _optax_api)):

@@ -1,0 +1,57 @@
+"""GSM8K `{question, answer}` jsonl files (openai/grade-school-math layout): train.jsonl / test.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from rl.rewards import normalize_number
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  question: str
+  answer: str  # the full worked solution, ending in "#### <gold>"
+  gold: str  # the normalised final answer
+
+
+def gold_answer(answer: str) -> str:
+  """The normalised text after the last `####` of a GSM8K solution."""
+  if "####" not in answer:
+    raise ValueError(f"GSM8K answer has no '####' final answer: {answer[-80:]!r}")
+  tail = answer.rsplit("####", 1)[1].strip()
+  gold = normalize_number(tail)
+  if gold is None:
+    raise ValueError(f"GSM8K final answer {tail!r} is not a number")
+  return gold
+
+
+def load_gsm8k(path: str | os.PathLike, split: str | None = None, limit: int | None = None) -> list[Example]:
+  """Reads GSM8K examples.
+
+  Args:
+    path: a jsonl file, or a directory holding `{split}.jsonl`.
+    split: "train" or "test" when `path` is a directory.
+    limit: keep the first `limit` examples (file order), None for all.
+  """
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    if split is None:
+      raise ValueError(f"{path} is a directory: pass split='train' or 'test'")
+    path = os.path.join(path, f"{split}.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"GSM8K file not found: {path}")
+  examples = []
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        examples.append(Example(row["question"], row["answer"], gold_answer(row["answer"])))
+      except (json.JSONDecodeError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}:{line_no}: not a GSM8K record ({e})") from e
+      if limit is not None and len(examples) >= limit:
+        break
+  return examples

@@ -1,0 +1,87 @@
+"""The KV-cache interface the decoder attends through, and the dense cache that implements it.
+
+The decoder does not own its cache: prefill and decode call `cache.attend(layer, q, k, v, positions)`,
+which stores the new keys/values wherever the cache keeps them and returns the attention output. The
+rollout engine supplies the cache: `DenseKVCache` here (one contiguous [S] slab per sequence, the way
+tunix and MLLM-JAX sample), a paged cache over `kernels.paged_attention` in `rl.rollout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# A masked score; finite so a query with no visible key (padding) gives a uniform row, not NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class KVCache(Protocol):
+  """What a decoder layer needs from a cache. Implementations are pytrees (they cross `jax.jit`)."""
+
+  def attend(self, layer: int, q: Array, k: Array, v: Array, positions: Array) -> tuple[Array, KVCache]:
+    """Stores `k`/`v` of the new tokens and attends `q` to every cached token at or before its position.
+
+    Args:
+      layer: the decoder layer (static).
+      q: [B, T, Hq, D] queries of the new tokens, RoPE applied.
+      k: [B, T, Hkv, D] keys of the new tokens, RoPE applied.
+      v: [B, T, Hkv, D] values of the new tokens.
+      positions: [B, T] int32 absolute position of each new token.
+
+    Returns:
+      ([B, T, Hq, D] attention output, the updated cache).
+    """
+    ...
+
+
+def attention(q: Array,  # [B, T, Hq, D]
+              k: Array,  # [B, S, Hkv, D]
+              v: Array,  # [B, S, Hkv, D]
+              visible: Array,  # [B, T, S] bool: query t may attend to key s
+              ) -> Array:  # [B, T, Hq, D]
+  """Grouped-query softmax attention with f32 scores; the q heads of one kv head share its keys."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.reshape(b, t, hkv, hq // hkv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+  scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseKVCache:
+  """A contiguous cache: slot s of sequence b holds the token at position s.
+
+  Prompts are right-padded: a padding token's key lands at a position no real query of that row can
+  see before a real token overwrites it (decode writes at the sequence's next position).
+  """
+
+  k: Array  # [L, B, S, Hkv, D]
+  v: Array  # [L, B, S, Hkv, D]
+
+  @classmethod
+  def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+             dtype=jnp.bfloat16) -> DenseKVCache:
+    shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def attend(self, layer, q, k, v, positions):
+    rows = jnp.arange(q.shape[0])[:, None]
+    # Positions past the cache (padding beyond max_len) are dropped, never wrapped onto real slots.
+    new_k = self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop")
+    new_v = self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop")
+    visible = jnp.arange(self.max_len)[None, None, :] <= positions[:, :, None]
+    out = attention(q, new_k[layer].astype(q.dtype), new_v[layer].astype(q.dtype), visible)
+    return out, DenseKVCache(new_k, new_v)

@@ -1,0 +1,155 @@
+"""Hugging Face checkpoints in and out: `config.json` + `*.safetensors` (sharded, with an index).
+
+Tensors are read one at a time with the `safetensors` library, checked against the model's shapes, cast
+to the parameter dtype and placed straight onto their sharding, so a checkpoint never has to fit on one
+device. Names are HF's; torch Linear weights are [out, in] and ours are [in, out], hence the transposes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rl.model import partition
+from rl.model.config import ModelConfig
+from rl.model.qwen import Qwen, abstract_model
+
+INDEX_FILE = "model.safetensors.index.json"
+# Non-parameter buffers some exported checkpoints carry; recomputed here, so safe to skip.
+_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+  """Our parameter name -> (HF tensor name, whether the HF tensor is our array transposed)."""
+  if name == "lm_head.kernel":
+    return "lm_head.weight", True
+  leaf = name.rsplit(".", 1)[-1]
+  base = name[: -len(leaf)]
+  hf_leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}[leaf]
+  return f"model.{base}{hf_leaf}", leaf == "kernel"
+
+
+def _checkpoint_files(directory: str) -> dict[str, str]:
+  """HF tensor name -> file holding it, from the index if there is one, else from every shard's header."""
+  index = os.path.join(directory, INDEX_FILE)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+  files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {directory}")
+  where = {}
+  for file in files:
+    path = os.path.join(directory, file)
+    with safe_open(path, framework="numpy") as f:
+      where.update({name: path for name in f.keys()})
+  return where
+
+
+def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = None,
+                    mesh: Mesh | None = None, **config_overrides: Any) -> Qwen:
+  """Loads a Qwen2/2.5/3 checkpoint directory into a `Qwen` model.
+
+  Args:
+    directory: holds `config.json` and the safetensors shard(s) (with `model.safetensors.index.json` if
+      sharded), as written by `save_pretrained` / downloaded from a hub.
+    config: the architecture; default: read from `config.json` (with `config_overrides`, e.g. dtypes).
+    mesh: if given, each parameter is placed with `rl.model.partition`'s sharding on this mesh.
+
+  Raises:
+    ValueError: a tensor is missing, has the wrong shape, or the checkpoint holds tensors the model
+      does not use (nothing is silently dropped).
+  """
+  directory = os.fspath(directory)
+  cfg = config if config is not None else ModelConfig.from_pretrained(directory, **config_overrides)
+  skeleton = abstract_model(cfg)
+  graphdef, state = nnx.split(skeleton)
+  params = nnx.state(skeleton, nnx.Param)
+  shardings = partition.param_shardings(skeleton, mesh) if mesh is not None else None
+  where = _checkpoint_files(directory)
+  handles: dict[str, Any] = {}
+  used = set()
+
+  def read(path, leaf, sharding=None):
+    name = hf_name(partition.path_name(path))[0]
+    transpose = hf_name(partition.path_name(path))[1]
+    if name not in where:
+      raise ValueError(f"checkpoint {directory} has no tensor {name!r} (for {partition.path_name(path)})")
+    if where[name] not in handles:
+      handles[where[name]] = safe_open(where[name], framework="numpy")
+    array = handles[where[name]].get_tensor(name)
+    array = array.T if transpose else array
+    if array.shape != leaf.shape:
+      raise ValueError(f"tensor {name!r} has shape {array.shape} (as ours), the model expects {leaf.shape}")
+    used.add(name)
+    array = np.asarray(array, dtype=leaf.dtype)
+    return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+  if shardings is None:
+    loaded = jax.tree_util.tree_map_with_path(read, params)
+  else:
+    loaded = jax.tree_util.tree_map_with_path(read, params, shardings)
+  unused = sorted(n for n in where if n not in used and not _IGNORED.search(n))
+  if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+    unused.remove("lm_head.weight")  # some tied checkpoints store the (shared) head too
+  if unused:
+    raise ValueError(f"checkpoint {directory} holds tensors the model does not use: {unused[:8]}"
+                     f"{' ...' if len(unused) > 8 else ''} (does config.json match the weights?)")
+  model = nnx.merge(graphdef, state)
+  nnx.update(model, loaded)
+  return model
+
+
+def _hf_tensors(model: Qwen, dtype) -> Iterator[tuple[str, np.ndarray]]:
+  for path, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    name, transpose = hf_name(partition.path_name(path))
+    array = np.asarray(jax.device_get(value))
+    array = array.T if transpose else array
+    yield name, np.ascontiguousarray(array.astype(dtype if dtype is not None else array.dtype))
+
+
+def save_checkpoint(model: Qwen, directory: str | os.PathLike, *, dtype: str | None = "bfloat16",
+                    max_shard_bytes: int = 4 * 2**30) -> list[str]:
+  """Writes the model in HF layout (`config.json`, safetensors shards, index when sharded).
+
+  `dtype` is the stored dtype (HF Qwen checkpoints are bf16; None keeps the parameter dtype). Returns the
+  shard file names.
+  """
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, dtype) if dtype is not None else None
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, array in _hf_tensors(model, np_dtype):
+    if shards[-1] and size + array.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = array
+    size += array.nbytes
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, tensors in zip(names, shards):
+    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
+             "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2)
+  hf = model.cfg.to_hf()
+  if dtype is not None:
+    hf["torch_dtype"] = dtype
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  return names

@@ -1,0 +1,168 @@
+"""A Qwen2 / Qwen2.5 / Qwen3 decoder in Flax NNX, numerically the Hugging Face definition.
+
+Parameter names follow HF's (`layers[i].self_attn.q_proj.kernel` is `model.layers.i.self_attn.q_proj.weight`
+transposed), so `rl.model.checkpoint` maps checkpoints by name. Kernels are [in, out]; the LM head is
+exposed as an [H, V] matrix so the fused LM-head loss can consume it without materialising logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rl.model.cache import KVCache, attention
+from rl.model.config import ModelConfig
+
+Array = jax.Array
+
+_init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
+
+
+class RMSNorm(nnx.Module):
+  """HF's Qwen2RMSNorm: normalise in f32, cast back, then scale."""
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:  # [..., dim]
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope(x: Array,  # [B, T, heads, D]
+         positions: Array,  # [B, T] int32
+         theta: float) -> Array:
+  """Rotary embedding in HF's rotate-half layout (first half pairs with second half), computed in f32."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                    kernel_init=_init, rngs=rngs)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d = cfg.dim_per_head
+    self.q_proj = _linear(cfg, cfg.hidden_size, cfg.num_heads * d, cfg.qkv_bias, rngs)
+    self.k_proj = _linear(cfg, cfg.hidden_size, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+    self.v_proj = _linear(cfg, cfg.hidden_size, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+    self.o_proj = _linear(cfg, cfg.num_heads * d, cfg.hidden_size, False, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype)
+      self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.cfg = cfg
+
+  def __call__(self, x: Array,  # [B, T, H]
+               positions: Array,  # [B, T]
+               visible: Array | None,  # [B, T, T] (no cache) or None (the cache decides)
+               layer: int, cache: KVCache | None) -> tuple[Array, KVCache | None]:
+    cfg = self.cfg
+    b, t, _ = x.shape
+    d = cfg.dim_per_head
+    q = self.q_proj(x).reshape(b, t, cfg.num_heads, d)
+    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, d)
+    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    if cache is None:
+      out = attention(q, k, v, visible)
+    else:
+      out, cache = cache.attend(layer, q, k, v, positions)
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * d)), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+    self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+    self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, rngs)
+
+  def __call__(self, x: Array) -> Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.self_attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, visible, layer, cache):
+    attn, cache = self.self_attn(self.input_layernorm(x), positions, visible, layer, cache)
+    x = x + attn
+    return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Qwen(nnx.Module):
+  """The decoder. `__call__` gives final-norm hidden states; `logits` / `lm_head_weight` the head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+                                  param_dtype=cfg.weight_dtype, embedding_init=_init, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+  def __call__(self, tokens: Array,  # [B, T] int32
+               attention_mask: Array | None = None,  # [B, T] bool/int, 0 = padding (left or right)
+               positions: Array | None = None,  # [B, T] int32; default: count of real tokens before
+               ) -> Array:  # [B, T, H] final-norm hidden states
+    """The training / scoring forward over whole sequences: causal attention that skips padding."""
+    if attention_mask is None:
+      attention_mask = jnp.ones(tokens.shape, jnp.bool_)
+    attention_mask = attention_mask.astype(jnp.bool_)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0).astype(jnp.int32)
+    t = tokens.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    visible = causal[None] & attention_mask[:, None, :]
+    x = self.embed_tokens(tokens)
+    for i, layer in enumerate(self.layers):
+      x, _ = layer(x, positions, visible, i, None)
+    return self.norm(x)
+
+  def forward_with_cache(self, tokens: Array,  # [B, T] int32 new tokens (a prompt chunk, or one token)
+                         positions: Array,  # [B, T] int32 their absolute positions
+                         cache: KVCache) -> tuple[Array, KVCache]:  # ([B, T, H] hidden, updated cache)
+    """Prefill (T > 1) or decode (T = 1) through a cache the caller owns."""
+    x = self.embed_tokens(tokens)
+    for i, layer in enumerate(self.layers):
+      x, cache = layer(x, positions, None, i, cache)
+    return self.norm(x), cache
+
+  def lm_head_weight(self) -> Array:  # [H, V] in the compute dtype
+    if self.cfg.tie_word_embeddings:
+      return self.embed_tokens.embedding[...].T.astype(self.cfg.compute_dtype)
+    return self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
+
+  def logits(self, hidden: Array) -> Array:  # [..., H] -> [..., V] f32
+    return jnp.dot(hidden.astype(self.cfg.compute_dtype), self.lm_head_weight(),
+                   preferred_element_type=jnp.float32)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen:
+  """A randomly initialised decoder (HF's N(0, 0.02) init; norms at 1)."""
+  return Qwen(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Qwen:
+  """The decoder with `jax.ShapeDtypeStruct` leaves: the skeleton a checkpoint is loaded into."""
+  return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))
