@@ -57,17 +57,18 @@ def _fmt_bytes(b):
 
 def markdown_table(results: list[CaseResult]) -> str:
   head = ("| case | kernel median (IQR) | reference median | speedup | kernel roofline | reference roofline "
-          "| kernel temp mem | reference temp mem | parity (err/tol) | ok |")
-  rows = [head, "|" + "---|" * 10]
+          "| TFLOP/s kernel / ref | kernel temp mem | reference temp mem | parity (err/tol) | ok |")
+  rows = [head, "|" + "---|" * 11]
   for r in results:
     if r.kernel is None:
-      rows.append(f"| {r.name} | failed: {r.error} |" + " - |" * 7 + " no |")
+      rows.append(f"| {r.name} | failed: {r.error} |" + " - |" * 8 + " no |")
       continue
     k, ref = r.kernel, r.reference
     parity = ", ".join(f"{label} {err:.2g}" for label, err in r.parity.items())
     rows.append(f"| {r.name} | {_fmt_time(k.timing.median_s)} ({_fmt_time(k.timing.iqr_s)}) "
                 f"| {_fmt_time(ref.timing.median_s)} | {r.speedup:.2f}x | {_fmt_pct(k.roofline_fraction)} "
-                f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_bytes(k.memory.temp_bytes)} "
+                f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_flops(k)} / {_fmt_flops(ref)} "
+                f"| {_fmt_bytes(k.memory.temp_bytes)} "
                 f"| {_fmt_bytes(ref.memory.temp_bytes)} | {parity} | {'yes' if r.ok else 'NO'} |")
   return "\n".join(rows)
 
@@ -83,6 +84,11 @@ def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult]) -> pathli
             f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n")
   (out_dir / "summary.md").write_text(header + markdown_table(results) + "\n")
   return out_dir
+
+
+def _fmt_flops(impl) -> str:
+  fps = impl.achieved_flops_per_s
+  return "-" if fps is None else f"{fps / 1e12:.3g}"
 
 
 def _bw(peaks: dict) -> str:

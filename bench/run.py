@@ -18,6 +18,7 @@ class ImplResult:
   memory: harness.Memory
   roofline_fraction: float | None
   achieved_bytes_per_s: float | None
+  achieved_flops_per_s: float | None = None  # case.flops / median (the op's useful flops, not recomputation)
 
 
 @dataclasses.dataclass
@@ -43,7 +44,8 @@ def _impl(fn, args, case: Case, peaks, warmup, repeats) -> tuple[ImplResult, obj
   timing = harness.time_compiled(compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s)
   frac = roofline.roofline_fraction(timing.median_s, case.bytes, case.flops, peaks)
   bps = case.bytes / timing.median_s if case.bytes else None
-  return ImplResult(timing, harness.memory_of(compiled), frac, bps), outputs
+  fps = case.flops / timing.median_s if case.flops else None
+  return ImplResult(timing, harness.memory_of(compiled), frac, bps, fps), outputs
 
 
 def run_case(case: Case, peaks: roofline.DevicePeaks, *, seed: int = 0, warmup: int = 2,

@@ -33,6 +33,34 @@ LOSS_SHAPES: dict[str, LossShape] = {
 PRODUCTION_LOSS_SHAPES = ("qwen2.5-8k", "llama3-8k")
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearLossShape:
+  """A fused LM-head loss problem: B x T tokens of hidden size H over a vocabulary of V."""
+
+  batch: int
+  seq: int
+  hidden: int
+  vocab: int
+  dtype: str = "bfloat16"
+
+  @property
+  def tokens(self) -> int:
+    return self.batch * self.seq
+
+
+LINEAR_LOSS_SHAPES: dict[str, LinearLossShape] = {
+    # CPU interpreter sizes (ragged: N and V are multiples of no block)
+    "tiny": LinearLossShape(2, 7, 64, 1000, "float32"),
+    "cpu-small": LinearLossShape(4, 64, 128, 4000, "float32"),
+    "cpu-mid": LinearLossShape(8, 256, 64, 16000, "bfloat16"),  # N >> H: [N, V] dwarfs [H, V]
+    # production: Qwen2.5-3B's head (H = 2048, V = 151936) at 8k and 16k completion tokens
+    "qwen2.5-3b-8k": LinearLossShape(8, 1024, 2048, 151936, "bfloat16"),
+    "qwen2.5-3b-16k": LinearLossShape(16, 1024, 2048, 151936, "bfloat16"),
+}
+
+PRODUCTION_LINEAR_LOSS_SHAPES = ("qwen2.5-3b-8k", "qwen2.5-3b-16k")
+
+
 def decoder_param_shapes(name: str) -> dict[str, tuple[int, ...]]:
   """Parameter name -> shape of the `rl.model` preset `name` (nothing materialised): the optimizer
   benchmarks' parameter tree, at real model sizes with no checkpoint."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernels
-from bench.shapes import LOSS_SHAPES, PRODUCTION_LOSS_SHAPES
+from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PRODUCTION_LOSS_SHAPES
 from kernels import backend
 from kernels.grpo_loss import LossBlocks
 
@@ -53,3 +53,29 @@ def test_mosaic_itself_rejects_what_our_check_rejects():
   with pytest.raises(ValueError, match="multiple of 128"):
     lower_loss("tpu", shape, grad=False, blocks=LossBlocks(128, 100))
   assert "tpu_custom_call" in lower_loss("tpu", shape, grad=False, blocks=LossBlocks(8, 1024))
+
+
+def lower_fused_linear(platform, shape, impl, *, grad: bool):
+  b, t, hd, v = shape.batch, shape.seq, shape.hidden, shape.vocab
+  dtype = jnp.dtype(shape.dtype)
+  specs = [jax.ShapeDtypeStruct((b, t, hd), dtype), jax.ShapeDtypeStruct((hd, v), dtype),
+           jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.bool_),
+           jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.float32)]
+
+  def loss(h, w, ids, mask, adv, old):
+    return kernels.fused_linear_grpo_loss(h, w, ids, mask, adv, old_logps=old, impl=impl)[0]
+
+  fn = jax.value_and_grad(loss, argnums=(0, 1)) if grad else loss
+  target = backend.make_target(platform, interpret=False)
+  with backend.use_target(platform, interpret=False):
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform,impl,grad_kernels",
+                         [("tpu", "pallas", 3), ("tpu", "chunked", 2), ("gpu", "chunked", 2)])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_fused_linear_lowers_at_production_shape(platform, impl, grad_kernels, grad):
+  """N = 8192, H = 2048, V = 151936 (Qwen2.5-3B's head). The loss alone runs only the statistics
+  kernel; differentiated, the gradient kernels too (pallas: dhidden + dweight; chunked: softmax grad)."""
+  text = lower_fused_linear(platform, LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"], impl, grad=grad)
+  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == (grad_kernels if grad else 1)

@@ -77,7 +77,7 @@ def grpo_loss(
       when the ids are concrete; under jit such a token yields a NaN loss instead), missing
       ``ref_logps`` with ``beta != 0``, unknown ``loss_type`` or ``impl``, non-positive temperature.
   """
-  _validate(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, beta, epsilon_low,
+  validate_loss_args(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, beta, epsilon_low,
             epsilon_high, temperature, loss_type, max_completion_length, impl)
   mask = completion_mask if completion_mask.dtype == jnp.bool_ else completion_mask != 0
   ids = jnp.where(mask, completion_ids.astype(jnp.int32), 0)
@@ -113,7 +113,7 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _validate(logits, ids, mask, advantages, old_logps, ref_logps, beta, epsilon_low, epsilon_high,
+def validate_loss_args(logits, ids, mask, advantages, old_logps, ref_logps, beta, epsilon_low, epsilon_high,
               temperature, loss_type, max_completion_length, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -275,3 +275,20 @@ def _vjp_bwd(cfg, res, cts):
 
 
 per_token_terms.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+# --------------------------------------------------------------- building blocks for other ops
+def row_stats(cfg: LossConfig, logits, ids):
+  """(lse, logp, entropy) per row of [N, V] logits (scaled by 1 / temperature), from the forward kernel.
+
+  logp is NaN where the id is outside [0, V) (the fused LM-head loss uses this to find which vocabulary
+  shard holds a token). ``cfg`` should be on-policy with beta = 0: the loss terms are not needed.
+  """
+  zeros = jnp.zeros(ids.shape, jnp.float32)
+  _, _, logp, entropy, _, lse, _, _ = _fwd_call(cfg, logits, ids, zeros, zeros, zeros)
+  return lse, logp, entropy
+
+
+def softmax_grad(cfg: LossConfig, logits, ids, lse, g):
+  """g[n] * (onehot(id_n) - exp(z[n] - lse[n])) with z = logits / temperature, from the backward kernel."""
+  return _bwd_call(cfg, logits, ids, lse, g)

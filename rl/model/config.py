@@ -53,7 +53,6 @@ class ModelConfig:
       if self.hidden_size % self.num_heads:
         raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
                          "set head_dim explicitly")
-      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)  # resolved once, stored
     if self.dim_per_head % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.dim_per_head}")
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,7 +65,8 @@ class ModelConfig:
 
   @property
   def dim_per_head(self) -> int:
-    return self.head_dim
+    # Derived on read rather than stored, so `replace(hidden_size=...)` never keeps a stale value.
+    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -96,6 +96,9 @@ class ModelConfig:
       raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
     num_heads = hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and hf["hidden_size"] == head_dim * num_heads:
+      head_dim = None  # canonical form: None when it is the derived value, so round trips compare equal
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -103,7 +106,7 @@ class ModelConfig:
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=hf.get("head_dim"),
+        head_dim=head_dim,
         rope_theta=float(hf.get("rope_theta", 10000.0)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),

@@ -1,0 +1,66 @@
+"""fused_linear_grpo_loss bench cases: the fused Pallas kernels and the chunked path, each against the
+XLA reference that materialises the logits, forward and forward+backward."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+from bench.cases import Case, Check
+from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
+
+SHAPES_BY_SIZE = {"small": ("cpu-small", "cpu-mid"), "large": PRODUCTION_LINEAR_LOSS_SHAPES}
+
+
+def make_inputs(shape: LinearLossShape, seed: int):
+  """Hidden states, an LM head scaled so logits have unit-ish spread, ids, a 90% mask, advantages."""
+  k = jax.random.split(jax.random.key(seed), 5)
+  b, t, hd, v = shape.batch, shape.seq, shape.hidden, shape.vocab
+  hidden = jax.random.normal(k[0], (b, t, hd), jnp.float32).astype(shape.dtype)
+  lm_head = (jax.random.normal(k[1], (hd, v), jnp.float32) * 2.0 / hd ** 0.5).astype(shape.dtype)
+  ids = jax.random.randint(k[2], (b, t), 0, v, jnp.int32)
+  mask = jax.random.bernoulli(k[3], 0.9, (b, t))
+  adv = jax.random.normal(k[4], (b,), jnp.float32)
+  return hidden, lm_head, ids, mask, adv
+
+
+def _fwd(impl, platform, hidden, lm_head, ids, mask, adv):
+  loss, aux = kernels.fused_linear_grpo_loss(hidden, lm_head, ids, mask, adv, impl=impl, platform=platform)
+  return loss, aux.per_token_logps
+
+
+def _fwd_bwd(impl, platform, hidden, lm_head, ids, mask, adv):
+  f = lambda h, w: kernels.fused_linear_grpo_loss(h, w, ids, mask, adv, impl=impl, platform=platform)[0]
+  return jax.value_and_grad(f, argnums=(0, 1))(hidden, lm_head)
+
+
+def impls_for(platform: str) -> tuple[str, ...]:
+  return ("chunked",) if platform == "gpu" else ("pallas", "chunked")  # no fused Triton variant
+
+
+def cases(size: str, platform: str) -> list[Case]:
+  out = []
+  for name in SHAPES_BY_SIZE[size]:
+    s = LINEAR_LOSS_SHAPES[name]
+    n, hd, v = s.tokens, s.hidden, s.vocab
+    item = jnp.dtype(s.dtype).itemsize
+    value = Check(0, "value", "float32", hd + v, "loss")
+    logps = Check(1, "value", "float32", hd + v, "per_token_logps")
+    dh = Check(1, "grad", s.dtype, hd + v, "dhidden")
+    dw = Check(2, "grad", s.dtype, n + hd, "dlm_head")
+    params = dict(batch=s.batch, seq=s.seq, hidden=hd, vocab=v, tokens=n, dtype=s.dtype)
+    inputs = functools.partial(make_inputs, s)
+    # ideal traffic: read hidden and the head once (+ write both gradients); flops: the matmuls only
+    io = (n * hd + hd * v) * item
+    for impl in impls_for(platform):
+      op = f"fused_linear/{impl}"
+      out.append(Case(op, name, "fwd", inputs, functools.partial(_fwd, impl, platform),
+                      functools.partial(_fwd, "xla", platform), io, 2 * n * hd * v, (value, logps),
+                      {**params, "impl": impl}))
+      out.append(Case(op, name, "fwd+bwd", inputs, functools.partial(_fwd_bwd, impl, platform),
+                      functools.partial(_fwd_bwd, "xla", platform), 2 * io, 6 * n * hd * v, (value, dh, dw),
+                      {**params, "impl": impl}))
+  return out

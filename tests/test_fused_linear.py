@@ -1,0 +1,213 @@
+"""The fused LM-head GRPO loss: parity with grpo_loss(hidden @ lm_head) (values and both gradients) for
+the fused Pallas kernels and the chunked path, tensor parallelism on 8 CPU devices, memory, errors."""
+
+import dataclasses
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+import kernels
+from bench.shapes import LINEAR_LOSS_SHAPES
+from bench.tolerances import assert_close
+from kernels.fused_linear import LinearBlocks, vocab_stats_reference
+from kernels.grpo_loss.reference import LOSS_TYPES
+from rl.sharding import make_mesh
+
+# (impl, platform): the fused kernels in the interpreter; the chunked path with grpo_loss's tiled
+# kernels (TPU family) and its rowloop kernels (the Triton family) in the interpreter.
+PATHS = [("pallas", "cpu"), ("chunked", "cpu"), ("chunked", "gpu")]
+OPTIONS = {
+    "on_policy": dict(),
+    "off_policy_kl_temp": dict(off_policy=True, beta=0.04, temperature=0.8, epsilon_high=0.28),
+}
+
+
+def make_problem(b, t, hd, v, dtype, *, off_policy=False, beta=0.0, seed=None, **options):
+  rng = np.random.default_rng(seed)
+  hidden = jnp.asarray(rng.normal(size=(b, t, hd)), dtype)
+  lm_head = jnp.asarray(rng.normal(size=(hd, v)) * 2.0 / np.sqrt(hd), dtype)
+  ids = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+  mask = rng.random((b, t)) < 0.8
+  mask[rng.integers(b)] = False  # an empty row
+  logits = np.asarray(hidden, np.float32) @ np.asarray(lm_head, np.float32) / options.get("temperature", 1.0)
+  logp = np.take_along_axis(jax.nn.log_softmax(logits), np.asarray(ids)[..., None], -1)[..., 0]
+  near = lambda: jnp.asarray(logp + rng.normal(scale=0.25, size=(b, t)), jnp.float32)
+  kw = dict(options, beta=beta)
+  if off_policy:
+    kw["old_logps"] = near()
+  if beta:
+    kw["ref_logps"] = near()
+  return (hidden, lm_head, ids, jnp.asarray(mask), jnp.asarray(rng.normal(size=b), jnp.float32)), kw
+
+
+def value_and_grads(fn, args, kw, **call_kw):
+  def loss(h, w):
+    return fn(h, w, *args[2:], **kw, **call_kw)
+
+  (value, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(*args[:2])
+  return value, aux, grads
+
+
+def reference(args, kw, **call_kw):
+  """The definition, in f32 whatever the inputs' dtype (the issue's parity target)."""
+  f32 = (args[0].astype(jnp.float32), args[1].astype(jnp.float32)) + args[2:]
+  return value_and_grads(kernels.fused_linear_grpo_loss, f32, kw, impl="xla", **call_kw)
+
+
+def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
+  hidden, lm_head = args[:2]
+  (b, t, hd), v = hidden.shape, lm_head.shape[1]
+  dtype = hidden.dtype
+  for loss_type in loss_types:
+    value, aux, (dh, dw) = value_and_grads(kernels.fused_linear_grpo_loss, args, kw, loss_type=loss_type,
+                                           impl=impl, platform=platform, interpret=True, **call_kw)
+    r_value, r_aux, (r_dh, r_dw) = reference(args, kw, loss_type=loss_type)
+    msg = f"{impl}/{platform} {loss_type} {dtype.name}"
+    assert dh.dtype == dtype and dw.dtype == dtype
+    # logits accumulate over H, the log-sum-exp over V; dh sums over V, dw over the N tokens
+    assert_close(value, r_value, "value", jnp.float32, hd + v, err_msg=msg)
+    for name in ("per_token_logps", "entropy", "per_token_kl"):
+      assert_close(getattr(aux, name), getattr(r_aux, name), "value", jnp.float32, hd + v, err_msg=f"{msg} {name}")
+    np.testing.assert_array_equal(aux.is_clipped, r_aux.is_clipped)
+    assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden")
+    assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head")
+
+
+# ------------------------------------------------------------------------------------- reference
+def test_vocab_stats_reference_by_hand():
+  # one token, H = 1, z = [1, 2, 3] (hidden 1, lm_head [[1, 2, 3]]), chosen id 2
+  lse, chosen, found, ez = vocab_stats_reference(jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([2]))
+  p = np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum()
+  np.testing.assert_allclose(lse, [np.log(np.exp([1, 2, 3]).sum())], rtol=1e-6)
+  np.testing.assert_allclose(chosen, [3.0])
+  np.testing.assert_allclose(found, [1.0])
+  np.testing.assert_allclose(ez, [(p * [1, 2, 3]).sum()], rtol=1e-6)
+  _, chosen, found, _ = vocab_stats_reference(jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([5]))
+  assert float(chosen[0]) == 0.0 and float(found[0]) == 0.0  # not in this shard
+
+
+# ---------------------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("impl,platform", PATHS)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parity(impl, platform, option, dtype):
+  s = LINEAR_LOSS_SHAPES["tiny"]
+  args, kw = make_problem(s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(dtype), **OPTIONS[option])
+  blocks = LinearBlocks(8, 256, 32) if impl == "pallas" else None  # several tiles on every axis
+  assert_parity(args, kw, impl, platform, loss_types=LOSS_TYPES if option == "on_policy" else ("grpo",),
+                blocks=blocks, chunk_size=4)
+
+
+@given(b=st.integers(1, 3), t=st.integers(1, 9), hd=st.sampled_from([16, 48, 64]), v=st.integers(2, 700),
+       bn=st.sampled_from([8, 16]), bv=st.sampled_from([128, 256]), chunk=st.integers(1, 16),
+       dtype=st.sampled_from(["float32", "bfloat16"]), path=st.sampled_from(PATHS), seed=st.integers(0, 2**31))
+def test_parity_hypothesis(b, t, hd, v, bn, bv, chunk, dtype, path, seed):
+  args, kw = make_problem(b, t, hd, v, jnp.dtype(dtype), off_policy=True, beta=0.04, seed=seed)
+  bh = 16 if hd % 32 else 32  # several hidden tiles when H allows
+  assert_parity(args, kw, *path, blocks=LinearBlocks(bn, bv, bh) if path[0] == "pallas" else None,
+                chunk_size=chunk)
+
+
+def test_default_blocks_and_chunk_at_cpu_size():
+  s = LINEAR_LOSS_SHAPES["cpu-small"]
+  args, kw = make_problem(s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(s.dtype), off_policy=True)
+  assert_parity(args, kw, "pallas", "cpu")
+  assert_parity(args, kw, "chunked", "cpu")
+
+
+def test_matches_grpo_loss_on_materialised_logits():
+  """Same op as kernels.grpo_loss(hidden @ lm_head): identical per-token outputs and loss."""
+  args, kw = make_problem(2, 5, 32, 300, jnp.float32, off_policy=True, beta=0.1)
+  logits = jnp.einsum("bth,hv->btv", args[0], args[1])
+  plain, plain_aux = kernels.grpo_loss(logits, *args[2:], **kw, impl="pallas", interpret=True)
+  for impl in ("chunked", "pallas"):  # undifferentiated: the statistics-only pass
+    fused, aux = kernels.fused_linear_grpo_loss(*args, **kw, impl=impl, interpret=True)
+    assert_close(fused, plain, "value", jnp.float32, 32 + 300, err_msg=impl)
+    assert_close(aux.per_token_logps, plain_aux.per_token_logps, "value", jnp.float32, 32 + 300, err_msg=impl)
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("impl,platform", PATHS)
+def test_vocab_sharded_equals_unsharded(tp, impl, platform):
+  args, kw = make_problem(2, 6, 32, 512, jnp.float32, off_policy=True, beta=0.04, temperature=0.9, seed=tp)
+  mesh = make_mesh(dp=1, fsdp=8 // tp, tp=tp)
+  blocks = LinearBlocks(8, 128, 32) if impl == "pallas" else None
+
+  @jax.jit
+  def sharded(h, w):
+    return value_and_grads(kernels.fused_linear_grpo_loss, (h, w) + args[2:], kw, impl=impl, platform=platform,
+                           interpret=True, blocks=blocks, chunk_size=4, mesh=mesh, vocab_axis="tp")
+
+  value, aux, (dh, dw) = sharded(*args[:2])
+  assert dw.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+  r_value, r_aux, (r_dh, r_dw) = reference(args, kw)
+  assert_close(value, r_value, "value", jnp.float32, 32 + 512)
+  assert_close(aux.entropy, r_aux.entropy, "value", jnp.float32, 32 + 512)
+  assert_close(aux.per_token_logps, r_aux.per_token_logps, "value", jnp.float32, 32 + 512)
+  assert_close(dh, r_dh, "grad", jnp.float32, 32 + 512)
+  assert_close(dw, r_dw, "grad", jnp.float32, 12 + 32)
+
+
+# ----------------------------------------------------------------------------------------- memory
+def _temp_bytes(impl, shape, **call_kw):
+  s = shape
+  specs = (jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.dtype(s.dtype)),
+           jax.ShapeDtypeStruct((s.hidden, s.vocab), jnp.dtype(s.dtype)),
+           jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32), jax.ShapeDtypeStruct((s.batch, s.seq), jnp.bool_),
+           jax.ShapeDtypeStruct((s.batch,), jnp.float32))
+
+  def step(h, w, ids, mask, adv):
+    return jax.value_and_grad(lambda h, w: kernels.fused_linear_grpo_loss(
+        h, w, ids, mask, adv, impl=impl, interpret=True, **call_kw)[0], argnums=(0, 1))(h, w)
+
+  return jax.jit(step).trace(*specs).lower().compile().memory_analysis().temp_size_in_bytes
+
+
+def test_pallas_temporaries_do_not_scale_with_tokens_times_vocab():
+  shape = LINEAR_LOSS_SHAPES["cpu-mid"]  # N = 2048, V = 16000: an f32 [N, V] array is 131 MB
+  xla, fused = _temp_bytes("xla", shape), _temp_bytes("pallas", shape)
+  assert fused < xla / 8, f"pallas temporaries {fused} B vs XLA reference {xla} B"
+  # Doubling the tokens grows the temporaries by far less than one more f32 [N, V] would take.
+  doubled = dataclasses.replace(shape, batch=2 * shape.batch)
+  growth = _temp_bytes("pallas", doubled) - fused
+  assert growth < shape.tokens * shape.vocab * 4 / 8, f"temporaries grew {growth} B with N"
+  # The chunked path holds one [chunk, V] f32 buffer, whatever N.
+  chunked = _temp_bytes("chunked", shape, chunk_size=256)
+  assert _temp_bytes("chunked", doubled, chunk_size=256) - chunked < shape.tokens * shape.vocab * 4 / 8
+
+
+# ----------------------------------------------------------------------------------------- errors
+def test_bad_input_raises_clearly():
+  args, _ = make_problem(2, 3, 16, 100, jnp.float32)
+  h, w = args[:2]
+  with pytest.raises(ValueError, match="hidden size mismatch"):
+    kernels.fused_linear_grpo_loss(h, w.T, *args[2:])
+  with pytest.raises(ValueError, match="same dtype"):
+    kernels.fused_linear_grpo_loss(h, w.astype(jnp.bfloat16), *args[2:])
+  with pytest.raises(ValueError, match="impl"):
+    kernels.fused_linear_grpo_loss(*args, impl="triton")
+  with pytest.raises(ValueError, match="GPU"):
+    kernels.fused_linear_grpo_loss(*args, impl="pallas", platform="gpu", interpret=True)
+  with pytest.raises(ValueError, match="together"):
+    kernels.fused_linear_grpo_loss(*args, vocab_axis="tp")
+  with pytest.raises(ValueError, match="divisible"):
+    kernels.fused_linear_grpo_loss(*args, impl="chunked", mesh=make_mesh(fsdp=1, tp=8), vocab_axis="tp")
+  with pytest.raises(ValueError, match="outside"):
+    kernels.fused_linear_grpo_loss(h, w, args[2].at[0, 0].set(100), jnp.ones((2, 3), bool), args[4])
+  with pytest.raises(ValueError, match="block_h"):
+    kernels.fused_linear_grpo_loss(*args, impl="pallas", interpret=True, blocks=LinearBlocks(8, 128, 12))
+
+
+def test_no_recompile_across_calls():
+  args, kw = make_problem(2, 4, 16, 200, jnp.float32, off_policy=True)
+  step = jax.jit(lambda h, w, old: jax.grad(lambda h, w: kernels.fused_linear_grpo_loss(
+      h, w, *args[2:], old_logps=old, impl="chunked", interpret=True)[0], argnums=(0, 1))(h, w))
+  for seed in range(3):
+    fresh, fresh_kw = make_problem(2, 4, 16, 200, jnp.float32, off_policy=True, seed=seed)
+    jax.block_until_ready(step(fresh[0], fresh[1], fresh_kw["old_logps"]))
+  assert step._cache_size() == 1
