@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,44 @@ LINEAR_LOSS_SHAPES: dict[str, LinearLossShape] = {
 }
 
 PRODUCTION_LINEAR_LOSS_SHAPES = ("qwen2.5-3b-8k", "qwen2.5-3b-16k")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+  """A paged decode-attention problem: `batch` sequences of up to `ctx` cached tokens."""
+
+  batch: int
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  ctx: int
+  page_size: int
+  dtype: str = "bfloat16"
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.ctx // self.page_size)
+
+  def lengths(self) -> list[int]:
+    """Fixed, varied lengths in (3/4 ctx, ctx], none a multiple of the page size unless ctx is: a
+    realistic mid-rollout batch whose KV bytes are known before any array exists."""
+    span = max(self.ctx // 4, 1)
+    return [self.ctx - (b * 37 + 1) % span for b in range(self.batch)]
+
+  def kv_bytes(self) -> int:
+    """K and V bytes the op must read: every cached token of every kv head, once."""
+    return 2 * sum(self.lengths()) * self.kv_heads * self.head_dim * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+
+PAGED_SHAPES: dict[str, PagedShape] = {
+    "tiny": PagedShape(3, 4, 2, 16, 40, 8, "float32"),
+    "cpu-small": PagedShape(8, 8, 2, 64, 512, 16, "bfloat16"),
+    # production: the issue's decode size (a Qwen2.5-1.5B-like GQA layer, 4k context), and a long one
+    "decode-4k": PagedShape(64, 16, 2, 128, 4096, 16, "bfloat16"),
+    "decode-16k-b8": PagedShape(8, 16, 2, 128, 16384, 16, "bfloat16"),
+}
+
+PRODUCTION_PAGED_SHAPES = ("decode-4k", "decode-16k-b8")
 
 
 def decoder_param_shapes(name: str) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ TABLE = {
     "grad": (2, 1, 8),  # gradients, stored in the input dtype
     "f64_check": (64, 4, 8),  # the f32 reference against an independent float64 NumPy formula
     "optimizer": (4, 4, 0),  # element-wise updates: same ops, only fusion / rounding order may differ
+    "attention": (4, 2, 8),  # attention outputs in q's dtype: p is rounded to it for the PV matmul
 }
 
 

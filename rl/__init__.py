@@ -1,1 +1,1 @@
-"""The end-to-end GRPO loop (model, rollout, rewards, update). Not built yet: see the open issues."""
+"""The end-to-end GRPO loop: model, rollout, data, rewards (built); the training loop (see the open issues)."""

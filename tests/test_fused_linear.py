@@ -70,8 +70,15 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
     assert dh.dtype == dtype and dw.dtype == dtype
     # logits accumulate over H, the log-sum-exp over V; dh sums over V, dw over the N tokens
     assert_close(value, r_value, "value", jnp.float32, hd + v, err_msg=msg)
-    for name in ("per_token_logps", "entropy", "per_token_kl"):
+    for name in ("per_token_logps", "entropy"):
       assert_close(getattr(aux, name), getattr(r_aux, name), "value", jnp.float32, hd + v, err_msg=f"{msg} {name}")
+    # KL = exp(d) - d - 1 with d = ref - logp cancels: its rounding is logp's, times |dKL/dlogp| = |e^d - 1|.
+    r_logp = np.asarray(r_aux.per_token_logps, np.float64)
+    d = np.asarray(kw["ref_logps"], np.float64) - r_logp if kw.get("ref_logps") is not None else 0.0 * r_logp
+    kl_scale = max(float(np.max(np.abs(r_logp)) * np.max(np.abs(np.expm1(d)))),
+                   float(np.max(np.abs(r_aux.per_token_kl))))
+    assert_close(aux.per_token_kl, r_aux.per_token_kl, "value", jnp.float32, hd + v, err_msg=f"{msg} kl",
+                 scale=kl_scale)
     np.testing.assert_array_equal(aux.is_clipped, r_aux.is_clipped)
     assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden")
     assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head")

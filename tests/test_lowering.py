@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernels
-from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PRODUCTION_LOSS_SHAPES
+from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES, PRODUCTION_LOSS_SHAPES
 from kernels import backend
 from kernels.grpo_loss import LossBlocks
 
@@ -79,3 +79,22 @@ def test_fused_linear_lowers_at_production_shape(platform, impl, grad_kernels, g
   kernel; differentiated, the gradient kernels too (pallas: dhidden + dweight; chunked: softmax grad)."""
   text = lower_fused_linear(platform, LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"], impl, grad=grad)
   assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == (grad_kernels if grad else 1)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
+def test_paged_attention_lowers_at_production_shape(platform, shape_name):
+  """B = 64, Hq = 16, Hkv = 2, D = 128, ctx = 4096 (and a long-context batch) with the default blocks:
+  one kernel call; the GPU one with split-K (its log-sum-exp merge is plain XLA)."""
+  s = PAGED_SHAPES[shape_name]
+  dtype = jnp.dtype(s.dtype)
+  pool = s.batch * s.pages_per_seq
+  specs = [jax.ShapeDtypeStruct((s.batch, s.q_heads, s.head_dim), dtype),
+           jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
+           jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
+           jax.ShapeDtypeStruct((s.batch,), jnp.int32),
+           jax.ShapeDtypeStruct((s.batch, s.pages_per_seq), jnp.int32)]
+  target = backend.make_target(platform, interpret=False)
+  fn = lambda *a: kernels.paged_attention(*a, impl="pallas", platform=platform, interpret=False)
+  text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
+  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == 1

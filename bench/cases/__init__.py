@@ -41,14 +41,15 @@ class Case:
     return f"{self.op}/{self.shape_name}/{self.mode}"
 
 
-SUITES = ("grpo_loss", "fused_linear", "optim")
+SUITES = ("grpo_loss", "fused_linear", "paged_attention", "optim")
 
 
 def all_cases(size: str, platform: str, suites: tuple[str, ...] | None = None) -> list[Case]:
   """Every selected suite's cases at ``size`` for kernels targeting ``platform``."""
-  from bench.cases import fused_linear, grpo_loss, optim
+  from bench.cases import fused_linear, grpo_loss, optim, paged_attention
 
-  registry = {"grpo_loss": grpo_loss.cases, "fused_linear": fused_linear.cases, "optim": optim.cases}
+  registry = {"grpo_loss": grpo_loss.cases, "fused_linear": fused_linear.cases,
+              "paged_attention": paged_attention.cases, "optim": optim.cases}
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
   unknown = sorted(set(suites or ()) - set(registry))

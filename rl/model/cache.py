@@ -51,7 +51,9 @@ def attention(q: Array,  # [B, T, Hq, D]
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
   scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  # The output is rounded to q's dtype anyway; asking for it directly (accelerators still accumulate
+  # in f32) also avoids XLA:CPU's unfused bf16 x bf16 -> f32 batched dot, which it cannot execute.
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(b, t, hq, d).astype(q.dtype)
 
 

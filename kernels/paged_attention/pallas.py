@@ -1,0 +1,196 @@
+"""Pallas paged decode attention: one query token per sequence, keys and values scattered over pages.
+
+Both families compute, for one (sequence b, kv head h, split s), the online softmax of the G = Hq / Hkv
+query heads that share kv head h over the split's pages, so every K/V page is read once per kv head.
+Each split writes its normalised output and its log-sum-exp; `reference.combine_splits` merges them.
+
+* tiled (TPU / CPU interpreter): grid (B, Hkv, splits, blocks). The page table and lengths are scalar-
+  prefetched; each of the `pages_per_block` pages of a block is its own BlockSpec input whose index map
+  reads the page id, so Pallas double-buffers the page DMAs. Blocks past a sequence's length map to its
+  last valid block (no new DMA) and skip compute.
+* rowloop (GPU, Triton): grid (B, Hkv, splits); each program walks its split with a `fori_loop` whose
+  trip count comes from the length, gathering `pages_per_block` pages per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels import backend
+from kernels.paged_attention.blocks import PagedBlocks
+
+# A masked score: finite, so exp(MASK - m) is 0 and never NaN.
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+LANES = 128  # the tiled family keeps per-row statistics broadcast over one lane tile
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+  target: backend.Target
+  blocks: PagedBlocks
+  scale: float
+
+
+def _online_update(q, k, v, valid, m, l, acc, scale):
+  """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] bool; m/l [G, 1], acc [G, D] f32."""
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [G, bk]
+  s = jnp.where(valid, s, MASK)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new)
+  l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+  acc_new = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, l_new, acc_new
+
+
+def _finish(m, l, acc):
+  """(normalised output, log-sum-exp); a split that saw no token gives (0, -inf)."""
+  seen = l > 0
+  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------- tiled (TPU)
+def _tiled_kernel(lengths_ref, pages_ref, q_ref, *refs, ppb, page_size, blocks_per_split, scale):
+  del pages_ref  # used by the index maps only
+  k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * ppb:]
+  b, s, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  bk = ppb * page_size
+  length = lengths_ref[b]
+  start = (s * blocks_per_split + i) * bk
+
+  @pl.when(i == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, MASK, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  @pl.when(start < length)
+  def _compute():
+    q = q_ref[...]
+    k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
+    v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
+    pos = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], bk), 1)
+    m, l, acc = _online_update(q, k, v, pos < length, m_sc[:, :1], l_sc[:, :1], acc_sc[...], scale)
+    m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
+    l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
+    acc_sc[...] = acc
+
+  @pl.when(i == blocks_per_split - 1)
+  def _store():
+    out, lse = _finish(m_sc[:, :1], l_sc[:, :1], acc_sc[...])
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _tiled(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
+  """q [B, Hkv, G, D]; page_indices [B, splits * blocks_per_split * ppb] -> (o, lse) per split."""
+  b, hkv, g, d = q.shape
+  page_size = k_pages.shape[2]
+  ppb, splits = cfg.blocks.pages_per_block, cfg.blocks.num_splits
+  bps = page_indices.shape[1] // (ppb * splits)
+  bk = ppb * page_size
+
+  def page_map(j):
+    def index_map(bi, h, s, i, lengths_ref, pages_ref):
+      # lax.div, not //: lengths are >= 0, and floor division's sign fix-up has no Mosaic scalar lowering.
+      last = jnp.maximum(lax.div(lengths_ref[bi] + bk - 1, bk) - 1, 0)  # last block with a valid token
+      blk = jnp.minimum(s * bps + i, last)
+      return h, pages_ref[bi, blk * ppb + j], 0, 0
+    return index_map
+
+  page_spec = [pl.BlockSpec((None, None, page_size, d), page_map(j)) for j in range(ppb)]
+  pltpu = backend._tpu_module()
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(b, hkv, splits, bps),
+      in_specs=[pl.BlockSpec((None, None, g, d), lambda bi, h, s, i, *_: (bi, h, 0, 0))] + page_spec * 2,
+      out_specs=[pl.BlockSpec((None, None, None, g, d), lambda bi, h, s, i, *_: (s, bi, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, g, LANES), lambda bi, h, s, i, *_: (s, bi, h, 0, 0))],
+      scratch_shapes=[backend.scratch_vmem((g, LANES), jnp.float32),
+                      backend.scratch_vmem((g, LANES), jnp.float32),
+                      backend.scratch_vmem((g, d), jnp.float32)],
+  )
+  kernel = functools.partial(_tiled_kernel, ppb=ppb, page_size=page_size, blocks_per_split=bps,
+                             scale=cfg.scale)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, g, LANES), jnp.float32)],
+      compiler_params=backend.compiler_params(
+          cfg.target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=cfg.target.interpret,
+      name="paged_attention_tiled",
+  )(lengths, page_indices, q, *([k_pages] * ppb), *([v_pages] * ppb))
+  return o, lse[..., 0]
+
+
+# ----------------------------------------------------------------------------- rowloop (GPU)
+def _rowloop_kernel(lengths_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, ppb, page_size,
+                    blocks_per_split, scale):
+  s = pl.program_id(2)
+  bk = ppb * page_size
+  length = lengths_ref[0]
+  q = q_ref[...]  # [Gp, D]
+  g, d = q.shape
+  split_start = s * blocks_per_split * bk
+  trips = jnp.clip(lax.div(jnp.maximum(length - split_start, 0) + bk - 1, bk), 0, blocks_per_split)
+
+  def body(j, carry):
+    m, l, acc = carry
+    pages = pages_ref[pl.ds(j * ppb, ppb)]
+    k = k_ref[pages].reshape(bk, d)
+    v = v_ref[pages].reshape(bk, d)
+    pos = split_start + j * bk + jnp.arange(bk)
+    return _online_update(q, k, v, (pos < length)[None, :], m, l, acc, scale)
+
+  init = (jnp.full((g, 1), MASK, jnp.float32), jnp.zeros((g, 1), jnp.float32),
+          jnp.zeros((g, d), jnp.float32))
+  m, l, acc = lax.fori_loop(0, trips, body, init)
+  out, lse = _finish(m, l, acc)
+  o_ref[...] = out
+  lse_ref[...] = lse[:, 0]
+
+
+def _rowloop(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
+  b, hkv, g, d = q.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  ppb, splits = cfg.blocks.pages_per_block, cfg.blocks.num_splits
+  pages_per_split = page_indices.shape[1] // splits
+  kernel = functools.partial(_rowloop_kernel, ppb=ppb, page_size=page_size,
+                             blocks_per_split=pages_per_split // ppb, scale=cfg.scale)
+  pages_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(b, hkv, splits),
+      in_specs=[pl.BlockSpec((None, 1), lambda bi, h, s: (bi, 0)),
+                pl.BlockSpec((None, None, pages_per_split), lambda bi, h, s: (bi, s, 0)),
+                pl.BlockSpec((None, None, g, d), lambda bi, h, s: (bi, h, 0, 0)),
+                pages_spec, pages_spec],
+      out_specs=[pl.BlockSpec((None, None, None, g, d), lambda bi, h, s: (s, bi, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, g), lambda bi, h, s: (s, bi, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, g), jnp.float32)],
+      compiler_params=backend.compiler_params(cfg.target, num_warps=4, num_stages=2),
+      interpret=cfg.target.interpret,
+      name="paged_attention_rowloop",
+  )(lengths[:, None], page_indices.reshape(b, splits, pages_per_split), q, k_pages, v_pages)
+
+
+def paged_attention_splits(cfg: PagedConfig,
+                           q,  # [B, Hkv, G, D] (G padded to >= 16 for the GPU family)
+                           k_pages, v_pages,  # [Hkv, P, page_size, D]
+                           lengths,  # [B] int32
+                           page_indices,  # [B, splits * k * pages_per_block] int32
+                           ):  # -> ([S, B, Hkv, G, D] f32, [S, B, Hkv, G] f32)
+  fn = _rowloop if cfg.target.family == "rowloop" else _tiled
+  return fn(cfg, q, k_pages, v_pages, lengths, page_indices)

@@ -1,0 +1,27 @@
+"""Rollout: sample GRPO groups from the live policy. `make_engine(model, config)` picks the backend.
+
+Backends share one interface (`generate(prompts, params) -> RolloutResult`) and the same device steps:
+  * ``paged``: continuous batching on the paged KV cache, decode attention in `kernels.paged_attention`.
+  * ``dense``: a static batch on a dense cache, the reference sampler.
+"""
+
+from __future__ import annotations
+
+from rl.rollout.config import BACKENDS, EngineConfig
+from rl.rollout.dense import DenseEngine
+from rl.rollout.engine import RolloutEngine
+from rl.rollout.paged import PagedEngine
+from rl.rollout.types import Completion, RolloutResult, RolloutStats, SamplingParams
+
+__all__ = ["make_engine", "EngineConfig", "BACKENDS", "RolloutEngine", "PagedEngine", "DenseEngine",
+           "SamplingParams", "Completion", "RolloutResult", "RolloutStats"]
+
+
+def make_engine(model, config: EngineConfig, tokenizer=None, eos_ids=None) -> RolloutEngine:
+  """The backend `config.backend` names, holding a reference to `model` (its live parameters)."""
+  if config.backend == "paged":
+    return PagedEngine(model, config, tokenizer, eos_ids)
+  if config.backend == "dense":
+    return DenseEngine(model, config, tokenizer, eos_ids)
+  raise ValueError(f"rollout backend {config.backend!r} is not available in this build "
+                   "(sglang_jax arrives with its own issue)")

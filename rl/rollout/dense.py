@@ -1,0 +1,67 @@
+"""The reference backend: a static batch on a dense KV cache (the way tunix and MLLM-JAX sample).
+
+Rows are prompt x sample pairs (each sample re-prefills its prompt); a batch decodes until its last
+row finishes, so short completions idle while long ones run. Same device steps as the paged engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl.model.cache import DenseKVCache
+from rl.rollout import steps
+from rl.rollout.engine import RolloutEngine, Seq, bucket
+from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
+
+
+class DenseEngine(RolloutEngine):
+
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+               ) -> RolloutResult:
+    t0 = time.perf_counter()
+    groups = self._requests(prompts, params)
+    stats = RolloutStats()
+    rows = [s for g in groups for s in g]
+    for i in range(0, len(rows), self.config.max_slots):
+      self._run_batch(rows[i:i + self.config.max_slots], stats)
+    return self._result(groups, stats, t0)
+
+  def _run_batch(self, seqs: list[Seq], stats: RolloutStats) -> None:
+    cfg, ecfg = self.model.cfg, self.config
+    graphdef, state = nnx.split(self.model)
+    n = len(seqs)
+    width = bucket(max(len(s.prompt) for s in seqs))
+    max_len = max(width, max(len(s.prompt) + s.limit for s in seqs))
+    cache = DenseKVCache.create(cfg.num_layers, n, max_len, cfg.num_kv_heads, cfg.dim_per_head,
+                                self.cache_dtype)
+    tokens = np.zeros((n, width), np.int32)
+    for i, s in enumerate(seqs):
+      tokens[i, :len(s.prompt)] = s.prompt
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
+    last = jnp.asarray([len(s.prompt) - 1 for s in seqs], jnp.int32)
+    t = time.perf_counter()
+    for s in seqs:
+      s.admitted = t
+    logits, cache = steps.prefill(graphdef, state, cache, jnp.asarray(tokens), positions, last)
+    first, lps = jax.device_get(steps.sample_first(logits, *self._sampling_arrays(seqs)))
+    stats.prefill_s += time.perf_counter() - t
+    stats.prefill_tokens += sum(len(s.prompt) for s in seqs)
+    for i, s in enumerate(seqs):
+      self._accept(s, first[i:i + 1], lps[i:i + 1])
+    t = time.perf_counter()
+    while any(s.finish is None for s in seqs):
+      live = [s if s.finish is None else None for s in seqs]
+      toks, logps, emitted, cache = steps.decode_chunk(graphdef, state, cache, ecfg.steps_per_sync,
+                                                       **self._slot_arrays(live))
+      toks, logps, emitted = jax.device_get((toks, logps, emitted))
+      stats.decode_steps += ecfg.steps_per_sync
+      for i, s in enumerate(live):
+        if s is not None:
+          self._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+    stats.decode_s += time.perf_counter() - t

@@ -1,0 +1,100 @@
+"""The paged KV cache: a pool of fixed-size pages per layer, and each sequence's page table.
+
+`PagedKVCache.attend` is the decoder's cache interface (rl.model.cache.KVCache): decode (one token per
+sequence) runs `kernels.paged_attention` straight on the pages; prefill gathers the sequence's pages
+into a dense context and runs the dense causal attention. Page 0 is never handed out: unused page-table
+entries point at it, so writes from padding tokens land there and are never read into a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels
+from kernels.paged_attention import gather_pages
+from rl.model.cache import attention
+
+NULL_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  k: jax.Array  # [L, Hkv, P, page_size, D]
+  v: jax.Array  # [L, Hkv, P, page_size, D]
+  page_table: jax.Array  # [B, pages_per_seq] int32: the pages of the B sequences of this call
+  attn_impl: str = "auto"  # kernels.paged_attention impl for decode
+
+  @classmethod
+  def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+             dtype) -> PagedKVCache:
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32))
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[3]
+
+  def with_table(self, page_table) -> PagedKVCache:
+    return dataclasses.replace(self, page_table=page_table)
+
+  def attend(self, layer, q, k, v, positions):
+    """q [B, T, Hq, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, Hq, D], cache)."""
+    ps = self.page_size
+    capacity = self.page_table.shape[1] * ps
+    slot_page = jnp.take_along_axis(self.page_table, jnp.minimum(positions // ps, capacity // ps - 1), axis=1)
+    page = jnp.where(positions < capacity, slot_page, NULL_PAGE)  # [B, T]
+    slot = positions % ps
+    # Scalar layer and the [B, T] page/slot indices are separated by a slice, so numpy indexing puts
+    # the [B, T] dims first: the update is k itself, [B, T, Hkv, D].
+    new_k = self.k.at[layer, :, page, slot].set(k.astype(self.k.dtype))
+    new_v = self.v.at[layer, :, page, slot].set(v.astype(self.v.dtype))
+    cache = dataclasses.replace(self, k=new_k, v=new_v)
+    if q.shape[1] == 1:
+      out = kernels.paged_attention(q[:, 0], new_k[layer], new_v[layer], positions[:, 0] + 1,
+                                    self.page_table, impl=self.attn_impl)
+      return out[:, None].astype(q.dtype), cache
+    kd = gather_pages(new_k[layer], self.page_table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
+    vd = gather_pages(new_v[layer], self.page_table).transpose(0, 2, 1, 3)
+    visible = jnp.arange(kd.shape[1])[None, None, :] <= positions[:, :, None]
+    return attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible), cache
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table"], meta_fields=["attn_impl"])
+
+
+class PagePool:
+  """Host-side page allocator with reference counts (a GRPO group shares its prompt's full pages)."""
+
+  def __init__(self, num_pages: int):
+    if num_pages < 2:
+      raise ValueError(f"a page pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
+    self.num_pages = num_pages
+    self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+    self._refs = np.zeros(num_pages, np.int32)
+
+  @property
+  def free(self) -> int:
+    return len(self._free)
+
+  def alloc(self, n: int) -> list[int]:
+    if n > len(self._free):
+      raise RuntimeError(f"page pool exhausted: asked for {n}, {len(self._free)} free")  # callers check
+    pages = [self._free.pop() for _ in range(n)]
+    self._refs[pages] = 1
+    return pages
+
+  def share(self, pages: list[int]) -> None:
+    for p in pages:
+      self._refs[p] += 1
+
+  def release(self, pages: list[int]) -> None:
+    for p in pages:
+      if self._refs[p] <= 0:
+        raise RuntimeError(f"page {p} released more often than allocated")
+      self._refs[p] -= 1
+      if self._refs[p] == 0:
+        self._free.append(p)
