@@ -35,8 +35,7 @@ class PagedEngine(RolloutEngine):
     super().__init__(model, config, tokenizer, eos_ids)
     cfg = model.cfg
     self._cache = PagedKVCache.create(cfg.num_layers, config.pool_pages, config.page_size, cfg.num_kv_heads,
-                                      cfg.dim_per_head, self.cache_dtype)
-    self._cache = PagedKVCache(self._cache.k, self._cache.v, self._cache.page_table, config.attn_impl)
+                                      cfg.dim_per_head, self.cache_dtype, config.attn_impl)
 
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                ) -> RolloutResult:
@@ -67,10 +66,15 @@ class PagedEngine(RolloutEngine):
     ps, k = self.config.page_size, self.config.steps_per_sync
     free_slots = [i for i, s in enumerate(self._slots) if s is None]
     running = len(self._slots) - len(free_slots)
-    headroom = lambda seqs: 0 if running == 0 and not rows else seqs * _cdiv(k, ps)  # noqa: E731
     rows: list[tuple[Seq, list[int]]] = []  # (sequence whose pages receive the tokens, tokens to cache)
     copies: list[tuple[int, int]] = []
     new_groups: list[list[Seq]] = []
+
+    def headroom(seqs: int) -> int:
+      """Pages kept free for the running sequences' next chunk, so admission does not force an
+      immediate preemption; none when the engine is idle (the first work must always get in)."""
+      return 0 if running == 0 and not rows else seqs * _cdiv(k, ps)
+
     while self._resume and free_slots:
       seq = self._resume[0]
       need = _cdiv(seq.cached, ps)

@@ -30,9 +30,9 @@ class PagedKVCache:
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-             dtype) -> PagedKVCache:
+             dtype, attn_impl: str = "auto") -> PagedKVCache:
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32))
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32), attn_impl)
 
   @property
   def page_size(self) -> int:

@@ -6,6 +6,7 @@ differ only in where KV lives and how sequences are scheduled, never in the math
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,5 +68,5 @@ def decode_chunk(graphdef, state, cache, steps: int,
 
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_pages(cache, src, dst):  # [M] int32 each: page src[i] -> page dst[i] in every layer
-  return cache.__class__(cache.k.at[:, :, dst].set(cache.k[:, :, src]),
-                         cache.v.at[:, :, dst].set(cache.v[:, :, src]), cache.page_table, cache.attn_impl)
+  return dataclasses.replace(cache, k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
+                             v=cache.v.at[:, :, dst].set(cache.v[:, :, src]))
