@@ -16,6 +16,7 @@ from bench.tolerances import assert_close
 from kernels.fused_linear import LinearBlocks, vocab_stats_reference
 from kernels.grpo_loss.reference import LOSS_TYPES
 from rl.sharding import make_mesh
+from tests.problems import policy_kwargs
 
 # (impl, platform): the fused kernels in the interpreter; the chunked path with grpo_loss's tiled
 # kernels (TPU family) and its rowloop kernels (the Triton family) in the interpreter.
@@ -35,12 +36,7 @@ def make_problem(b, t, hd, v, dtype, *, off_policy=False, beta=0.0, seed=None, *
   mask[rng.integers(b)] = False  # an empty row
   logits = np.asarray(hidden, np.float32) @ np.asarray(lm_head, np.float32) / options.get("temperature", 1.0)
   logp = np.take_along_axis(jax.nn.log_softmax(logits), np.asarray(ids)[..., None], -1)[..., 0]
-  near = lambda: jnp.asarray(logp + rng.normal(scale=0.25, size=(b, t)), jnp.float32)
-  kw = dict(options, beta=beta)
-  if off_policy:
-    kw["old_logps"] = near()
-  if beta:
-    kw["ref_logps"] = near()
+  kw = policy_kwargs(rng, logp, options, off_policy=off_policy, beta=beta)
   return (hidden, lm_head, ids, jnp.asarray(mask), jnp.asarray(rng.normal(size=b), jnp.float32)), kw
 
 

@@ -13,6 +13,7 @@ import kernels
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss.reference import LOSS_TYPES, token_logps_and_entropy
 from bench.tolerances import assert_close
+from tests.problems import policy_kwargs
 
 # (platform, blocks maker): the tiled family as the CPU interpreter runs it, and the GPU rowloop family
 # run through the interpreter, so the Triton kernel's arithmetic is checked without a GPU.
@@ -35,12 +36,7 @@ def make_problem(b, t, v, dtype, *, off_policy=False, beta=0.0, seed=None, empty
   if empty_row:
     mask[rng.integers(b)] = False
   logp, _ = token_logps_and_entropy(logits, ids, options.get("temperature", 1.0))
-  near = lambda: jnp.asarray(logp + rng.normal(scale=0.25, size=(b, t)), jnp.float32)
-  kw = dict(options, beta=beta)
-  if off_policy:
-    kw["old_logps"] = near()
-  if beta:
-    kw["ref_logps"] = near()
+  kw = policy_kwargs(rng, logp, options, off_policy=off_policy, beta=beta)
   return (logits, ids, jnp.asarray(mask), jnp.asarray(rng.normal(size=b), jnp.float32)), kw
 
 
