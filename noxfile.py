@@ -1,4 +1,5 @@
-"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s bench`` (the main job), ``nox -s lower``.
+"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s bench`` (the main job), ``nox -s lower``,
+``nox -s train`` (the GRPO loop on the embedded default).
 
 Each session installs the project with its dev extras into its own virtualenv, so both commands work
 on a fresh machine with only Python >= 3.11 and nox. Arguments after ``--`` go to the tool.
@@ -31,3 +32,10 @@ def lower(session: nox.Session):
   """AOT-lower every kernel for TPU and CUDA at production shapes (no accelerator needed)."""
   session.install("-e", ".[dev]")
   session.run("pytest", "-q", "tests/test_lowering.py", *session.posargs)
+
+
+@nox.session
+def train(session: nox.Session):
+  """The GRPO loop on the embedded default (CPU, minutes): SFT warm-up, GRPO, eval_full. Overrides after --."""
+  session.install("-e", ".")
+  session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)

@@ -28,8 +28,30 @@ class DataSection:
   dataset: Literal["synthetic", "gsm8k"] = "synthetic"
   path: str | None = None  # gsm8k: a directory with train.jsonl / test.jsonl
   template: str = "compact"  # rl.prompts.TEMPLATES
-  train_limit: int | None = None
-  eval_limit: int | None = None
+  train_limit: int | None = None  # keep the first N train examples (None: all)
+  eval_limit: int | None = None  # eval_full on the first N test examples (None: the whole split)
+  synthetic_levels: tuple[int, ...] = (1, 2)  # rl.data.synthetic difficulty levels
+  synthetic_train: int = 5000  # synthetic examples per split (drawn with different seeds)
+  synthetic_test: int = 200
+
+  def __post_init__(self):
+    if self.dataset == "gsm8k" and not self.path:
+      raise ValueError("data.path must name the GSM8K directory (train.jsonl / test.jsonl) when "
+                       "data.dataset=gsm8k")
+    for name in ("train_limit", "eval_limit"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
+        raise ValueError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+  """Weights of the reward functions (rl.rewards.REWARD_FNS); the total is the weighted sum."""
+
+  correct: float = 1.0
+  format: float = 0.1
+
+  def weights(self) -> dict[str, float]:
+    return {k: v for k, v in dataclasses.asdict(self).items() if v != 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +86,8 @@ class TrainSection:
   learning_rate: float = 1e-5
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
-  warmup_sft_steps: int = 0
+  warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
+  sft_learning_rate: float | None = None  # None: learning_rate
   seed: int = 0
 
   def __post_init__(self):
@@ -73,6 +96,10 @@ class TrainSection:
         raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
     if self.beta < 0 or self.epsilon_low < 0 or self.epsilon_high < 0 or self.learning_rate <= 0:
       raise ValueError("beta and epsilons must be >= 0 and learning_rate > 0")
+    if self.warmup_sft_steps < 0:
+      raise ValueError(f"train.warmup_sft_steps must be >= 0, got {self.warmup_sft_steps}")
+    if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
+      raise ValueError("train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,20 +109,65 @@ class EvalSection:
   full_every: int = 0  # steps between eval_full runs (0: only at the end, if full_at_end)
   full_at_end: bool = True
 
+  def __post_init__(self):
+    for name in ("every", "batch", "full_every"):
+      if getattr(self, name) < (1 if name == "batch" else 0):
+        raise ValueError(f"eval.{name} must be {'>= 1' if name == 'batch' else '>= 0'}, got {getattr(self, name)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
+  """Mesh axis sizes; one may be -1 (the devices left). Without -1 the first dp*fsdp*tp devices."""
+
   dp: int = 1
-  fsdp: int = 1
+  fsdp: int = -1
   tp: int = 1
+
+  def __post_init__(self):
+    sizes = (self.dp, self.fsdp, self.tp)
+    if any(v == 0 or v < -1 for v in sizes) or sizes.count(-1) > 1:
+      raise ValueError(f"mesh sizes must be positive, with at most one -1; got dp={self.dp} fsdp={self.fsdp} "
+                       f"tp={self.tp}")
+
+  def resolve(self, num_devices: int) -> MeshSection:
+    known = abs(self.dp * self.fsdp * self.tp)
+    if -1 not in (self.dp, self.fsdp, self.tp):
+      if known > num_devices:
+        raise ValueError(f"mesh dp*fsdp*tp = {known} needs more than the {num_devices} devices available")
+      return self
+    if num_devices % known:
+      raise ValueError(f"{num_devices} devices do not divide by the fixed mesh axes ({known})")
+    fill = num_devices // known
+    return MeshSection(*(fill if v == -1 else v for v in (self.dp, self.fsdp, self.tp)))
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSection:
   out_dir: str = "runs/default"
   checkpoint_every: int = 0  # 0: only at the end
-  resume: bool = False
+  resume: bool = False  # continue from the newest checkpoint in out_dir (a fresh start if there is none)
   log_every: int = 1
+  tensorboard: bool = True
+  progress: bool = True  # a progress bar on the console (process 0)
+  host_devices: int | None = None  # simulate this many CPU devices (set before jax starts)
+  profile_steps: int = 0  # capture a profiler trace of this many GRPO steps (after the compiling first)
+  profile_dir: str | None = None  # default: profiles/<basename of out_dir>
+
+  def __post_init__(self):
+    if self.checkpoint_every < 0 or self.log_every < 1 or self.profile_steps < 0:
+      raise ValueError("run.checkpoint_every and run.profile_steps must be >= 0, run.log_every >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+  """Multi-process runs: `initialize=true` calls jax.distributed.initialize (null fields: detected from
+  the cluster environment, as on TPU pods and SLURM). Every process runs the same command."""
+
+  initialize: bool = False
+  coordinator_address: str | None = None  # "host:port" of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
+  cpu_collectives: str = "gloo"  # CPU cross-process collectives (tests run 2 local processes on CPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,20 +176,32 @@ class GRPOConfig:
   data: DataSection = DataSection()
   rollout: EngineConfig = EngineConfig(max_seq_len=256, max_slots=64, page_size=16)
   sampling: SamplingSection = SamplingSection()
+  reward: RewardSection = RewardSection()
   train: TrainSection = TrainSection()
   eval: EvalSection = EvalSection()
   mesh: MeshSection = MeshSection()
   run: RunSection = RunSection()
+  dist: DistributedSection = DistributedSection()
 
   def __post_init__(self):
     if self.sampling.group_size > self.rollout.max_slots:
       raise ValueError(f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="
                        f"{self.rollout.max_slots}: a group is decoded together")
-    self.grad_accum_steps  # noqa: B018 (validates)
+    if self.sampling.max_new_tokens >= self.rollout.max_seq_len:
+      raise ValueError(f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no room for a prompt "
+                       f"within rollout.max_seq_len={self.rollout.max_seq_len}")
+    if not self.reward.weights():
+      raise ValueError("every reward weight is 0: nothing to learn from")
+    if -1 not in (self.mesh.dp, self.mesh.fsdp, self.mesh.tp):
+      self.grad_accum_steps  # noqa: B018 (validates now; with a -1 axis once the devices are known)
 
   @property
   def sequences_per_step(self) -> int:
     return self.train.prompts_per_step * self.sampling.group_size
+
+  def resolved(self, num_devices: int) -> GRPOConfig:
+    """The config with a concrete mesh for `num_devices` devices (batch sizes validated against it)."""
+    return dataclasses.replace(self, mesh=self.mesh.resolve(num_devices))
 
   @property
   def global_micro_batch(self) -> int:

@@ -70,6 +70,11 @@ def _convert(tp, value, key: str):
       raise ValueError(f"{key} must be an integer, got {value!r}")
     return value
   if tp is float:
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ValueError(f"{key} must be a number, got {value!r}")
     return float(value)

@@ -29,3 +29,52 @@ def make_mesh(dp: int = 1, fsdp: int = -1, tp: int = 1, devices: Sequence[jax.De
                      f"{len(devices)} available")
   # Auto axes: shardings propagate through the program as in classic jit (jax's default is Explicit).
   return jax.make_mesh(tuple(sizes), AXES, devices=devices, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def initialize_distributed(initialize: bool, coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None, cpu_collectives: str = "gloo",
+                           host_devices: int | None = None) -> None:
+  """Process-level setup, before jax touches a device: simulated CPU devices and multi-process init."""
+  if host_devices:
+    jax.config.update("jax_num_cpu_devices", host_devices)
+  if initialize:
+    # CPU processes need a cross-process collectives backend; accelerators bring their own.
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def mesh_for(dp: int, fsdp: int, tp: int) -> Mesh:
+  """The run's mesh: all devices when an axis is -1, else the first dp*fsdp*tp (every process's, when
+  several processes share the run: a multi-process mesh must span all of them)."""
+  sizes = (dp, fsdp, tp)
+  if -1 in sizes:
+    return make_mesh(*sizes)
+  n = math.prod(sizes)
+  if jax.process_count() > 1 and n != jax.device_count():
+    raise ValueError(f"a multi-process mesh must use all {jax.device_count()} devices, got dp*fsdp*tp = {n}")
+  return make_mesh(*sizes, devices=jax.devices()[:n])
+
+
+def data_axes() -> tuple[str, str]:
+  """The mesh axes a batch's sequence dimension is split over."""
+  return ("dp", "fsdp")
+
+
+def global_batch(mesh: Mesh, local,  # [K, M_local, ...] this process's rows of every micro-batch
+                 ) -> jax.Array:  # [K, M_local * processes, ...] sharded over (dp, fsdp) on axis 1
+  """This process's slice of every micro-batch -> one global array (rows of process p come p-th)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  sharding = NamedSharding(mesh, P(None, data_axes()))
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  shape = (local.shape[0], local.shape[1] * jax.process_count(), *local.shape[2:])
+  return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def allgather(x):
+  """Every process's `x` (a numpy array / pytree), concatenated along axis 0 in process order."""
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(x, tiled=True)

@@ -6,6 +6,7 @@ row finishes, so short completions idle while long ones run. Same device steps a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -32,6 +33,7 @@ class DenseEngine(RolloutEngine):
       self._run_batch(rows[i:i + self.config.max_slots], stats)
     return self._result(groups, stats, t0)
 
+  @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/batch")
   def _run_batch(self, seqs: list[Seq], stats: RolloutStats) -> None:
     cfg, ecfg = self.model.cfg, self.config
     graphdef, state = nnx.split(self.model)

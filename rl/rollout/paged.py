@@ -11,6 +11,7 @@ finished sequences, freeing their slots and pages for the next round.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Sequence
 
@@ -113,6 +114,7 @@ class PagedEngine(RolloutEngine):
     seq.admitted = seq.admitted or time.perf_counter()
     seq.order, self._order = self._order, self._order + 1
 
+  @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/prefill")
   def _prefill(self, rows, copies, new_groups, stats: RolloutStats) -> None:
     t = time.perf_counter()
     width = min(bucket(max(len(toks) for _, toks in rows)), self.config.pages_per_seq * self.config.page_size)
@@ -171,6 +173,7 @@ class PagedEngine(RolloutEngine):
     self._resume.append(seq)
 
   # ----------------------------------------------------------------------------------- decode
+  @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/decode")
   def _decode(self, stats: RolloutStats) -> None:
     t = time.perf_counter()
     table = np.full((len(self._slots), self.config.pages_per_seq), NULL_PAGE, np.int32)

@@ -8,7 +8,8 @@ def test_defaults_round_trip_through_yaml(tmp_path):
   cfg = GRPOConfig()
   configlib.dump(cfg, tmp_path / "c.yaml")
   assert configlib.load(GRPOConfig, tmp_path / "c.yaml") == cfg
-  assert cfg.grad_accum_steps == 8 * 8 // 16
+  assert cfg.resolved(1).grad_accum_steps == 8 * 8 // 16
+  assert cfg.resolved(4).mesh.fsdp == 4 and cfg.resolved(4).grad_accum_steps == 1
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -26,8 +27,14 @@ def test_yaml_then_overrides(tmp_path):
     (["train.policy_loss_impl=cuda"], "must be one of"),
     (["rollout.backend=vllm"], "backend"),
     (["sampling.group_size=1"], "group_size"),
-    (["train.micro_batch_size=5"], "do not split into micro-batches"),
-    (["mesh.dp=3"], "do not split"),
+    (["train.micro_batch_size=5", "mesh.fsdp=1"], "do not split into micro-batches"),
+    (["mesh.dp=3", "mesh.fsdp=1"], "do not split"),
+    (["mesh.dp=-1"], "at most one -1"),
+    (["train.policy_loss_impl=chunked"], "fused_lm_head"),
+    (["sampling.max_new_tokens=256"], "no room for a prompt"),
+    (["reward.correct=0", "reward.format=0"], "nothing to learn"),
+    (["data.dataset=gsm8k"], "data.path"),
+    (["eval.batch=0"], "eval.batch"),
     (["sampling.group_size=128"], "max_slots"),
     (["train.steps"], "key.sub=value"),
 ])

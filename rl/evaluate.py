@@ -1,0 +1,57 @@
+"""Evaluation: a sampled eval batch every few steps, and eval_full — the whole test split, greedy, pass@1.
+
+Each process answers its own contiguous slice of the examples; counts are summed over processes, so
+the accuracy is over every example exactly once whatever the process count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from rl import rewards, sharding
+from rl.data import Example
+from rl.rollout import RolloutEngine, SamplingParams
+
+
+def process_slice(n: int) -> slice:
+  """This process's contiguous share of `n` items (the first `n % processes` processes take one more)."""
+  p, k = jax.process_index(), jax.process_count()
+  base, extra = divmod(n, k)
+  start = p * base + min(p, extra)
+  return slice(start, start + base + (p < extra))
+
+
+def evaluate(engine: RolloutEngine, examples: Sequence[Example], encode: Callable[[str], list[int]],
+             params: SamplingParams, *, chunk: int | None = None, progress: bool = False,
+             desc: str = "eval") -> dict[str, float]:
+  """Mean correctness and format reward of one completion per example, and the seconds it took.
+
+  `params.n` must be 1 (pass@1). Examples are submitted `chunk` at a time (default: the engine's slots)
+  so a progress bar can advance; the engine batches within a chunk.
+  """
+  if params.n != 1:
+    raise ValueError(f"evaluation scores one completion per example (pass@1), got n={params.n}")
+  t0 = time.perf_counter()
+  mine = list(examples[process_slice(len(examples))])
+  chunk = chunk or engine.config.max_slots
+  correct = formatted = tokens = 0.0
+  bar = tqdm(total=len(examples), desc=desc, disable=not progress, leave=False)
+  for i in range(0, len(mine), chunk):
+    part = mine[i:i + chunk]
+    result = engine.generate([encode(e.question) for e in part], params)
+    for c, e in zip(result.completions, part):
+      text = engine.tokenizer.decode(c.token_ids)
+      correct += rewards.correctness_reward(text, e.gold)
+      formatted += rewards.format_reward(text)
+      tokens += len(c.token_ids)
+    bar.update(len(part) * jax.process_count())
+  bar.close()
+  totals = sharding.allgather(np.array([[correct, formatted, tokens, len(mine)]], np.float64)).sum(axis=0)
+  n = max(totals[3], 1.0)
+  return {"accuracy": totals[0] / n, "format": totals[1] / n, "completion_length": totals[2] / n,
+          "examples": totals[3], "seconds": time.perf_counter() - t0}

@@ -1,0 +1,95 @@
+"""Step timers and the metric sinks: an append-only `metrics.jsonl` and TensorBoard event files.
+
+Only process 0 writes (`enabled=False` elsewhere); every process times its own phases.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import time
+from collections.abc import Mapping
+
+import jax
+
+JSONL = "metrics.jsonl"
+
+
+class StepTimer:
+  """Wall-clock seconds per named phase of the current step (`with timer("rollout"): ...`); each phase
+  is also a profiler annotation `grpo/<phase>`, so captured traces show the same breakdown."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, phase: str):
+    t0 = time.perf_counter()
+    try:
+      with jax.profiler.TraceAnnotation(f"grpo/{phase}"):
+        yield
+    finally:
+      self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+  def reset(self) -> dict[str, float]:
+    out, self.seconds = self.seconds, {}
+    return out
+
+
+class StepAverage:
+  """Mean of the last `window` step times (`time/train/step_avg_last10_s`): the first steps, which
+  compile, drop out of it once `window` more have run."""
+
+  def __init__(self, window: int = 10):
+    self.times: collections.deque[float] = collections.deque(maxlen=window)
+
+  def add(self, seconds: float) -> float:
+    self.times.append(seconds)
+    return sum(self.times) / len(self.times)
+
+
+class MetricsWriter:
+  """Writes `{step, **metrics}` lines to `<run_dir>/metrics.jsonl` and scalars to TensorBoard."""
+
+  def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(run_dir, JSONL)
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(run_dir, exist_ok=True)
+    self._file = open(self.path, "a", buffering=1)  # append: a resumed run continues the same file
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError as e:
+        raise ImportError("TensorBoard logging needs tensorboardX (pip install tensorboardX), or set "
+                          "run.tensorboard=false") from e
+      self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    if not self.enabled:
+      return
+    clean = {k: float(v) for k, v in metrics.items()}
+    self._file.write(json.dumps({"step": step, **clean}) + "\n")
+    if self._tb is not None:
+      for k, v in clean.items():
+        self._tb.add_scalar(k, v, step)
+
+  def flush(self) -> None:
+    if self.enabled and self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._file.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+  """Every line of a run's metrics.jsonl (for tests and the parity report)."""
+  with open(os.path.join(run_dir, JSONL)) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,227 @@
+"""The policy update: a global batch of scored completions -> micro-batched, gradient-accumulated loss ->
+one optimizer step, in one compiled function.
+
+The batch is laid out as [K, M, T]: K gradient-accumulation steps of M sequences (the global
+micro-batch, sharded over dp x fsdp). Each row is a prompt left-padded to P tokens followed by its
+completion right-padded to C = `max_completion_length` tokens (T = P + C), so the hidden state at
+position P - 1 + t scores completion token t for every row.
+
+The loss is normalised over the whole global batch, never per micro-batch: each micro-batch's loss is
+scaled so that the K terms sum to the loss of the full batch, hence the summed gradients are the full
+batch's gradient whatever K is (tested). `bnpo` and `dapo` both divide by the global count of
+completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import kernels
+from kernels.grpo_loss.reference import token_logps_and_entropy
+
+Objective = Literal["grpo", "sft"]
+
+
+class Batch(NamedTuple):
+  """One step's training data, [K, M, ...] (accumulation step, sequence in the micro-batch)."""
+
+  tokens: jax.Array  # [K, M, T] int32: left-padded prompt (P) + right-padded completion (C)
+  attention_mask: jax.Array  # [K, M, T] bool, False on padding
+  advantages: jax.Array  # [K, M] f32 (ones for SFT)
+  old_logps: jax.Array | None = None  # [K, M, C] f32: the policy before this step's first epoch
+  ref_logps: jax.Array | None = None  # [K, M, C] f32: the reference model, when beta > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """The static part of the loss (hashable: compiled into the step)."""
+
+  completion_len: int  # C
+  loss_type: str = "grpo"
+  beta: float = 0.0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  temperature: float = 1.0
+  impl: str = "auto"  # kernels.grpo_loss / fused_linear_grpo_loss impl
+  fused_lm_head: bool = False
+  vocab_axis: str | None = None  # tensor-parallel vocabulary axis of the fused loss (with `mesh`)
+  mesh: Any = None
+
+  def __post_init__(self):
+    if self.impl == "chunked" and not self.fused_lm_head:
+      raise ValueError("policy_loss_impl='chunked' is a fused-LM-head path: set fused_lm_head=true")
+
+
+def split_completion(tokens, attention_mask, c: int):  # [M, T] each -> ids [M, C], mask [M, C]
+  return tokens[:, -c:], attention_mask[:, -c:]
+
+
+def completion_hidden(model: nnx.Module, tokens, attention_mask, c: int):  # [M, T] -> [M, C, H]
+  """Hidden states that score the last C tokens (the one before each completion token)."""
+  hidden = model(tokens, attention_mask)
+  return hidden[:, -c - 1:-1]
+
+
+def token_logps(model: nnx.Module, tokens, attention_mask, c: int, temperature: float):  # -> [M, C] f32
+  """log pi(completion token) under softmax(logits / temperature); 0 on padding. Used for old / ref."""
+  ids, mask = split_completion(tokens, attention_mask, c)
+  logits = model.logits(completion_hidden(model, tokens, attention_mask, c))
+  logp, _ = token_logps_and_entropy(logits, ids, temperature)
+  return jnp.where(mask, logp, 0.0)
+
+
+def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objective: Objective):
+  """(loss scaled to its share of the global loss, per-micro-batch sums for the metrics)."""
+  ids, mask = split_completion(mb.tokens, mb.attention_mask, s.completion_len)
+  hidden = completion_hidden(model, mb.tokens, mb.attention_mask, s.completion_len)
+  m = ids.shape[0]
+  if objective == "sft":
+    logits = model.logits(hidden)
+    logp, entropy = token_logps_and_entropy(logits, jnp.where(mask, ids, 0), 1.0)
+    nll = -jnp.sum(jnp.where(mask, logp, 0.0))
+    return nll / num_tokens, {"loss": nll / num_tokens, "entropy": jnp.sum(jnp.where(mask, entropy, 0.0))}
+  # Scale factors that make the K micro-batch losses sum to the global-batch loss.
+  kernel_type, scale, items = {
+      "grpo": ("grpo", m / num_seqs, None),  # mean over sequences of per-sequence means
+      "dr_grpo": ("dr_grpo", m / num_seqs, None),  # sum / (N * C)
+      "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
+      "dapo": ("dapo", 1.0, num_tokens),
+  }[s.loss_type]
+  kw = dict(old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=s.beta, epsilon_low=s.epsilon_low,
+            epsilon_high=s.epsilon_high, temperature=s.temperature, loss_type=kernel_type,
+            max_completion_length=s.completion_len, num_items_in_batch=items, impl=s.impl)
+  if s.fused_lm_head:
+    weight = model.lm_head_weight()
+    loss, aux = kernels.fused_linear_grpo_loss(hidden.astype(weight.dtype), weight, ids, mask, mb.advantages,
+                                               mesh=s.mesh, vocab_axis=s.vocab_axis, **kw)
+  else:
+    loss, aux = kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
+  loss = loss * scale
+  sums = {"loss": loss, "entropy": jnp.sum(aux.entropy), "kl": jnp.sum(aux.per_token_kl),
+          "clip_fraction": jnp.sum(aux.is_clipped.astype(jnp.float32))}
+  return loss, sums
+
+
+def batch_loss_and_grads(graphdef, params, batch: Batch, s: LossSettings, objective: Objective = "grpo"):
+  """Sum over the K micro-batches (a scan) of each one's scaled loss and gradient.
+
+  Returns (grads like params, metrics): metrics are global-batch means per completion token (entropy,
+  KL, clip fraction) and the total loss.
+  """
+  num_seqs = batch.tokens.shape[0] * batch.tokens.shape[1]
+  c = s.completion_len
+  num_tokens = jnp.maximum(jnp.sum(batch.attention_mask[..., -c:].astype(jnp.float32)), 1.0)
+
+  def micro(grads, mb):
+    def loss_fn(p):
+      model = nnx.merge(graphdef, p)
+      return _micro_loss(model, mb, s, num_seqs, num_tokens, objective)
+    (_, sums), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.tree.map(jnp.add, grads, g), sums
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  grads, sums = jax.lax.scan(micro, zeros, batch)
+  metrics = {k: jnp.sum(v) for k, v in sums.items()}
+  for k in ("entropy", "kl", "clip_fraction"):
+    if k in metrics:
+      metrics[k] = metrics[k] / num_tokens
+  return grads, metrics
+
+
+def _global_norm(tree):
+  tree_ns = getattr(optax, "tree", None)  # optax >= 0.2.5 moved it; global_norm warns since
+  return tree_ns.norm(tree) if tree_ns is not None and hasattr(tree_ns, "norm") else optax.global_norm(tree)
+
+
+class Optimizer(NamedTuple):
+  """`step(params, grads, state) -> (params, state)` and `init(params) -> state`."""
+
+  init: Any
+  step: Any
+
+
+def make_optimizer(name: str, learning_rate: float, weight_decay: float, max_grad_norm: float, fused: bool,
+                   mesh=None, partition_specs=None) -> Optimizer:
+  """AdamW or Lion after global-norm clipping; `fused` uses kernels.optim's one-pass kernels (each
+  device updating its own shard when `mesh` and `partition_specs` are given), else optax."""
+  if name not in ("adamw", "lion"):
+    raise ValueError(f"optimizer must be 'adamw' or 'lion', got {name!r}")
+  clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm > 0 else optax.identity()
+  if fused:
+    make = kernels.optim.fused_adamw_step if name == "adamw" else kernels.optim.fused_lion_step
+    tx, fused_step = make(learning_rate, weight_decay=weight_decay, mesh=mesh, partition_specs=partition_specs)
+
+    def init(params):
+      return clip.init(params), tx.init(params)
+
+    def step(params, grads, state):
+      grads, clip_state = clip.update(grads, state[0])
+      params, opt_state = fused_step(params, grads, state[1])
+      return params, (clip_state, opt_state)
+    return Optimizer(init, step)
+  base = optax.adamw(learning_rate, weight_decay=weight_decay) if name == "adamw" else optax.lion(
+      learning_rate, weight_decay=weight_decay)
+  tx = optax.chain(clip, base)
+
+  def step(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return Optimizer(tx.init, step)
+
+
+def train_step(graphdef, optimizer: Optimizer, s: LossSettings, objective: Objective,
+               params, opt_state, batch: Batch):
+  """One optimizer step on the global batch: (params, opt_state, metrics). Jit with the first four
+  arguments bound (see `compile_train_step`) and params / opt_state donated."""
+  grads, metrics = batch_loss_and_grads(graphdef, params, batch, s, objective)
+  metrics["grad_norm"] = _global_norm(grads)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  params, opt_state = optimizer.step(params, grads, opt_state)
+  return params, opt_state, metrics
+
+
+def compile_train_step(graphdef, optimizer: Optimizer, s: LossSettings, objective: Objective = "grpo",
+                       state_shardings=None):
+  """The jitted `train_step(params, opt_state, batch)`. `state_shardings` = (params', opt_state's
+  shardings) pins the outputs to the inputs' layout, so step 2 reuses step 1's executable."""
+  out = None if state_shardings is None else (*state_shardings, None)
+  return jax.jit(functools.partial(train_step, graphdef, optimizer, s, objective), donate_argnums=(0, 1),
+                 out_shardings=out)
+
+
+def shardings_of(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def init_optimizer_state(optimizer: Optimizer, params, mesh):
+  """The optimizer state laid out like the parameters it tracks (mu / nu of a weight share the
+  weight's sharding; counters are replicated), so every step's input and output layouts agree."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from rl.model.partition import path_name
+  by_name = {path_name(k): x.sharding for k, x in jax.tree_util.tree_leaves_with_path(params)}
+
+  def place(path, leaf):
+    name = path_name(path)
+    for pname, sharding in by_name.items():
+      if name == pname or name.endswith("." + pname):
+        return sharding
+    return NamedSharding(mesh, PartitionSpec())
+  shapes = jax.eval_shape(optimizer.init, params)
+  return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(place, shapes))(params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def batch_token_logps(graphdef, params, batch: Batch, c: int, temperature: float):  # -> [K, M, C] f32
+  """Per-token log-probs of every completion (old policy / reference model), micro-batch by micro-batch."""
+  model = nnx.merge(graphdef, params)
+
+  def one(_, mb):
+    return None, token_logps(model, mb[0], mb[1], c, temperature)
+  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask))[1]

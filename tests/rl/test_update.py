@@ -1,0 +1,116 @@
+"""The update step: micro-batching is exact (global normalisation), kernel and reference losses agree
+through the whole model, the optimizer state keeps its layout (no recompiles)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bench.tolerances import assert_close
+from rl import update as U
+from rl.model import init_model, preset
+from rl.train import pack
+from tests.problems import policy_kwargs
+
+P, C = 7, 6
+
+
+def _problem(seed: int, n: int = 8):
+  """A tiny model and a batch of n rows with ragged prompts / completions (one completion empty)."""
+  rng = np.random.default_rng(seed)
+  model = init_model(preset("tiny", dtype="float32"), seed)
+  prompts = [rng.integers(0, 300, rng.integers(1, P + 1)) for _ in range(n)]
+  comps = [rng.integers(0, 300, rng.integers(0, C + 1)) for _ in range(n)]
+  comps[1] = comps[1][:0]
+  tokens, mask = pack(prompts, comps, P, C, pad_id=0)
+  adv = rng.normal(size=n).astype(np.float32)
+  return model, rng, tokens, mask, adv
+
+
+def _batch(tokens, mask, adv, k, **extra):
+  shape = lambda x: None if x is None else jnp.asarray(x).reshape(k, x.shape[0] // k, *x.shape[1:])  # noqa: E731
+  return U.Batch(shape(tokens), shape(mask), shape(adv), **{n: shape(v) for n, v in extra.items()})
+
+
+def _grads(model, batch, settings, objective="grpo"):
+  graphdef, params = nnx.split(model, nnx.Param)
+  grads, metrics = jax.jit(U.batch_loss_and_grads, static_argnums=(0, 3, 4))(graphdef, params, batch, settings,
+                                                                                objective)
+  return jax.tree.leaves(grads), metrics
+
+
+def _assert_grads_close(a, b, n_tokens):
+  for x, y in zip(a, b):
+    assert_close(x, y, "grad", jnp.float32, n_tokens, scale=float(max(np.max(np.abs(y)), 1e-6)))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_micro_batches_sum_to_the_global_batch_loss(loss_type):
+  """K = 1, 2, 4 accumulation steps give the same loss and gradients: normalised over the global batch."""
+  model, rng, tokens, mask, adv = _problem(1)
+  s = U.LossSettings(C, loss_type=loss_type, impl="xla", beta=0.05)
+  logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0))
+  kw = policy_kwargs(rng, logp, {}, off_policy=True, beta=0.05)
+  extra = dict(old_logps=np.asarray(kw["old_logps"]), ref_logps=np.asarray(kw["ref_logps"]))
+  g1, m1 = _grads(model, _batch(tokens, mask, adv, 1, **extra), s)
+  for k in (2, 4):
+    gk, mk = _grads(model, _batch(tokens, mask, adv, k, **extra), s)
+    assert_close(mk["loss"], m1["loss"], "value", jnp.float32, tokens.size)
+    _assert_grads_close(gk, g1, tokens.size)
+
+
+def test_micro_batch_loss_is_not_a_mean_of_micro_batch_means():
+  """The test above can fail: per-micro-batch bnpo normalisation gives a different loss."""
+  model, _, tokens, mask, adv = _problem(2)
+  _, full = _grads(model, _batch(tokens, mask, adv, 1), U.LossSettings(C, loss_type="bnpo", impl="xla"))
+  halves = [_grads(model, _batch(tokens[i:i + 4], mask[i:i + 4], adv[i:i + 4], 1),
+                   U.LossSettings(C, loss_type="bnpo", impl="xla"))[1]["loss"] for i in (0, 4)]
+  assert abs(float(np.mean(halves)) - float(full["loss"])) > 1e-4
+
+
+@pytest.mark.parametrize("fused,impls", [(False, ("pallas", "xla")), (True, ("pallas", "chunked", "xla"))])
+def test_kernel_and_reference_losses_agree_through_the_model(fused, impls):
+  """policy_loss_impl=pallas vs xla (and the fused LM-head paths): same loss, metrics and parameter
+  gradients on the same batch, off-policy with the KL term on."""
+  model, rng, tokens, mask, adv = _problem(3)
+  logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 0.9))
+  kw = policy_kwargs(rng, logp, {}, off_policy=True, beta=0.1)
+  batch = _batch(tokens, mask, adv, 2, old_logps=np.asarray(kw["old_logps"]), ref_logps=np.asarray(kw["ref_logps"]))
+  results = {impl: _grads(model, batch, U.LossSettings(C, beta=0.1, temperature=0.9, impl=impl,
+                                                       fused_lm_head=fused)) for impl in impls}
+  g_ref, m_ref = results["xla"]
+  for impl in impls[:-1]:
+    g, m = results[impl]
+    for key in ("loss", "entropy", "kl", "clip_fraction"):
+      assert_close(m[key], m_ref[key], "value", jnp.float32, tokens.size, err_msg=f"{impl} {key}")
+    _assert_grads_close(g, g_ref, tokens.size)
+
+
+def test_sft_objective_is_the_token_mean_nll():
+  model, _, tokens, mask, _ = _problem(4)
+  _, m = _grads(model, _batch(tokens, mask, np.ones(8, np.float32), 2), U.LossSettings(C), "sft")
+  logp = U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0)
+  expected = -float(jnp.sum(logp)) / float(mask[:, -C:].sum())
+  assert_close(m["loss"], expected, "value", jnp.float32, tokens.size)
+
+
+@pytest.mark.parametrize("name,fused", [("adamw", True), ("adamw", False), ("lion", True)])
+def test_train_step_descends_and_does_not_recompile(name, fused):
+  """Steps on one batch lower the SFT loss; the second and third steps reuse the first executable."""
+  model, _, tokens, mask, _ = _problem(5)
+  from rl.sharding import make_mesh
+  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  graphdef, params = nnx.split(model, nnx.Param)
+  from rl.model import shard_model
+  params = nnx.state(shard_model(model, mesh), nnx.Param)
+  opt = U.make_optimizer(name, 3e-3, 0.0, 1.0, fused)
+  state = U.init_optimizer_state(opt, params, mesh)
+  step = U.compile_train_step(graphdef, opt, U.LossSettings(C), "sft", (U.shardings_of(params), U.shardings_of(state)))
+  batch = _batch(tokens, mask, np.ones(8, np.float32), 2)
+  losses = []
+  for _ in range(3):
+    params, state, m = step(params, state, batch)
+    losses.append(float(m["loss"]))
+  assert losses[2] < losses[0]
+  assert step._cache_size() == 1
