@@ -6,7 +6,8 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("dp", "fsdp", "tp")
 
@@ -64,7 +65,6 @@ def data_axes() -> tuple[str, str]:
 def global_batch(mesh: Mesh, local,  # [K, M_local, ...] this process's rows of every micro-batch
                  ) -> jax.Array:  # [K, M_local * processes, ...] sharded over (dp, fsdp) on axis 1
   """This process's slice of every micro-batch -> one global array (rows of process p come p-th)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
   sharding = NamedSharding(mesh, P(None, data_axes()))
   if jax.process_count() == 1:
     return jax.device_put(local, sharding)
@@ -76,5 +76,4 @@ def allgather(x):
   """Every process's `x` (a numpy array / pytree), concatenated along axis 0 in process order."""
   if jax.process_count() == 1:
     return x
-  from jax.experimental import multihost_utils
   return multihost_utils.process_allgather(x, tiled=True)

@@ -179,8 +179,8 @@ class Trainer:
     cfg, timer = self.cfg, self.timer
     t_step = time.perf_counter()
     examples = self.step_examples(step)
-    mine = examples[_share(len(examples))]
-    first = _share(len(examples)).start
+    share = _share(len(examples))
+    mine, first = examples[share], share.start
     prompts = [self.encode(e.question) for e in examples]
     s = cfg.sampling
     params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,

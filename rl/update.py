@@ -23,8 +23,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 import kernels
 from kernels.grpo_loss.reference import token_logps_and_entropy
+from rl.model.partition import path_name
 
 Objective = Literal["grpo", "sft"]
 
@@ -203,8 +206,6 @@ def shardings_of(tree):
 def init_optimizer_state(optimizer: Optimizer, params, mesh):
   """The optimizer state laid out like the parameters it tracks (mu / nu of a weight share the
   weight's sharding; counters are replicated), so every step's input and output layouts agree."""
-  from jax.sharding import NamedSharding, PartitionSpec
-  from rl.model.partition import path_name
   by_name = {path_name(k): x.sharding for k, x in jax.tree_util.tree_leaves_with_path(params)}
 
   def place(path, leaf):
