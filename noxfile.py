@@ -1,5 +1,6 @@
 """Sessions: ``nox -s tests`` (what CI runs), ``nox -s bench`` (the main job), ``nox -s lower``,
-``nox -s train`` (the GRPO loop on the embedded default).
+``nox -s train`` (the GRPO loop on the embedded default), ``nox -s parity`` (end-to-end parity of the
+loop's xla and pallas losses over seeds), ``nox -s profile`` (captured traces and their summaries).
 
 Each session installs the project with its dev extras into its own virtualenv, so both commands work
 on a fresh machine with only Python >= 3.11 and nox. Arguments after ``--`` go to the tool.
@@ -39,3 +40,31 @@ def train(session: nox.Session):
   """The GRPO loop on the embedded default (CPU, minutes): SFT warm-up, GRPO, eval_full. Overrides after --."""
   session.install("-e", ".")
   session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)
+
+
+PARITY_DEFAULT = ["--config", "configs/cpu-default.yaml", "--seeds", "0", "1",
+                  "--arm", "xla: train.policy_loss_impl=xla", "--arm", "pallas: train.policy_loss_impl=pallas"]
+
+
+@nox.session
+def parity(session: nox.Session):
+  """The GRPO loop per arm and seed, paired interval and verdict (CPU default: 4 runs, ~40 min).
+  Own arms / seeds / config after --, e.g. -- --config configs/gpu-qwen2.5-0.5b.yaml --seeds 0 1 2 --arm ..."""
+  session.install("-e", ".[dev]")
+  session.run("python", "-m", "bench.parity", *(session.posargs or PARITY_DEFAULT))
+
+
+@nox.session
+def profile(session: nox.Session):
+  """Traces into profiles/: the bench (args after -- go to it) and 2 GRPO steps of the embedded loop,
+  each summarised by bench.trace. Open them with `tensorboard --logdir profiles/<run>`."""
+  session.install("-e", ".[dev]")
+  platform = session.run("python", "-c", "import jax; print(jax.default_backend())", silent=True).strip()
+  # CPU: the interpreter's thread events would fill the trace export's 1M-event cap at the small size
+  args = session.posargs or (["--size", "tiny"] if platform == "cpu" else [])
+  session.run("python", "-m", "bench", "--profile", "profiles/bench", *args)
+  session.run("python", "-m", "bench.trace", "profiles/bench")
+  session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", "train.warmup_sft_steps=0",
+              "train.steps=4", "eval.full_at_end=false", "run.out_dir=runs/profile-loop", "run.profile_steps=2",
+              "run.profile_dir=profiles/loop")
+  session.run("python", "-m", "bench.trace", "profiles/loop")

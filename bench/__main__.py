@@ -1,14 +1,20 @@
-"""``python -m bench`` (what ``nox -s bench`` runs): every suite's cases, kernel vs reference.
+"""``python -m bench`` (what ``nox -s bench`` runs): every suite, kernel vs reference, one report.
 
 Examples::
 
-    python -m bench                                  # this backend's default sizes
+    python -m bench                                  # this backend's default size, every suite
     python -m bench --suite grpo_loss --size large   # real shapes (for a GPU / TPU)
+    python -m bench --size small --size large        # both: time-vs-size curves over more shapes
+    python -m bench --profile                        # also a jax.profiler trace in profiles/bench-<time>/
+
+Writes ``bench/results/<platform>-<device>-<time>/``: results.json, summary.md, roofline.png,
+time_vs_size.png and rollout.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import pathlib
@@ -17,62 +23,104 @@ import sys
 from tqdm import tqdm
 
 from bench import report, roofline
+from bench import rollout as rollout_bench
 from bench.cases import SIZES, SUITES, all_cases
 from bench.run import run_case
 from kernels import backend
+
+ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
+ALL_SUITES = SUITES + (ROLLOUT,)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   suites: tuple[str, ...] | None = None  # None: every suite
-  size: str | None = None  # None: "small" on CPU, "large" on GPU / TPU
+  sizes: tuple[str, ...] | None = None  # None: ("small",) on CPU, ("large",) on GPU / TPU
   repeats: int = 10
   warmup: int = 2
+  rollout_repeats: int = 3  # whole generate() calls per rollout backend and workload
   seed: int = 0
   measure_bandwidth: bool = True
-  out: pathlib.Path | None = None  # default bench/results/<device>-<timestamp>
+  out: pathlib.Path | None = None  # default bench/results/<platform>-<device>-<timestamp>
+  profile: pathlib.Path | None = None  # capture a jax.profiler trace of the whole run here
+  plots: bool = True
 
   def __post_init__(self):
-    if self.repeats < 1 or self.warmup < 0:
-      raise ValueError("repeats must be >= 1 and warmup >= 0")
-    if self.size is not None and self.size not in SIZES:
-      raise ValueError(f"size must be one of {SIZES}")
+    if self.repeats < 1 or self.warmup < 0 or self.rollout_repeats < 1:
+      raise ValueError("repeats and rollout_repeats must be >= 1 and warmup >= 0")
+    unknown = set(self.sizes or ()) - set(SIZES)
+    if unknown:
+      raise ValueError(f"size must be one of {SIZES}, got {sorted(unknown)}")
+    unknown = set(self.suites or ()) - set(ALL_SUITES)
+    if unknown:
+      raise ValueError(f"suite must be one of {ALL_SUITES}, got {sorted(unknown)}")
 
 
 def parse_args(argv=None) -> BenchConfig:
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-  p.add_argument("--suite", action="append", choices=SUITES, help="repeatable; default: all suites")
-  p.add_argument("--size", choices=SIZES)
+  p.add_argument("--suite", action="append", choices=ALL_SUITES, help="repeatable; default: all suites")
+  p.add_argument("--size", action="append", choices=SIZES, help="repeatable; default: small on CPU, else large")
   p.add_argument("--repeats", type=int, default=BenchConfig.repeats)
   p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
+  p.add_argument("--rollout-repeats", type=int, default=BenchConfig.rollout_repeats)
   p.add_argument("--seed", type=int, default=BenchConfig.seed)
   p.add_argument("--no-measure-bandwidth", action="store_true", help="use datasheet peaks only")
+  p.add_argument("--no-plots", action="store_true")
   p.add_argument("--out", type=pathlib.Path)
+  p.add_argument("--profile", nargs="?", type=pathlib.Path, const=pathlib.Path(""), default=None,
+                 metavar="DIR", help="capture a profiler trace (default DIR: profiles/bench-<time>)")
   a = p.parse_args(argv)
-  return BenchConfig(tuple(a.suite) if a.suite else None, a.size, a.repeats, a.warmup, a.seed,
-                     not a.no_measure_bandwidth, a.out)
+  return BenchConfig(tuple(dict.fromkeys(a.suite)) if a.suite else None,
+                     tuple(dict.fromkeys(a.size)) if a.size else None, a.repeats, a.warmup,
+                     a.rollout_repeats, a.seed, not a.no_measure_bandwidth, a.out, a.profile, not a.no_plots)
+
+
+def _profiling(path: pathlib.Path | None, stamp: str):
+  if path is None:
+    return contextlib.nullcontext(None)
+  from bench import trace
+  return trace.capture(str(path if str(path) else ROOT / "profiles" / f"bench-{stamp}"))
 
 
 def main(argv=None) -> int:
   cfg = parse_args(argv)
   target = backend.resolve()
-  size = cfg.size or ("small" if target.platform == "cpu" else "large")
-  cases = all_cases(size, target.platform, cfg.suites)
+  sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
+  suites = cfg.suites or ALL_SUITES
+  kernel_suites = tuple(s for s in suites if s != ROLLOUT)
+  cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)] if kernel_suites else []
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
-  print(f"{len(cases)} cases at size '{size}' on {env['device_kind']} (jax {env['jax']}, kernel target "
-        f"{target.platform}{', interpret mode' if target.interpret else ''})", flush=True)
-  results = []
-  for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
-    bar.set_description(case.name)
-    results.append(run_case(case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats))
+  env["sizes"] = list(sizes)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   kind = env["device_kind"].replace(" ", "_").replace("/", "_")
-  out = cfg.out or pathlib.Path(__file__).resolve().parent / "results" / f"{target.platform}-{kind}-{stamp}"
-  report.write(out, env, results)
+  out = cfg.out or ROOT / "bench" / "results" / f"{target.platform}-{kind}-{stamp}"
+  print(f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
+        f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
+        f"{', interpret mode' if target.interpret else ''})", flush=True)
+  results, rollout_runs = [], []
+  with _profiling(cfg.profile, stamp) as profile_dir:
+    for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
+      bar.set_description(case.name)
+      results.append(run_case(case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats))
+    if ROLLOUT in suites:
+      for size in sizes:
+        print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
+        rows, extra = rollout_bench.run(size, cfg.rollout_repeats)
+        rollout_runs.append(dict(size=size, config=rollout_bench.SIZES[size], rows=rows, **extra))
+  if profile_dir:
+    env["profile"] = str(profile_dir)
+  report.write(out, env, results, rollout_runs, plots=cfg.plots)
   print(report.markdown_table(results))
-  print(f"\nwrote {out / 'results.json'} and {out / 'summary.md'}")
+  for run in rollout_runs:
+    print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))
+  print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
+  if profile_dir:
+    print(f"profile: tensorboard --logdir {profile_dir}   |   python -m bench.trace {profile_dir}")
   failed = [r.name for r in results if not r.ok]
+  failed += [f"rollout/{run['size']}/{r.workload}/{r.backend}" for run in rollout_runs for r in run["rows"]
+             if not r.ok]
   if failed:
     print(f"FAILED (parity or error): {failed}", file=sys.stderr)
   return 1 if failed else 0

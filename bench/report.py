@@ -1,4 +1,4 @@
-"""Bench reports: results.json (environment + every case) and a markdown table, also printed."""
+"""Bench reports: results.json (environment, every case, the rollout suite), summary.md, and plots."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 
 import jax
 
+from bench import rollout
 from bench.roofline import DevicePeaks
 from bench.run import CaseResult
 
@@ -73,17 +74,44 @@ def markdown_table(results: list[CaseResult]) -> str:
   return "\n".join(rows)
 
 
-def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult]) -> pathlib.Path:
+def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult], rollout_runs: list[dict] = (),
+          plots: bool = True) -> pathlib.Path:
+  """results.json, summary.md and (with `plots`) roofline.png, time_vs_size.png, rollout.png."""
   out_dir.mkdir(parents=True, exist_ok=True)
-  payload = {"environment": env, "cases": [dataclasses.asdict(r) for r in results]}
+  rollout_json = [dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs]
+  payload = {"environment": env, "cases": [dataclasses.asdict(r) for r in results], "rollout": rollout_json}
   (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
   note = ("\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
           "and parity, and are not kernel performance.\n" if env["interpret_mode"] else "\n")
   header = (f"# Bench: {env['device_kind']} ({env['device_platform']}), jax {env['jax']}, {env['date']}, "
             f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
             f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n")
-  (out_dir / "summary.md").write_text(header + markdown_table(results) + "\n")
+  body = markdown_table(results) if results else "(no kernel cases selected)"
+  for run in rollout_runs:
+    body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
+    body += rollout.markdown(run["rows"], run)
+  figures = _plots(out_dir, env, results, rollout_runs) if plots else []
+  body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
+  (out_dir / "summary.md").write_text(header + body + "\n")
   return out_dir
+
+
+def _rollout_shape(c: dict) -> str:
+  return (f"model {c['model']}, {c['prompts']} prompts x {c['n']} samples, prompt {c['prompt_len']} + "
+          f"{c['new_tokens']} new tokens, page {c['page_size']}")
+
+
+def _plots(out_dir, env, results, rollout_runs) -> list[pathlib.Path]:
+  from bench import plots  # matplotlib: imported only when figures are wanted
+  figures = []
+  if results:
+    figures.append(plots.roofline_chart(results, env["peaks"], out_dir / "roofline.png"))
+    figures.append(plots.time_vs_size(results, out_dir / "time_vs_size.png"))
+  if rollout_runs:
+    rows = [dataclasses.replace(r, workload=f"{run['size']}/{r.workload}") for run in rollout_runs
+            for r in run["rows"]]
+    figures.append(plots.rollout_chart(rows, out_dir / "rollout.png"))
+  return figures
 
 
 def _fmt_flops(impl) -> str:

@@ -9,6 +9,14 @@ so the difference is attention over pages vs the whole dense cache, and the shar
 `varied` (per-request max_new_tokens drawn from [max_new/8, max_new], as GRPO completions end at
 different lengths: continuous batching refills finished slots, a static batch waits for its longest).
 Each backend runs once to compile, then `repeats` timed runs; the median is reported.
+
+Parity on the run's own outputs, so a fast wrong engine never shows as a win: every completion's sampler
+log-probs against a teacher-forced forward of the model on the same tokens (the tolerance table's
+"value" budget in the model's compute dtype, over the vocabulary; the raw largest difference in nats
+is reported beside it), and the fraction of greedy completions identical token for token between the
+backends (reported, not gating: in bf16 two correct engines may round a near-tie differently). The
+random weights are scaled x10 (`rl.model.scale_weights`) so the model's distributions are peaked and
+these checks can catch a wrong engine; throughput does not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ import sys
 
 import jax
 import numpy as np
+from flax import nnx
 
-from rl.model import init_model, preset
-from rl.rollout import EngineConfig, SamplingParams, make_engine
+from bench.tolerances import parity_error
+from rl.model import init_model, preset, scale_weights
+from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
+from rl.train import pack
+from rl.update import token_logps
 
 SIZES = {
     "tiny": dict(model="tiny", prompts=2, n=2, prompt_len=8, new_tokens=8, page_size=8, steps=4),  # tests
@@ -47,6 +59,9 @@ class RolloutBenchRow:
   decode_s: float
   decode_steps: int
   preemptions: int
+  logprob_parity: float  # sampler log-probs vs a teacher-forced forward, error / tolerance (<= 1 passes)
+  logprob_max_abs_diff: float  # the same comparison in nats
+  ok: bool
 
 
 def workload(size: dict, kind: str, seed: int = 0):
@@ -59,14 +74,44 @@ def workload(size: dict, kind: str, seed: int = 0):
   return prompts, params
 
 
-def run(size_name: str, repeats: int = 3, backends=("paged", "dense")) -> list[RolloutBenchRow]:
+def teacher_forced_error(model, result: RolloutResult, prompt_len: int, new_tokens: int,
+                         rows_per_call: int = 8) -> tuple[float, float]:
+  """(largest error / tolerance, largest |difference|) of the sampler log-probs (temperature 1, no top-k / top-p) against the
+  model's log-probs of the same tokens in one forward pass (the trainer's `token_logps`)."""
+  tokens, mask = pack([c.prompt_ids for c in result.completions], [c.token_ids for c in result.completions],
+                      prompt_len, new_tokens, pad_id=0)
+  _, comp_mask, sampler = result.padded(new_tokens)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda st, t, m: token_logps(nnx.merge(graphdef, st), t, m, new_tokens, 1.0))
+  n = len(tokens)
+  pad = -n % rows_per_call  # whole chunks: one compile; [rows, C, V] logits stay small on a real vocab
+  tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, 0)])
+  mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
+  expected = np.concatenate([np.asarray(forward(state, tokens[i:i + rows_per_call], mask[i:i + rows_per_call]))
+                             for i in range(0, len(tokens), rows_per_call)])[:n]
+  cfg = model.cfg
+  actual, expected = sampler[comp_mask], expected[comp_mask]
+  return (parity_error(actual, expected, "value", cfg.dtype, cfg.vocab_size),
+          float(np.max(np.abs(actual - expected), initial=0.0)))
+
+
+def greedy_agreement(a: RolloutResult, b: RolloutResult) -> float:
+  """Fraction of completions identical token for token."""
+  same = [np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.completions, b.completions, strict=True)]
+  return sum(same) / len(same)
+
+
+def run(size_name: str, repeats: int = 3, backends=("paged", "dense")) -> tuple[list[RolloutBenchRow], dict]:
+  """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}})."""
   size = SIZES[size_name]
-  model = init_model(preset(size["model"]), seed=0)
+  model = scale_weights(init_model(preset(size["model"]), seed=0), 10.0)  # peaked: parity means something
   seqs = size["prompts"] * size["n"]
   max_len = size["prompt_len"] + size["new_tokens"]
-  rows = []
+  rows, greedy = [], {}
   for kind in ("fixed", "varied"):
     prompts, params = workload(size, kind)
+    greedy_params = [dataclasses.replace(p, temperature=0.0) for p in params]
+    outs = {}
     for name in backends:
       cfg = EngineConfig(backend=name, max_seq_len=max_len, max_slots=seqs, page_size=size["page_size"],
                          steps_per_sync=size["steps"])
@@ -74,21 +119,28 @@ def run(size_name: str, repeats: int = 3, backends=("paged", "dense")) -> list[R
       engine.generate(prompts, params)  # compile
       results = [engine.generate(prompts, params) for _ in range(repeats)]
       times = [r.stats.total_s for r in results]
-      mid = results[int(np.argsort(times)[len(times) // 2])].stats
-      rows.append(RolloutBenchRow(name, kind, statistics.median(times), mid.generated_tokens,
-                                  mid.generated_tokens / statistics.median(times), mid.prefill_s, mid.decode_s,
-                                  mid.decode_steps, mid.preemptions))
-  return rows
+      mid = results[int(np.argsort(times)[len(times) // 2])]
+      err, diff = teacher_forced_error(model, mid, size["prompt_len"], size["new_tokens"])
+      st = mid.stats
+      rows.append(RolloutBenchRow(name, kind, statistics.median(times), st.generated_tokens,
+                                  st.generated_tokens / statistics.median(times), st.prefill_s, st.decode_s,
+                                  st.decode_steps, st.preemptions, err, diff, err <= 1.0))
+      outs[name] = engine.generate(prompts, greedy_params)
+    greedy[kind] = {name: greedy_agreement(outs[name], outs[backends[-1]]) for name in backends[:-1]}
+  return rows, {"greedy_agreement": greedy, "reference": backends[-1]}
 
 
-def markdown(rows: list[RolloutBenchRow]) -> str:
+def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
   lines = ["| workload | backend | median s | tokens | tokens/s | prefill s | decode s | decode steps | "
-           "speedup vs dense |", "|---|---|---|---|---|---|---|---|---|"]
+           "speedup vs dense | logprob err/tol (max nats) | greedy = dense | ok |", "|" + "---|" * 12]
   dense = {r.workload: r.tokens_per_s for r in rows if r.backend == "dense"}
+  agree = (extra or {}).get("greedy_agreement", {})
   for r in rows:
     speed = f"{r.tokens_per_s / dense[r.workload]:.2f}x" if dense.get(r.workload) else "-"
+    same = agree.get(r.workload, {}).get(r.backend)
     lines.append(f"| {r.workload} | {r.backend} | {r.median_s:.3f} | {r.tokens} | {r.tokens_per_s:.1f} | "
-                 f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} |")
+                 f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} | {r.logprob_parity:.2g} ({r.logprob_max_abs_diff:.2g}) | "
+                 f"{'-' if same is None else f'{100 * same:.0f}%'} | {'yes' if r.ok else 'NO'} |")
   return "\n".join(lines)
 
 
@@ -99,17 +151,17 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=pathlib.Path, default=None, help="write results.json and summary.md here")
   a = p.parse_args(argv)
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  rows = run(size, a.repeats)
-  table = markdown(rows)
+  rows, extra = run(size, a.repeats)
+  table = markdown(rows, extra)
   print(f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}")
   if a.out:
     a.out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, size=size, config=SIZES[size],
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (a.out / "results.json").write_text(json.dumps(dict(meta, rows=[dataclasses.asdict(r) for r in rows]),
-                                                   indent=2))
+    (a.out / "results.json").write_text(json.dumps(dict(meta, rows=[dataclasses.asdict(r) for r in rows],
+                                                        **extra), indent=2))
     (a.out / "summary.md").write_text(table + "\n")
-  return 0
+  return 0 if all(r.ok for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ class CaseResult:
   error: str | None = None
 
 
-def _impl(fn, args, case: Case, peaks, warmup, repeats) -> tuple[ImplResult, object]:
+def _impl(fn, args, case: Case, side: str, peaks, warmup, repeats) -> tuple[ImplResult, object]:
   compiled, compile_s = harness.compile_fn(fn, args)
   outputs = jax.block_until_ready(compiled(*args))
-  timing = harness.time_compiled(compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s)
+  with jax.profiler.TraceAnnotation(f"bench/{case.name}/{side}"):  # names the span in a --profile trace
+    timing = harness.time_compiled(compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s)
   frac = roofline.roofline_fraction(timing.median_s, case.bytes, case.flops, peaks)
   bps = case.bytes / timing.median_s if case.bytes else None
   fps = case.flops / timing.median_s if case.flops else None
@@ -55,8 +56,8 @@ def run_case(case: Case, peaks: roofline.DevicePeaks, *, seed: int = 0, warmup: 
               bytes=case.bytes, flops=case.flops)
   try:
     args = case.make_inputs(seed)
-    kernel, k_out = _impl(case.kernel, args, case, peaks, warmup, repeats)
-    reference, r_out = _impl(case.reference, args, case, peaks, warmup, repeats)
+    kernel, k_out = _impl(case.kernel, args, case, "kernel", peaks, warmup, repeats)
+    reference, r_out = _impl(case.reference, args, case, "reference", peaks, warmup, repeats)
   except Exception as e:  # a broken case is reported as a failed row, not a crashed run
     return CaseResult(**base, kernel=None, reference=None, parity={}, ok=False, speedup=None,
                       error=f"{type(e).__name__}: {e}")

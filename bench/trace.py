@@ -6,7 +6,8 @@ plugin / xprof), its Chrome-trace JSON (`*.trace.json.gz`) and a Perfetto trace 
 `framework_op_stats`) and the trace events jax wrote (phases, kernels, gaps); no protobuf parsing here.
 
 Phases are `jax.profiler.TraceAnnotation`s named `grpo/...` (the loop's `rl.metrics.StepTimer` and the
-rollout engines emit `grpo/rollout`, `grpo/rollout/prefill`, `grpo/rollout/decode`, `grpo/update`, ...).
+rollout engines emit `grpo/rollout`, `grpo/rollout/prefill`, `grpo/rollout/decode`, `grpo/update`, ...)
+or `bench/<case>/<kernel|reference>` (the timed repeats of `python -m bench --profile`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ from collections.abc import Sequence
 
 import jax
 
-PHASE_PREFIX = "grpo/"
+from rl.metrics import profiler_options
+
+PHASE_PREFIX = "grpo/"  # the loop's phases, reported without the prefix
+BENCH_PREFIX = "bench/"  # bench cases' timed repeats, reported by full name
+# The Chrome-trace export keeps the first million events (the XSpace keeps all): a summary that reached
+# this count saw only the start of the run.
+TRACE_EVENT_CAP = 1_000_000
 
 
 @contextlib.contextmanager
-def capture(run_dir: str):
+def capture(run_dir: str, python_frames: bool = False):
   """Profile the enclosed work into `run_dir` (open with `tensorboard --logdir run_dir`)."""
   os.makedirs(run_dir, exist_ok=True)
-  with jax.profiler.trace(run_dir, create_perfetto_trace=True):
+  with jax.profiler.trace(run_dir, create_perfetto_trace=True, profiler_options=profiler_options(python_frames)):
     yield run_dir
 
 
@@ -88,7 +95,7 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   device, where = _device_events(events, procs)
   kernels = collections.Counter()
   counts = collections.Counter()
-  source = device or [e for e in events if not e["name"].startswith(("$", PHASE_PREFIX))]
+  source = device or [e for e in events if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))]
   for e in source:
     kernels[e["name"]] += e.get("dur", 0.0)
     counts[e["name"]] += 1
@@ -96,12 +103,14 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   for e in events:
     if e["name"].startswith(PHASE_PREFIX):
       phases[e["name"][len(PHASE_PREFIX):]] += e.get("dur", 0.0)
+    elif e["name"].startswith(BENCH_PREFIX):
+      phases[e["name"]] += e.get("dur", 0.0)
   gaps = _gaps(device, gap_us) if device else None
   try:
     ops = op_stats(session)
   except Exception as err:  # xprof missing or a format it does not know: the rest still stands
     ops = [{"error": f"{type(err).__name__}: {err}"}]
-  return {"session": session, "timeline": where,
+  return {"session": session, "timeline": where, "truncated": len(events) >= TRACE_EVENT_CAP,
           "top": [{"name": n, "total_us": t, "count": counts[n]} for n, t in kernels.most_common(top)],
           "phases_us": dict(sorted(phases.items())), "gaps": gaps,
           "op_stats": sorted(ops, key=lambda r: -(r.get("total_self_time") or 0))[:top]}
@@ -126,10 +135,15 @@ def _gaps(device_events, gap_us):
 
 
 def format_summary(s: dict) -> str:
-  lines = [f"profile: {s['session']}", f"top ops by total time ({s['timeline']}):"]
+  lines = [f"profile: {s['session']}"]
+  if s.get("truncated"):
+    lines.append(f"WARNING: the trace's event export stopped at {TRACE_EVENT_CAP:,} events, so what follows "
+                 "covers only the start of the run; capture less (fewer bench suites / sizes, fewer steps) "
+                 "or open the .xplane.pb in TensorBoard, which has everything")
+  lines.append(f"top ops by total time ({s['timeline']}):")
   lines += [f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:90]}" for r in s["top"]]
   if s["phases_us"]:
-    lines.append("GRPO phases (host annotations):")
+    lines.append("phases (host annotations: GRPO step phases, bench cases):")
     lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in s["phases_us"].items()]
   if s["gaps"] is not None:
     g = s["gaps"]

@@ -17,6 +17,15 @@ import jax
 JSONL = "metrics.jsonl"
 
 
+def profiler_options(python_frames: bool = False) -> jax.profiler.ProfileOptions:
+  """Options for every trace this project captures. Python-frame tracing is off by default: it
+  records every Python call (millions in a compile-heavy run), hits the trace writer's 1M-event cap and
+  crowds out the annotations and device ops a kernel profile is read for."""
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 1 if python_frames else 0
+  return opts
+
+
 class StepTimer:
   """Wall-clock seconds per named phase of the current step (`with timer("rollout"): ...`); each phase
   is also a profiler annotation `grpo/<phase>`, so captured traces show the same breakdown."""

@@ -31,7 +31,7 @@ from rl.checkpointing import Checkpointer
 from rl.config import GRPOConfig
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.evaluate import evaluate, process_slice as _share
-from rl.metrics import MetricsWriter, StepAverage, StepTimer
+from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options
 from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
@@ -344,7 +344,7 @@ def _profile_window(cfg: GRPOConfig, start: int):
   @contextlib.contextmanager
   def window(step: int):
     if n and step == first:
-      jax.profiler.start_trace(path, create_perfetto_trace=True)
+      jax.profiler.start_trace(path, create_perfetto_trace=True, profiler_options=profiler_options())
     try:
       yield
     finally:

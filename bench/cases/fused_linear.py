@@ -12,7 +12,7 @@ import kernels
 from bench.cases import Case, Check
 from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
 
-SHAPES_BY_SIZE = {"small": ("cpu-small", "cpu-mid"), "large": PRODUCTION_LINEAR_LOSS_SHAPES}
+SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small", "cpu-mid"), "large": PRODUCTION_LINEAR_LOSS_SHAPES}
 
 
 def make_inputs(shape: LinearLossShape, seed: int):

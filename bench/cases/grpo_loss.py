@@ -11,7 +11,7 @@ import kernels
 from bench.cases import Case, Check
 from bench.shapes import LOSS_SHAPES, PRODUCTION_LOSS_SHAPES, LossShape
 
-SHAPES_BY_SIZE = {"small": ("cpu-small", "cpu-medium"), "large": PRODUCTION_LOSS_SHAPES}
+SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small", "cpu-medium"), "large": PRODUCTION_LOSS_SHAPES}
 
 
 def make_inputs(shape: LossShape, seed: int):

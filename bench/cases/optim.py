@@ -19,7 +19,7 @@ from bench.cases import Case, Check
 from bench.shapes import decoder_param_shapes
 from kernels import optim
 
-SHAPES_BY_SIZE = {"small": ("cpu-small",), "large": ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small",), "large": ("qwen2.5-0.5b", "qwen2.5-1.5b")}
 # bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes p, mu
 BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4}
 HYPER = {"adamw": dict(learning_rate=1e-3, weight_decay=0.1), "lion": dict(learning_rate=1e-4, weight_decay=0.1)}

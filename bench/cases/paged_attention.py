@@ -14,7 +14,7 @@ import kernels
 from bench.cases import Case, Check
 from bench.shapes import PAGED_SHAPES, PRODUCTION_PAGED_SHAPES, PagedShape
 
-SHAPES_BY_SIZE = {"small": ("cpu-small",), "large": PRODUCTION_PAGED_SHAPES}
+SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small",), "large": PRODUCTION_PAGED_SHAPES}
 
 
 def make_inputs(shape: PagedShape, seed: int):

@@ -163,6 +163,16 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen:
   return Qwen(cfg, rngs=nnx.Rngs(seed))
 
 
+def scale_weights(model: Qwen, factor: float) -> Qwen:
+  """Multiply every non-norm parameter by `factor`, in place. HF's init makes a near-uniform random
+  model; scaled (x10), its greedy outputs vary and its log-probs are peaked, so token-for-token and
+  log-prob comparisons between engines have something to catch."""
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree_util.tree_map_with_path(
+      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else x * factor, params))
+  return model
+
+
 def abstract_model(cfg: ModelConfig) -> Qwen:
   """The decoder with `jax.ShapeDtypeStruct` leaves: the skeleton a checkpoint is loaded into."""
   return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))

@@ -3,7 +3,8 @@
 Kernel and reference of a case share a benchmark group, so pytest-benchmark prints them side by side
 (``--benchmark-autosave`` / ``--benchmark-compare`` track them across runs). The kernel side asserts
 parity first: a fast wrong kernel fails instead of timing. The default test run passes
-``--benchmark-disable``, which runs each body once as a smoke test.
+``--benchmark-disable``, which runs each body once as a smoke test, at the harness's tiny size; a
+benchmarking run uses the bench's size for the backend (small on CPU, large on an accelerator).
 """
 
 import jax
@@ -16,11 +17,16 @@ from bench.tolerances import parity_error
 from kernels import backend
 
 _TARGET = backend.resolve()
-CASES = all_cases("small" if _TARGET.platform == "cpu" else "large", _TARGET.platform)
+
+
+def pytest_generate_tests(metafunc):
+  if "case" in metafunc.fixturenames:
+    timing = not metafunc.config.getoption("benchmark_disable")
+    size = ("small" if _TARGET.platform == "cpu" else "large") if timing else "tiny"
+    metafunc.parametrize("case", all_cases(size, _TARGET.platform), ids=lambda c: c.name)
 
 
 @pytest.mark.parametrize("side", ["kernel", "reference"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bench(benchmark, case, side):
   args = case.make_inputs(0)
   compiled, _ = harness.compile_fn(getattr(case, side), args)

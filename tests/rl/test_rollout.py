@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rl.model import init_model, preset
+from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine
 from rl.rollout.paged_cache import PagePool
 from rl.rollout.sampling import processed_logprobs
@@ -16,18 +16,9 @@ from rl.tokenizer import ByteTokenizer
 PROMPT_LENS = [5, 17, 3, 30, 9, 12]  # ragged: some end on a page boundary of 8, most do not
 
 
-def _spread(model, factor=10.0):
-  """HF's N(0, 0.02) init makes a near-uniform, repetitive tiny model; scaling the weights gives varied
-  greedy outputs, so token-for-token equality actually tests something."""
-  params = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree_util.tree_map_with_path(
-      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else x * factor, params))
-  return model
-
-
 @pytest.fixture(scope="module")
 def model():
-  return _spread(init_model(preset("tiny", dtype="float32"), seed=0))
+  return scale_weights(init_model(preset("tiny", dtype="float32"), seed=0), 10.0)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +127,7 @@ def test_context_limit_finishes_with_length(model, prompts):
 
 
 def test_engine_reads_live_weights(prompts):
-  model = _spread(init_model(preset("tiny", dtype="float32"), seed=1))
+  model = scale_weights(init_model(preset("tiny", dtype="float32"), seed=1), 10.0)
   engine = _engine(model, "paged")
   sp = SamplingParams(max_new_tokens=8, temperature=0.0)
   before = engine.generate(prompts[:2], sp)
