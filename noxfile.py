@@ -1,6 +1,7 @@
 """Sessions: ``nox -s tests`` (what CI runs), ``nox -s bench`` (the main job), ``nox -s lower``,
 ``nox -s train`` (the GRPO loop on the embedded default), ``nox -s parity`` (end-to-end parity of the
-loop's xla and pallas losses over seeds), ``nox -s profile`` (captured traces and their summaries).
+loop's xla and pallas losses over seeds), ``nox -s profile`` (captured traces and their summaries),
+``nox -s sglang`` (the sglang-jax rollout backend's tests and its throughput vs our engines, Python 3.12).
 
 Each session installs the project with its dev extras into its own virtualenv, so both commands work
 on a fresh machine with only Python >= 3.11 and nox. Arguments after ``--`` go to the tool.
@@ -68,3 +69,14 @@ def profile(session: nox.Session):
               "train.steps=4", "eval.full_at_end=false", "run.out_dir=runs/profile-loop", "run.profile_steps=2",
               "run.profile_dir=profiles/loop")
   session.run("python", "-m", "bench.trace", "profiles/loop")
+
+
+@nox.session(python="3.12")
+def sglang(session: nox.Session):
+  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU, then the rollout
+  bench with it beside the paged and dense engines. `.ci/run` runs this when a python3.12 exists."""
+  session.install("-e", ".[sglang]", "pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
+  session.run("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
+              "tests/rl/test_sglang_jax.py", "tests/rl/test_sglang_jax_loop.py", *session.posargs)
+  session.run("python", "-m", "bench.rollout", "--size", "tiny-h128", "--backend", "paged", "--backend", "dense",
+              "--backend", "sglang_jax", "--repeats", "3")

@@ -3,6 +3,9 @@ the same run, on a random model of a real preset's shape (no checkpoint needed).
 
     python -m bench.rollout                       # CPU: the tiny model, small batch
     python -m bench.rollout --size large          # GPU/TPU: Qwen2.5-0.5B shape, 128 x (256 + 512)
+    python -m bench.rollout --size h128 --backend paged --backend sglang_jax --backend dense
+                                                  # with sglang-jax (needs head_dim 128: tiny-h128 here,
+                                                  # Qwen2.5-1.5B with --size large-h128 on a TPU / GPU)
 
 Two workloads: `fixed` (every completion runs to max_new_tokens: the engines do the same decode work,
 so the difference is attention over pages vs the whole dense cache, and the shared group prefill) and
@@ -45,7 +48,12 @@ SIZES = {
     "small": dict(model="tiny", prompts=8, n=2, prompt_len=32, new_tokens=64, page_size=16, steps=8),
     "large": dict(model="qwen2.5-0.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16,
                   steps=16),
+    # shapes sglang-jax 0.1.0rc0 runs (head_dim 128, >= 2 KV heads)
+    "h128": dict(model="tiny-h128", prompts=8, n=2, prompt_len=32, new_tokens=64, page_size=16, steps=8),
+    "large-h128": dict(model="qwen2.5-1.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16,
+                       steps=16),
 }
+BACKENDS = ("paged", "dense")  # the default comparison; the last named backend is the greedy reference
 
 
 @dataclasses.dataclass
@@ -101,7 +109,7 @@ def greedy_agreement(a: RolloutResult, b: RolloutResult) -> float:
   return sum(same) / len(same)
 
 
-def run(size_name: str, repeats: int = 3, backends=("paged", "dense")) -> tuple[list[RolloutBenchRow], dict]:
+def run(size_name: str, repeats: int = 3, backends=BACKENDS) -> tuple[list[RolloutBenchRow], dict]:
   """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}})."""
   size = SIZES[size_name]
   model = scale_weights(init_model(preset(size["model"]), seed=0), 10.0)  # peaked: parity means something
@@ -126,13 +134,16 @@ def run(size_name: str, repeats: int = 3, backends=("paged", "dense")) -> tuple[
                                   st.generated_tokens / statistics.median(times), st.prefill_s, st.decode_s,
                                   st.decode_steps, st.preemptions, err, diff, err <= 1.0))
       outs[name] = engine.generate(prompts, greedy_params)
+      if hasattr(engine, "close"):  # sglang_jax: stop its scheduler threads before the next engine
+        engine.close()
     greedy[kind] = {name: greedy_agreement(outs[name], outs[backends[-1]]) for name in backends[:-1]}
   return rows, {"greedy_agreement": greedy, "reference": backends[-1]}
 
 
 def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
+  ref = (extra or {}).get("reference", "dense")
   lines = ["| workload | backend | median s | tokens | tokens/s | prefill s | decode s | decode steps | "
-           "speedup vs dense | logprob err/tol (max nats) | greedy = dense | ok |", "|" + "---|" * 12]
+           f"speedup vs dense | logprob err/tol (max nats) | greedy = {ref} | ok |", "|" + "---|" * 12]
   dense = {r.workload: r.tokens_per_s for r in rows if r.backend == "dense"}
   agree = (extra or {}).get("greedy_agreement", {})
   for r in rows:
@@ -148,10 +159,13 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__.split("\n")[0])
   p.add_argument("--size", choices=sorted(SIZES), default=None)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--backend", action="append", choices=("paged", "dense", "sglang_jax"),
+                 help="repeatable, in table order; the last is the greedy-agreement reference "
+                      f"(default: {' '.join(BACKENDS)})")
   p.add_argument("--out", type=pathlib.Path, default=None, help="write results.json and summary.md here")
   a = p.parse_args(argv)
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  rows, extra = run(size, a.repeats)
+  rows, extra = run(size, a.repeats, tuple(a.backend) if a.backend else BACKENDS)
   table = markdown(rows, extra)
   print(f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}")
   if a.out:

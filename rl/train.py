@@ -332,6 +332,8 @@ class Trainer:
   def close(self) -> None:
     self.writer.close()
     self.checkpointer.close()
+    if hasattr(self.engine, "close"):  # sglang_jax: stop its scheduler threads
+      self.engine.close()
 
 
 def _profile_window(cfg: GRPOConfig, start: int):

@@ -25,6 +25,9 @@ PRESETS: dict[str, ModelConfig] = {
                               num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024,
                               rope_theta=10000.0, qkv_bias=False, qk_norm=True, model_type="qwen3",
                               tie_word_embeddings=False),
+    # The smallest shape sglang-jax 0.1.0rc0's attention runs (head_dim 128, >= 2 KV heads): its tests.
+    "tiny-h128": ModelConfig(vocab_size=EMBEDDED_VOCAB, hidden_size=256, intermediate_size=176, num_layers=2,
+                             num_heads=2, num_kv_heads=2, max_position_embeddings=1024, rope_theta=10000.0),
     # The embedded default of the training loop: learns the synthetic task on CPU in minutes.
     "cpu-small": ModelConfig(vocab_size=EMBEDDED_VOCAB, hidden_size=128, intermediate_size=352, num_layers=4,
                              num_heads=4, num_kv_heads=2, max_position_embeddings=1024, rope_theta=10000.0),

@@ -3,6 +3,8 @@
 Backends share one interface (`generate(prompts, params) -> RolloutResult`) and the same device steps:
   * ``paged``: continuous batching on the paged KV cache, decode attention in `kernels.paged_attention`.
   * ``dense``: a static batch on a dense cache, the reference sampler.
+  * ``sglang_jax``: sglang-jax's Engine in this process, weights synced in memory before each generate
+    (optional: the `sglang` extra, Python >= 3.12).
 """
 
 from __future__ import annotations
@@ -23,5 +25,7 @@ def make_engine(model, config: EngineConfig, tokenizer=None, eos_ids=None) -> Ro
     return PagedEngine(model, config, tokenizer, eos_ids)
   if config.backend == "dense":
     return DenseEngine(model, config, tokenizer, eos_ids)
-  raise ValueError(f"rollout backend {config.backend!r} is not available in this build "
-                   "(sglang_jax arrives with its own issue)")
+  if config.backend == "sglang_jax":
+    from rl.rollout.sglang_jax import SglangJaxEngine  # imports sglang-jax only when asked for
+    return SglangJaxEngine(model, config, tokenizer, eos_ids)
+  raise ValueError(f"unknown rollout backend {config.backend!r}")

@@ -193,3 +193,13 @@ def test_bad_engine_config(kwargs, match):
 def test_bad_sampling_params(kwargs):
   with pytest.raises(ValueError):
     SamplingParams(**kwargs)
+
+
+def test_sglang_backend_without_its_extra_is_a_clear_error():
+  try:
+    import sgl_jax  # noqa: F401
+    pytest.skip("sglang-jax is installed here: tests/rl/test_sglang_jax.py covers the backend")
+  except ImportError:
+    pass
+  with pytest.raises(ImportError, match=r"pip install -e '\.\[sglang\]'"):
+    make_engine(init_model(preset("tiny-h128")), EngineConfig(backend="sglang_jax", max_seq_len=64))

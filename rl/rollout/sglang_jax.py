@@ -1,0 +1,220 @@
+"""sglang-jax as an in-process rollout backend (`rollout.backend: sglang_jax`), with in-memory weight sync.
+
+The way TPU RL recipes roll out (Tunix's SGLang-JAX sampler): sglang-jax's `Engine` runs as a library in
+this process (`enable_single_process=True`: scheduler threads, no server, no tokenizer), starts on dummy
+weights, and before each `generate` the trainer's current parameters are written into its model runner
+(`model_runner.model_state_leaves`, the flat list its jitted forward reads on every call). Nothing is
+restarted or recompiled; a leaf whose dtype and device layout already match is handed over as is
+(no copy), otherwise it is cast / transposed / placed once per sync.
+
+Parameter names: ours are HF's (see rl.model.checkpoint.hf_name) with flax leaf names; sglang-jax's
+Qwen2 / Qwen3 keep HF's module paths with `weight` ([in, out], like ours), `scale` (norms),
+`embedding` (token embedding, and an untied `lm_head` stored [V, H], ours is [H, V]). With tied
+embeddings sglang-jax has no lm_head and reads the embedding, as we do. Every one of our parameters must
+land on exactly one sglang leaf of the same shape, and every sglang weight must receive one: anything
+else is an error, never a silent partial sync (a stale untied head is the classic bug).
+
+Differences from the `paged` / `dense` backends, by design of sglang-jax 0.1.0rc0:
+  * sampling draws are sglang's (seeded per sample from (seed, sample_index)), so sampled tokens differ
+    from ours; greedy outputs match ours token for token (tested);
+  * the log-probs are under softmax(logits / temperature) without top-k / top-p renormalisation (equal
+    to ours when top_k = 0 and top_p = 1, and for greedy);
+  * stop strings are applied after generation (the engine runs without a tokenizer); prefill / decode
+    time are not separated in the stats (only the total).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rl.model import partition
+from rl.model.checkpoint import hf_name
+from rl.rollout.engine import RolloutEngine, Seq
+from rl.rollout.types import RolloutStats, SamplingParams
+
+SUPPORTED_MODELS = ("qwen2", "qwen3")
+_ATTENTION = {"tpu": ("fa", 128)}  # platform -> (attention backend, page size); elsewhere native, 1
+
+
+def _import_engine():
+  try:
+    from sgl_jax.srt.entrypoints.engine import Engine
+  except ImportError as e:
+    raise ImportError("rollout.backend=sglang_jax needs sglang-jax (Python >= 3.12): "
+                      "pip install -e '.[sglang]' (see the README's sglang-jax section)") from e
+  return Engine
+
+
+def sglang_path(our_name: str) -> tuple[str, bool]:
+  """Our parameter name -> (sglang-jax state path, whether sglang's array is ours transposed)."""
+  hf, _ = hf_name(our_name)
+  if hf == "lm_head.weight":
+    return "lm_head.embedding", True  # sglang keeps HF's [V, H]; ours is [H, V]
+  leaf = hf.rsplit(".", 1)[-1]
+  base = hf[: -len(leaf) - 1]
+  if base.endswith("embed_tokens"):
+    return f"{base}.embedding", False
+  if base.endswith("norm"):
+    return f"{base}.scale", False
+  return f"{base}.{leaf}", False  # linear weight / bias: sglang stores HF's [out, in] as [in, out], as we do
+
+
+def _state_path(path) -> str:
+  parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+  return ".".join(p for p in parts if p != "value")
+
+
+class SglangJaxEngine(RolloutEngine):
+  """`generate(prompts, params) -> RolloutResult` on sglang-jax, reading the live model's weights.
+
+  One live engine per process: sglang-jax keeps process-global state (server args, mesh), and a second
+  engine beside a running one was seen to generate wrong tokens. `close()` one before making another.
+  """
+
+  _live: "SglangJaxEngine | None" = None
+
+  def __init__(self, model, config, tokenizer=None, eos_ids=None, *, log_level: str = "error"):
+    super().__init__(model, config, tokenizer, eos_ids)
+    cfg = model.cfg
+    if cfg.model_type not in SUPPORTED_MODELS:
+      raise ValueError(f"sglang_jax backend supports {SUPPORTED_MODELS}, not model_type={cfg.model_type!r}")
+    if cfg.dim_per_head % 128 or cfg.num_kv_heads < 2:
+      # 0.1.0rc0 pads narrower heads to 128 lanes in attention but not in dummy-loaded weights, and its KV
+      # pool mis-shards a single KV head: both fail deep inside its jitted forward.
+      raise ValueError(f"sglang-jax 0.1.0rc0 needs head_dim a multiple of 128 and >= 2 KV heads; this model "
+                       f"has head_dim={cfg.dim_per_head}, num_kv_heads={cfg.num_kv_heads} (e.g. Qwen2.5-1.5B / 3B "
+                       "/ 7B fit, Qwen2.5-0.5B's head_dim 64 does not; the preset tiny-h128 is the small one)")
+    if jax.process_count() > 1:
+      raise ValueError("the sglang_jax backend runs one engine per process on one device; multi-process "
+                       "runs use the paged backend")
+    if config.cache_dtype not in (None, cfg.dtype):
+      raise ValueError(f"sglang_jax keeps its KV cache in the model dtype ({cfg.dtype}); cache_dtype="
+                       f"{config.cache_dtype!r} is not supported")
+    if SglangJaxEngine._live is not None:
+      raise RuntimeError("an sglang_jax engine is already running in this process; close() it first "
+                         "(sglang-jax keeps process-global state, two engines interfere)")
+    Engine = _import_engine()
+    platform = jax.default_backend()
+    attention, page = _ATTENTION.get(platform, ("native", 1))
+    # load_format="dummy" reads only config.json; the weights arrive by sync_weights().
+    self._config_dir = tempfile.TemporaryDirectory(prefix="sglang-jax-model-")
+    # No eos in its config: the engine stops on exactly the ids each request names (ours), as ours do.
+    hf = dict(cfg.to_hf(), torch_dtype=cfg.dtype, eos_token_id=None)
+    with open(os.path.join(self._config_dir.name, "config.json"), "w") as f:
+      json.dump(hf, f)
+    args = dict(model_path=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
+                enable_single_process=True, device=platform, dtype=cfg.dtype, tp_size=1,
+                device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
+                attention_backend=attention, page_size=page, context_length=config.max_seq_len,
+                max_total_tokens=config.max_slots * config.max_seq_len, max_running_requests=config.max_slots,
+                grammar_backend="none", disable_precompile=platform == "cpu", log_level=log_level)
+    if config.sglang_mem_fraction is not None:
+      args["mem_fraction_static"] = config.sglang_mem_fraction
+    self.engine = Engine(**args)
+    SglangJaxEngine._live = self
+    self._runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
+    self._plan = self._weight_plan()
+    self._synced: list | None = None
+    self.sync_weights()
+
+  # ----------------------------------------------------------------------------------- weights
+  def _weight_plan(self) -> list[tuple[int, str, bool]]:
+    """(index into the runner's flat state, our parameter name, transpose) for every parameter."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.split(self._runner.model)[1])[0]
+    index = {_state_path(p): (i, leaf) for i, (p, leaf) in enumerate(flat)}
+    ours = {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+        nnx.state(self.model, nnx.Param))}
+    plan, used = [], set()
+    for name, x in ours.items():
+      target, transpose = sglang_path(name)
+      if target not in index:
+        raise ValueError(f"parameter {name} maps to sglang-jax {target!r}, which its model does not have "
+                         f"(its weights: {sorted(k for k in index if 'layers.1.' not in k)[:12]} ...)")
+      i, leaf = index[target]
+      want = tuple(leaf.shape)
+      have = tuple(x.shape[::-1] if transpose else x.shape)
+      if want != have:
+        raise ValueError(f"parameter {name} {tuple(x.shape)} does not fit sglang-jax {target} {want} (padded "
+                         "or replicated heads, e.g. tp_size > num_kv_heads, are not supported)")
+      plan.append((i, name, transpose))
+      used.add(target)
+    missed = [k for k in index if k not in used and k.rsplit(".", 1)[-1] in ("weight", "bias", "scale", "embedding")]
+    if missed:
+      raise ValueError(f"sglang-jax weights with no parameter of ours to fill them: {missed[:8]}")
+    return plan
+
+  def sync_weights(self) -> int:
+    """Write the model's current parameters into the engine; returns how many leaves were copied
+    (0 after the first sync when nothing changed: identical arrays are not resent)."""
+    ours = {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+        nnx.state(self.model, nnx.Param))}
+    current = [ours[name] for _, name, _ in self._plan]
+    if self._synced is not None and all(a is b for a, b in zip(current, self._synced)):
+      return 0
+    leaves = list(self._runner.model_state_leaves)
+    copies = 0
+    for (i, _, transpose), x in zip(self._plan, current):
+      dst = leaves[i]
+      y = x.T if transpose else x
+      if y.dtype != dst.dtype:
+        y = y.astype(dst.dtype)
+      if y is x and x.sharding.is_equivalent_to(dst.sharding, x.ndim):
+        leaves[i] = x  # same dtype and layout: the engine reads the trainer's buffer
+        continue
+      leaves[i] = jax.device_put(y, dst.sharding)
+      copies += 1
+    self._runner.model_state_leaves = leaves
+    self._synced = current
+    # The radix cache holds KV computed with the old weights: reusing a cached prefix would mix policies.
+    if not self.engine.flush_cache().success:
+      raise RuntimeError("sglang-jax did not flush its prefix cache after a weight sync")
+    return copies
+
+  # ----------------------------------------------------------------------------------- generation
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
+    t0 = time.perf_counter()
+    groups = self._requests(prompts, params)
+    self.sync_weights()
+    seqs = [s for g in groups for s in g]
+    outs = self.engine.generate(input_ids=[s.prompt for s in seqs],
+                                sampling_params=[self._sampling(s) for s in seqs], return_logprob=True)
+    stats = RolloutStats()
+    for s, out in zip(seqs, outs, strict=True):
+      self._finish(s, out)
+      meta = out["meta_info"]
+      stats.prefill_tokens += int(meta.get("prompt_tokens", len(s.prompt))) - int(meta.get("cached_tokens", 0))
+      s.admitted = t0
+    return self._result(groups, stats, t0)
+
+  @staticmethod
+  def _sampling(s: Seq) -> dict:
+    p = s.params
+    return dict(max_new_tokens=s.limit, temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else -1,
+                top_p=p.top_p, stop_token_ids=list(s.stop_ids),
+                sampling_seed=(p.seed * 1_000_003 + s.sample_index) % (2**31 - 1), skip_special_tokens=False)
+
+  def _finish(self, s: Seq, out: dict) -> None:
+    tokens = [int(t) for t in out["output_ids"]]
+    logps = [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
+    if len(logps) != len(tokens):
+      raise RuntimeError(f"sglang-jax returned {len(tokens)} tokens but {len(logps)} log-probs")
+    self._accept(s, tokens, logps)
+    reason = out["meta_info"]["finish_reason"] or {}
+    if s.finish is None:  # sglang stopped without our rules firing: trust its reason, but say which
+      s.finish = "length" if reason.get("type") == "length" else "eos"
+
+  def close(self) -> None:
+    """Stop the engine's threads (also at interpreter exit, by sglang's own atexit hook)."""
+    if getattr(self, "engine", None) is not None:
+      self.engine.shutdown()
+      self.engine = None
+      SglangJaxEngine._live = None
+    self._config_dir.cleanup()
