@@ -73,10 +73,9 @@ def profile(session: nox.Session):
 
 @nox.session(python="3.12")
 def sglang(session: nox.Session):
-  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU, then the rollout
-  bench with it beside the paged and dense engines. `.ci/run` runs this when a python3.12 exists."""
+  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU. `.ci/run` runs
+  this when a python3.12 exists. (The tokens/s comparison, `python -m bench.rollout --size h128 --backend
+  paged --backend dense --backend sglang_jax`, is not run here yet: see the README's sglang-jax status.)"""
   session.install("-e", ".[sglang]", "pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
   session.run("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
               "tests/rl/test_sglang_jax.py", "tests/rl/test_sglang_jax_loop.py", *session.posargs)
-  session.run("python", "-m", "bench.rollout", "--size", "tiny-h128", "--backend", "paged", "--backend", "dense",
-              "--backend", "sglang_jax", "--repeats", "3")

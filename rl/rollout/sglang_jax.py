@@ -113,7 +113,7 @@ class SglangJaxEngine(RolloutEngine):
     args = dict(model_path=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
                 enable_single_process=True, device=platform, dtype=cfg.dtype, tp_size=1,
                 device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
-                attention_backend=attention, page_size=page, context_length=config.max_seq_len,
+                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 1,  # it wants total < context
                 max_total_tokens=config.max_slots * config.max_seq_len, max_running_requests=config.max_slots,
                 grammar_backend="none", disable_precompile=platform == "cpu", log_level=log_level)
     if config.sglang_mem_fraction is not None:
@@ -152,31 +152,28 @@ class SglangJaxEngine(RolloutEngine):
     return plan
 
   def sync_weights(self) -> int:
-    """Write the model's current parameters into the engine; returns how many leaves were copied
-    (0 after the first sync when nothing changed: identical arrays are not resent)."""
+    """Write the model's current parameters into the engine; returns how many leaves were written
+    (0 when nothing changed since the last sync: identical arrays are not resent)."""
     ours = {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
         nnx.state(self.model, nnx.Param))}
     current = [ours[name] for _, name, _ in self._plan]
     if self._synced is not None and all(a is b for a, b in zip(current, self._synced)):
       return 0
     leaves = list(self._runner.model_state_leaves)
-    copies = 0
     for (i, _, transpose), x in zip(self._plan, current):
       dst = leaves[i]
       y = x.T if transpose else x
       if y.dtype != dst.dtype:
         y = y.astype(dst.dtype)
-      if y is x and x.sharding.is_equivalent_to(dst.sharding, x.ndim):
-        leaves[i] = x  # same dtype and layout: the engine reads the trainer's buffer
-        continue
+      # Onto the engine's own mesh (its explicit-sharding forward rejects arrays of ours); where dtype
+      # and device layout already match this re-labels the buffer rather than converting it.
       leaves[i] = jax.device_put(y, dst.sharding)
-      copies += 1
     self._runner.model_state_leaves = leaves
     self._synced = current
     # The radix cache holds KV computed with the old weights: reusing a cached prefix would mix policies.
     if not self.engine.flush_cache().success:
       raise RuntimeError("sglang-jax did not flush its prefix cache after a weight sync")
-    return copies
+    return len(leaves)
 
   # ----------------------------------------------------------------------------------- generation
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
