@@ -134,8 +134,7 @@ def run(size_name: str, repeats: int = 3, backends=BACKENDS) -> tuple[list[Rollo
                                   st.generated_tokens / statistics.median(times), st.prefill_s, st.decode_s,
                                   st.decode_steps, st.preemptions, err, diff, err <= 1.0))
       outs[name] = engine.generate(prompts, greedy_params)
-      if hasattr(engine, "close"):  # sglang_jax: stop its scheduler threads before the next engine
-        engine.close()
+      engine.close()  # sglang_jax: its threads stop before the next engine starts
     greedy[kind] = {name: greedy_agreement(outs[name], outs[backends[-1]]) for name in backends[:-1]}
   return rows, {"greedy_agreement": greedy, "reference": backends[-1]}
 

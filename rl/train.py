@@ -332,8 +332,7 @@ class Trainer:
   def close(self) -> None:
     self.writer.close()
     self.checkpointer.close()
-    if hasattr(self.engine, "close"):  # sglang_jax: stop its scheduler threads
-      self.engine.close()
+    self.engine.close()
 
 
 def _profile_window(cfg: GRPOConfig, start: int):

@@ -158,6 +158,9 @@ class RolloutEngine:
                ) -> RolloutResult:
     raise NotImplementedError
 
+  def close(self) -> None:
+    """Release what the backend holds outside this process's arrays (sglang_jax: its threads)."""
+
 
 def bucket(n: int, minimum: int = 16) -> int:
   """The next power of two >= n (>= minimum): bounded recompiles for ragged prompt batches."""

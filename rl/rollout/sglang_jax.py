@@ -4,8 +4,9 @@ The way TPU RL recipes roll out (Tunix's SGLang-JAX sampler): sglang-jax's `Engi
 this process (`enable_single_process=True`: scheduler threads, no server, no tokenizer), starts on dummy
 weights, and before each `generate` the trainer's current parameters are written into its model runner
 (`model_runner.model_state_leaves`, the flat list its jitted forward reads on every call). Nothing is
-restarted or recompiled; a leaf whose dtype and device layout already match is handed over as is
-(no copy), otherwise it is cast / transposed / placed once per sync.
+restarted or recompiled; each leaf is placed on the engine's own sharding with `jax.device_put`, cast
+or transposed only where dtype or layout differ (a bf16 engine over f32 master weights costs one cast
+per sync), and a sync that finds no new parameter arrays does nothing.
 
 Parameter names: ours are HF's (see rl.model.checkpoint.hf_name) with flax leaf names; sglang-jax's
 Qwen2 / Qwen3 keep HF's module paths with `weight` ([in, out], like ours), `scale` (norms),
@@ -67,11 +68,6 @@ def sglang_path(our_name: str) -> tuple[str, bool]:
   return f"{base}.{leaf}", False  # linear weight / bias: sglang stores HF's [out, in] as [in, out], as we do
 
 
-def _state_path(path) -> str:
-  parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-  return ".".join(p for p in parts if p != "value")
-
-
 class SglangJaxEngine(RolloutEngine):
   """`generate(prompts, params) -> RolloutResult` on sglang-jax, reading the live model's weights.
 
@@ -113,7 +109,8 @@ class SglangJaxEngine(RolloutEngine):
     args = dict(model_path=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
                 enable_single_process=True, device=platform, dtype=cfg.dtype, tp_size=1,
                 device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
-                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 1,  # it wants total < context
+                # context + 1: sglang-jax wants prompt + new tokens < context, ours allow == max_seq_len
+                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 1,
                 max_total_tokens=config.max_slots * config.max_seq_len, max_running_requests=config.max_slots,
                 grammar_backend="none", disable_precompile=platform == "cpu", log_level=log_level)
     if config.sglang_mem_fraction is not None:
@@ -129,11 +126,9 @@ class SglangJaxEngine(RolloutEngine):
   def _weight_plan(self) -> list[tuple[int, str, bool]]:
     """(index into the runner's flat state, our parameter name, transpose) for every parameter."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.split(self._runner.model)[1])[0]
-    index = {_state_path(p): (i, leaf) for i, (p, leaf) in enumerate(flat)}
-    ours = {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
-        nnx.state(self.model, nnx.Param))}
+    index = {partition.path_name(p): (i, leaf) for i, (p, leaf) in enumerate(flat)}
     plan, used = [], set()
-    for name, x in ours.items():
+    for name, x in self._params().items():
       target, transpose = sglang_path(name)
       if target not in index:
         raise ValueError(f"parameter {name} maps to sglang-jax {target!r}, which its model does not have "
@@ -151,11 +146,15 @@ class SglangJaxEngine(RolloutEngine):
       raise ValueError(f"sglang-jax weights with no parameter of ours to fill them: {missed[:8]}")
     return plan
 
+  def _params(self) -> dict:
+    """Our parameter name -> the live model's current array."""
+    return {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+        nnx.state(self.model, nnx.Param))}
+
   def sync_weights(self) -> int:
     """Write the model's current parameters into the engine; returns how many leaves were written
     (0 when nothing changed since the last sync: identical arrays are not resent)."""
-    ours = {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
-        nnx.state(self.model, nnx.Param))}
+    ours = self._params()
     current = [ours[name] for _, name, _ in self._plan]
     if self._synced is not None and all(a is b for a, b in zip(current, self._synced)):
       return 0
@@ -165,15 +164,14 @@ class SglangJaxEngine(RolloutEngine):
       y = x.T if transpose else x
       if y.dtype != dst.dtype:
         y = y.astype(dst.dtype)
-      # Onto the engine's own mesh (its explicit-sharding forward rejects arrays of ours); where dtype
-      # and device layout already match this re-labels the buffer rather than converting it.
+      # Onto the engine's own mesh: its explicit-sharding forward rejects arrays laid out on ours.
       leaves[i] = jax.device_put(y, dst.sharding)
     self._runner.model_state_leaves = leaves
     self._synced = current
     # The radix cache holds KV computed with the old weights: reusing a cached prefix would mix policies.
     if not self.engine.flush_cache().success:
       raise RuntimeError("sglang-jax did not flush its prefix cache after a weight sync")
-    return len(leaves)
+    return len(self._plan)
 
   # ----------------------------------------------------------------------------------- generation
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
