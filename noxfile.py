@@ -73,8 +73,8 @@ def profile(session: nox.Session):
 
 @nox.session(python="3.12")
 def sglang(session: nox.Session):
-  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU. `.ci/run` runs
-  this when a python3.12 exists. (The tokens/s comparison, `python -m bench.rollout --size h128 --backend
+  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU. `.ci/run` will
+  run this once its tests are reliable (issue 9: wrong tokens in 2 of 4 full runs). (The tokens/s comparison, `python -m bench.rollout --size h128 --backend
   paged --backend dense --backend sglang_jax`, is not run here yet: see the README's sglang-jax status.)"""
   session.install("-e", ".[sglang]", "pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
   session.run("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
