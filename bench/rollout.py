@@ -109,21 +109,34 @@ def greedy_agreement(a: RolloutResult, b: RolloutResult) -> float:
   return sum(same) / len(same)
 
 
+WORKLOADS = ("fixed", "varied")
+
+
+def bench_model(size_name: str):
+  """The size's random model, weights scaled x10 so its distributions are peaked (parity means something)."""
+  return scale_weights(init_model(preset(SIZES[size_name]["model"]), seed=0), 10.0)
+
+
+def bench_engine(model, size_name: str, backend: str):
+  """An engine with room for the whole workload at once; no EOS, so every request runs to its length."""
+  size = SIZES[size_name]
+  cfg = EngineConfig(backend=backend, max_seq_len=size["prompt_len"] + size["new_tokens"],
+                     max_slots=size["prompts"] * size["n"], page_size=size["page_size"],
+                     steps_per_sync=size["steps"])
+  return make_engine(model, cfg, eos_ids=[])
+
+
 def run(size_name: str, repeats: int = 3, backends=BACKENDS) -> tuple[list[RolloutBenchRow], dict]:
   """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}})."""
   size = SIZES[size_name]
-  model = scale_weights(init_model(preset(size["model"]), seed=0), 10.0)  # peaked: parity means something
-  seqs = size["prompts"] * size["n"]
-  max_len = size["prompt_len"] + size["new_tokens"]
+  model = bench_model(size_name)
   rows, greedy = [], {}
-  for kind in ("fixed", "varied"):
+  for kind in WORKLOADS:
     prompts, params = workload(size, kind)
     greedy_params = [dataclasses.replace(p, temperature=0.0) for p in params]
     outs = {}
     for name in backends:
-      cfg = EngineConfig(backend=name, max_seq_len=max_len, max_slots=seqs, page_size=size["page_size"],
-                         steps_per_sync=size["steps"])
-      engine = make_engine(model, cfg, eos_ids=[])  # random weights: run every request to its length
+      engine = bench_engine(model, size_name, name)
       engine.generate(prompts, params)  # compile
       results = [engine.generate(prompts, params) for _ in range(repeats)]
       times = [r.stats.total_s for r in results]

@@ -8,6 +8,11 @@ plugin / xprof), its Chrome-trace JSON (`*.trace.json.gz`) and a Perfetto trace 
 Phases are `jax.profiler.TraceAnnotation`s named `grpo/...` (the loop's `rl.metrics.StepTimer` and the
 rollout engines emit `grpo/rollout`, `grpo/rollout/prefill`, `grpo/rollout/decode`, `grpo/update`, ...)
 or `bench/<case>/<kernel|reference>` (the timed repeats of `python -m bench --profile`).
+
+The update is one compiled function, so its split into loss forward, loss backward and optimizer comes
+from the ops themselves: every executed op event names its HLO module and instruction, xprof's
+graph_viewer gives each module's HLO with the JAX name-scope path of every instruction, and the train
+step opens the scopes `rl.update.LOSS_SCOPE` / `OPTIMIZER_SCOPE` (backward ops sit under `transpose(`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 
 import jax
 
 from rl.metrics import profiler_options
+from rl.update import LOSS_SCOPE, OPTIMIZER_SCOPE
 
 PHASE_PREFIX = "grpo/"  # the loop's phases, reported without the prefix
 BENCH_PREFIX = "bench/"  # bench cases' timed repeats, reported by full name
@@ -83,6 +90,73 @@ def trace_events(session: str) -> tuple[list[dict], dict[int, str], dict[tuple[i
   return events, procs, threads
 
 
+def step_phase(op_name: str) -> str | None:
+  """The GRPO update phase of an op from its name-scope path (`jit(train_step)/<scope>/...`), or None."""
+  parts = op_name.split("/")
+  if OPTIMIZER_SCOPE in parts:
+    return "update/optimizer"
+  if LOSS_SCOPE in parts:
+    # JAX names a VJP's ops `transpose(jvp(...))`; the scan's own bookkeeping counts as forward.
+    return "update/loss bwd" if "transpose(" in op_name else "update/loss fwd"
+  return None
+
+
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([^\s=]+)\s*=.*?metadata=\{op_name="((?:[^"\\]|\\.)*)"', re.M)
+
+
+def hlo_scopes(session: str, modules: Iterable[str]) -> dict[str, dict[str, str]]:
+  """{module: {instruction: name-scope path}} for the named HLO modules (as op events name them, e.g.
+  `jit_train_step`), from the HLO the trace carries, printed by xprof's graph_viewer. xprof first
+  writes each module as `<module>(<program id>).hlo_proto.pb` into the session (as TensorBoard does)."""
+  from xprof.convert import raw_to_tool_data
+  paths = sorted(glob.glob(os.path.join(session, "*.xplane.pb")))
+  raw_to_tool_data.xspace_to_tool_names(paths)
+  wanted, scopes = set(modules), {}
+  for path in sorted(glob.glob(os.path.join(session, "*.hlo_proto.pb"))):
+    program = os.path.basename(path)[:-len(".hlo_proto.pb")]
+    module = re.sub(r"\(\d+\)$", "", program)
+    if module not in wanted:
+      continue
+    text, _ = raw_to_tool_data.xspace_to_tool_data(
+        paths, "graph_viewer", {"graph_viewer_options": {"module_name": program, "type": "long_txt", "show_metadata": 1}})
+    text = text.decode() if isinstance(text, bytes) else text
+    # Recompiles of one function share its module name; their instruction names mostly agree.
+    scopes.setdefault(module, {}).update(m.groups() for m in _INSTRUCTION.finditer(text))
+  return scopes
+
+
+def _self_times(events) -> list[tuple[dict, float]]:
+  """(event, its duration minus its children's) per timeline: XLA:CPU runs a while loop's body ops
+  inside the loop's own event, so totals would count them twice."""
+  by_stream = collections.defaultdict(list)
+  for e in events:
+    by_stream[(e["pid"], e["tid"])].append(e)
+  out = []
+  for stream in by_stream.values():
+    stream.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+    stack: list[list] = []  # [event, end, self time]
+    for e in stream:
+      end = e["ts"] + e.get("dur", 0.0)
+      while stack and stack[-1][1] <= e["ts"]:
+        out.append(tuple(stack.pop()[::2]))
+      if stack and end <= stack[-1][1]:
+        stack[-1][2] -= e.get("dur", 0.0)
+      stack.append([e, end, e.get("dur", 0.0)])
+    out += [tuple(x[::2]) for x in stack]
+  return out
+
+
+def update_split(scopes: dict[str, dict[str, str]], timed: list[tuple[dict, float]]) -> dict[str, float]:
+  """Self time of the train step's ops by phase (`step_phase`), plus its unscoped ops (copies, layout
+  changes) as `update/other`, over every module that holds a scoped op."""
+  stepping = {m for m, table in scopes.items() if any(map(step_phase, table.values()))}
+  split = collections.defaultdict(float)
+  for e, self_us in timed:
+    if e["args"]["hlo_module"] in stepping:
+      split[step_phase(scopes[e["args"]["hlo_module"]].get(e["args"]["hlo_op"], "")) or "update/other"] += self_us
+  return dict(sorted(split.items()))
+
+
 def _device_events(events, procs):
   """Events on accelerator timelines; on CPU (no device timeline) XLA's own execution threads."""
   device = [e for e in events if procs.get(e["pid"], "").startswith("/device:")]
@@ -93,12 +167,26 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   session = latest_session(run_dir)
   events, procs, _ = trace_events(session)
   device, where = _device_events(events, procs)
-  kernels = collections.Counter()
-  counts = collections.Counter()
-  source = device or [e for e in events if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))]
-  for e in source:
-    kernels[e["name"]] += e.get("dur", 0.0)
+  # Executed XLA ops name their module and instruction (device kernels on GPU, thunks on XLA:CPU):
+  # ranked by self time and labelled with their name scope. Without them, every non-annotation event.
+  op_events = [e for e in (device or events) if {"hlo_op", "hlo_module"} <= e.get("args", {}).keys()]
+  scopes, split = {}, {}
+  if op_events:
+    try:
+      scopes = hlo_scopes(session, {e["args"]["hlo_module"] for e in op_events})
+    except Exception as err:  # xprof missing, or HLO it cannot print: the rest still stands
+      split = {"error": f"{type(err).__name__}: {err}"}
+    timed = _self_times(op_events)
+  else:
+    timed = [(e, e.get("dur", 0.0)) for e in device or events
+             if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))]
+  split = split or update_split(scopes, timed)
+  kernels, counts, scope_of = collections.Counter(), collections.Counter(), {}
+  for e, us in timed:
+    kernels[e["name"]] += us
     counts[e["name"]] += 1
+    args = e.get("args", {})
+    scope_of.setdefault(e["name"], scopes.get(args.get("hlo_module"), {}).get(args.get("hlo_op")))
   phases = collections.defaultdict(float)
   for e in events:
     if e["name"].startswith(PHASE_PREFIX):
@@ -111,8 +199,9 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   except Exception as err:  # xprof missing or a format it does not know: the rest still stands
     ops = [{"error": f"{type(err).__name__}: {err}"}]
   return {"session": session, "timeline": where, "truncated": len(events) >= TRACE_EVENT_CAP,
-          "top": [{"name": n, "total_us": t, "count": counts[n]} for n, t in kernels.most_common(top)],
-          "phases_us": dict(sorted(phases.items())), "gaps": gaps,
+          "top": [{"name": n, "total_us": t, "count": counts[n], "scope": scope_of[n]}
+                  for n, t in kernels.most_common(top)],
+          "phases_us": dict(sorted(phases.items())), "update_split_us": split, "gaps": gaps,
           "op_stats": sorted(ops, key=lambda r: -(r.get("total_self_time") or 0))[:top]}
 
 
@@ -134,17 +223,28 @@ def _gaps(device_events, gap_us):
   return {"threshold_us": gap_us, "count": count, "total_us": total, "longest_us": longest}
 
 
+def _tail(text: str, n: int) -> str:
+  return text if len(text) <= n else "..." + text[-(n - 3):]
+
+
 def format_summary(s: dict) -> str:
   lines = [f"profile: {s['session']}"]
   if s.get("truncated"):
     lines.append(f"WARNING: the trace's event export stopped at {TRACE_EVENT_CAP:,} events, so what follows "
                  "covers only the start of the run; capture less (fewer bench suites / sizes, fewer steps) "
                  "or open the .xplane.pb in TensorBoard, which has everything")
-  lines.append(f"top ops by total time ({s['timeline']}):")
-  lines += [f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:90]}" for r in s["top"]]
+  lines.append(f"top ops by total self time ({s['timeline']}):")
+  lines += [f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:60]}"
+            + (f"  [{_tail(r['scope'], 90)}]" if r.get("scope") else "") for r in s["top"]]
   if s["phases_us"]:
     lines.append("phases (host annotations: GRPO step phases, bench cases):")
     lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in s["phases_us"].items()]
+  split = s.get("update_split_us") or {}
+  if "error" in split:
+    lines.append(f"update split: unavailable ({split['error']})")
+  elif split:
+    lines.append(f"GRPO update by name scope (op self time, {s['timeline']}):")
+    lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in split.items()]
   if s["gaps"] is not None:
     g = s["gaps"]
     lines.append(f"device idle gaps > {g['threshold_us']:.0f} us: {g['count']} totalling {g['total_us'] / 1e3:.3f} ms "

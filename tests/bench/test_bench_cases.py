@@ -2,7 +2,9 @@
 
 Kernel and reference of a case share a benchmark group, so pytest-benchmark prints them side by side
 (``--benchmark-autosave`` / ``--benchmark-compare`` track them across runs). The kernel side asserts
-parity first: a fast wrong kernel fails instead of timing. The default test run passes
+parity first: a fast wrong kernel fails instead of timing. The rollout suite's cases (bench/rollout.py:
+workload x backend, one `generate` call timed) share a group per workload the same way, each engine's
+log-probs checked against a teacher-forced forward before it is timed. The default test run passes
 ``--benchmark-disable``, which runs each body once as a smoke test, at the harness's tiny size; a
 benchmarking run uses the bench's size for the backend (small on CPU, large on an accelerator).
 """
@@ -11,7 +13,10 @@ import jax
 import numpy as np
 import pytest
 
+import functools
+
 from bench import harness
+from bench import rollout
 from bench.cases import all_cases
 from bench.tolerances import parity_error
 from kernels import backend
@@ -19,11 +24,16 @@ from kernels import backend
 _TARGET = backend.resolve()
 
 
+def _size(config) -> str:
+  timing = not config.getoption("benchmark_disable")
+  return ("small" if _TARGET.platform == "cpu" else "large") if timing else "tiny"
+
+
 def pytest_generate_tests(metafunc):
   if "case" in metafunc.fixturenames:
-    timing = not metafunc.config.getoption("benchmark_disable")
-    size = ("small" if _TARGET.platform == "cpu" else "large") if timing else "tiny"
-    metafunc.parametrize("case", all_cases(size, _TARGET.platform), ids=lambda c: c.name)
+    metafunc.parametrize("case", all_cases(_size(metafunc.config), _TARGET.platform), ids=lambda c: c.name)
+  if "rollout_size" in metafunc.fixturenames:
+    metafunc.parametrize("rollout_size", [_size(metafunc.config)])
 
 
 @pytest.mark.parametrize("side", ["kernel", "reference"])
@@ -40,3 +50,26 @@ def test_bench(benchmark, case, side):
   benchmark.group = case.name
   benchmark.extra_info.update(case.params, bytes=case.bytes, interpret=_TARGET.interpret)
   benchmark.pedantic(lambda: jax.block_until_ready(compiled(*args)), warmup_rounds=2, rounds=10)
+
+
+@functools.cache
+def _rollout_model(size: str):
+  return rollout.bench_model(size)
+
+
+@pytest.mark.parametrize("backend", rollout.BACKENDS)
+@pytest.mark.parametrize("workload", rollout.WORKLOADS)
+def test_rollout(benchmark, rollout_size, workload, backend):
+  model = _rollout_model(rollout_size)
+  size = rollout.SIZES[rollout_size]
+  prompts, params = rollout.workload(size, workload)
+  engine = rollout.bench_engine(model, rollout_size, backend)
+  try:
+    result = engine.generate(prompts, params)  # compiles; parity on its own outputs before any timing
+    err, diff = rollout.teacher_forced_error(model, result, size["prompt_len"], size["new_tokens"])
+    assert err <= 1.0, f"{backend} log-probs off a teacher-forced forward: {err:.3g}x the tolerance ({diff:.3g} nats)"
+    benchmark.group = f"rollout/{rollout_size}/{workload}"
+    benchmark.extra_info.update(size, backend=backend, tokens=result.stats.generated_tokens)
+    benchmark.pedantic(lambda: engine.generate(prompts, params), warmup_rounds=0, rounds=3)
+  finally:
+    engine.close()
