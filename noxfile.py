@@ -73,9 +73,16 @@ def profile(session: nox.Session):
 
 @nox.session(python="3.12")
 def sglang(session: nox.Session):
-  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12): its tests on CPU. `.ci/run` will
-  run this once its tests are reliable (issue 9: wrong tokens in 2 of 4 full runs). (The tokens/s comparison, `python -m bench.rollout --size h128 --backend
-  paged --backend dense --backend sglang_jax`, is not run here yet: see the README's sglang-jax status.)"""
+  """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12) on CPU: its tests, then tokens/s of
+  sglang_jax vs paged vs dense on one workload (`bench.rollout --size h128`, parity-gated rows).
+
+  One pytest process per engine: sglang-jax 0.1.0rc0's scheduler thread outlives `close()` and keeps a
+  core busy, so each engine gets a process of its own (as the loop has)."""
   session.install("-e", ".[sglang]", "pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
-  session.run("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-              "tests/rl/test_sglang_jax.py", "tests/rl/test_sglang_jax_loop.py", *session.posargs)
+  pytest = ("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning", *session.posargs)
+  for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
+    session.run(*pytest, "tests/rl/test_sglang_jax.py", "-k", selection)
+  session.run(*pytest, "tests/rl/test_sglang_jax_logprobs.py", "tests/rl/test_sglang_jax_loop.py")
+  session.run("python", "-W", "ignore::DeprecationWarning", "-m", "bench.rollout", "--size", "h128",
+              "--backend", "paged", "--backend", "sglang_jax", "--backend", "dense",
+              "--out", str(session.create_tmp()) + "/sglang-rollout")

@@ -11,7 +11,8 @@ Two workloads: `fixed` (every completion runs to max_new_tokens: the engines do 
 so the difference is attention over pages vs the whole dense cache, and the shared group prefill) and
 `varied` (per-request max_new_tokens drawn from [max_new/8, max_new], as GRPO completions end at
 different lengths: continuous batching refills finished slots, a static batch waits for its longest).
-Each backend runs once to compile, then `repeats` timed runs; the median is reported.
+One engine per backend serves both workloads: `warmup` untimed calls (compiles), then `repeats` timed
+runs; the median is reported.
 
 Parity on the run's own outputs, so a fast wrong engine never shows as a win: every completion's sampler
 log-probs against a teacher-forced forward of the model on the same tokens (the tolerance table's
@@ -126,29 +127,39 @@ def bench_engine(model, size_name: str, backend: str):
   return make_engine(model, cfg, eos_ids=[])
 
 
-def run(size_name: str, repeats: int = 3, backends=BACKENDS) -> tuple[list[RolloutBenchRow], dict]:
-  """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}})."""
+def run(size_name: str, repeats: int = 3, backends=BACKENDS, warmup: int = 2) -> tuple[list[RolloutBenchRow], dict]:
+  """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}}).
+
+  One engine per backend serves both workloads, `warmup` untimed calls each (a continuous-batching
+  engine meets new batch shapes as requests finish; sglang-jax compiles them lazily on CPU). sglang_jax
+  runs last whatever its place in the table: 0.1.0rc0's in-process scheduler thread keeps polling after
+  `close()` until the process exits, and would slow every engine timed after it.
+  """
   size = SIZES[size_name]
   model = bench_model(size_name)
-  rows, greedy = [], {}
-  for kind in WORKLOADS:
-    prompts, params = workload(size, kind)
-    greedy_params = [dataclasses.replace(p, temperature=0.0) for p in params]
-    outs = {}
-    for name in backends:
-      engine = bench_engine(model, size_name, name)
-      engine.generate(prompts, params)  # compile
-      results = [engine.generate(prompts, params) for _ in range(repeats)]
-      times = [r.stats.total_s for r in results]
-      mid = results[int(np.argsort(times)[len(times) // 2])]
-      err, diff = teacher_forced_error(model, mid, size["prompt_len"], size["new_tokens"])
-      st = mid.stats
-      rows.append(RolloutBenchRow(name, kind, statistics.median(times), st.generated_tokens,
-                                  st.generated_tokens / statistics.median(times), st.prefill_s, st.decode_s,
-                                  st.decode_steps, st.preemptions, err, diff, err <= 1.0))
-      outs[name] = engine.generate(prompts, greedy_params)
-      engine.close()  # sglang_jax: its threads stop before the next engine starts
-    greedy[kind] = {name: greedy_agreement(outs[name], outs[backends[-1]]) for name in backends[:-1]}
+  order = sorted(backends, key=lambda name: name == "sglang_jax")
+  found, outs = {}, {kind: {} for kind in WORKLOADS}
+  for name in order:
+    engine = bench_engine(model, size_name, name)
+    try:
+      for kind in WORKLOADS:
+        prompts, params = workload(size, kind)
+        for _ in range(warmup):
+          engine.generate(prompts, params)
+        results = [engine.generate(prompts, params) for _ in range(repeats)]
+        times = [r.stats.total_s for r in results]
+        mid = results[int(np.argsort(times)[len(times) // 2])]
+        err, diff = teacher_forced_error(model, mid, size["prompt_len"], size["new_tokens"])
+        st = mid.stats
+        found[kind, name] = RolloutBenchRow(name, kind, statistics.median(times), st.generated_tokens,
+                                            st.generated_tokens / statistics.median(times), st.prefill_s,
+                                            st.decode_s, st.decode_steps, st.preemptions, err, diff, err <= 1.0)
+        outs[kind][name] = engine.generate(prompts, [dataclasses.replace(p, temperature=0.0) for p in params])
+    finally:
+      engine.close()
+  rows = [found[kind, name] for kind in WORKLOADS for name in backends]
+  greedy = {kind: {name: greedy_agreement(outs[kind][name], outs[kind][backends[-1]]) for name in backends[:-1]}
+            for kind in WORKLOADS}
   return rows, {"greedy_agreement": greedy, "reference": backends[-1]}
 
 
@@ -171,13 +182,14 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__.split("\n")[0])
   p.add_argument("--size", choices=sorted(SIZES), default=None)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--warmup", type=int, default=2, help="untimed generate() calls per backend and workload")
   p.add_argument("--backend", action="append", choices=("paged", "dense", "sglang_jax"),
                  help="repeatable, in table order; the last is the greedy-agreement reference "
                       f"(default: {' '.join(BACKENDS)})")
   p.add_argument("--out", type=pathlib.Path, default=None, help="write results.json and summary.md here")
   a = p.parse_args(argv)
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  rows, extra = run(size, a.repeats, tuple(a.backend) if a.backend else BACKENDS)
+  rows, extra = run(size, a.repeats, tuple(a.backend) if a.backend else BACKENDS, a.warmup)
   table = markdown(rows, extra)
   print(f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}")
   if a.out:

@@ -21,7 +21,11 @@ Differences from the `paged` / `dense` backends, by design of sglang-jax 0.1.0rc
   * the log-probs are under softmax(logits / temperature) without top-k / top-p renormalisation (equal
     to ours when top_k = 0 and top_p = 1, and for greedy);
   * stop strings are applied after generation (the engine runs without a tokenizer); prefill / decode
-    time are not separated in the stats (only the total).
+    time are not separated in the stats (only the total);
+  * its scheduler thread polls for requests without sleeping (one CPU core busy while the engine is
+    idle, e.g. during the update), and `Engine.shutdown()` does not stop it in single-process mode:
+    after `close()` the thread keeps polling until the process exits. Harmless on an accelerator host
+    with cores to spare, visible on a small CPU machine; the bench times sglang_jax after the others.
 """
 
 from __future__ import annotations
@@ -68,6 +72,40 @@ def sglang_path(our_name: str) -> tuple[str, bool]:
   return f"{base}.{leaf}", False  # linear weight / bias: sglang stores HF's [out, in] as [in, out], as we do
 
 
+def completion_logprobs(entries: Sequence, tokens: Sequence[int]) -> list:
+  """The `(logprob, token id, ...)` entries of `tokens` out of sglang-jax's `output_token_logprobs`.
+
+  sglang-jax 0.1.0rc0 (non-streamed, in-process) sends a completion's log-probs again at every
+  `I`-th token (I = 50, its forced stream interval), the whole list so far each time, and its client
+  appends them: a completion of n tokens comes back as the prefixes of length I, 2I, ..., kI < n, then
+  all n. The last n entries are the completion's; the rest must be exactly those prefixes, and the
+  entries' token ids must be `tokens` — anything else is an error, never a guess.
+  """
+  n, extra = len(tokens), len(entries) - len(tokens)
+  if extra < 0:
+    raise RuntimeError(f"sglang-jax returned {n} tokens but only {len(entries)} log-probs")
+  full = list(entries[extra:])
+  if extra:
+    head = list(entries[:extra])
+    # extra = I * k(k + 1) / 2 with k = ceil(n / I) - 1: find I from the first chunk being a prefix of full.
+    chunks = next((c for c in (_prefix_chunks(interval, n) for interval in range(1, n))
+                   if sum(c) == extra and all(head[a:a + L] == full[:L] for a, L in zip(_starts(c), c))), None)
+    if chunks is None:
+      raise RuntimeError(f"sglang-jax returned {n} tokens but {len(entries)} log-probs that are not its "
+                         "repeated-prefix pattern")
+  if [int(x[1]) for x in full] != list(tokens):
+    raise RuntimeError("sglang-jax's log-probs name other tokens than its output ids")
+  return full
+
+
+def _prefix_chunks(interval: int, n: int) -> list[int]:
+  return list(range(interval, n, interval))
+
+
+def _starts(chunks: list[int]) -> list[int]:
+  return [sum(chunks[:i]) for i in range(len(chunks))]
+
+
 class SglangJaxEngine(RolloutEngine):
   """`generate(prompts, params) -> RolloutResult` on sglang-jax, reading the live model's weights.
 
@@ -109,9 +147,10 @@ class SglangJaxEngine(RolloutEngine):
     args = dict(model_path=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
                 enable_single_process=True, device=platform, dtype=cfg.dtype, tp_size=1,
                 device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
-                # context + 1: sglang-jax wants prompt + new tokens < context, ours allow == max_seq_len
-                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 1,
-                max_total_tokens=config.max_slots * config.max_seq_len, max_running_requests=config.max_slots,
+                # + 2: sglang-jax clips max_new_tokens to context - 2 - prompt (and to the pool size - 2);
+                # ours allow prompt + new == max_seq_len
+                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 2,
+                max_total_tokens=config.max_slots * (config.max_seq_len + 2), max_running_requests=config.max_slots,
                 grammar_backend="none", disable_precompile=platform == "cpu", log_level=log_level,
                 # With the overlap scheduler on, a loaded machine saw the first engine of a process decode
                 # tokens unrelated to the synced weights (4 of 10 tests, 3 runs); off, 3 loaded runs passed.
@@ -201,16 +240,17 @@ class SglangJaxEngine(RolloutEngine):
 
   def _finish(self, s: Seq, out: dict) -> None:
     tokens = [int(t) for t in out["output_ids"]]
-    logps = [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
-    if len(logps) != len(tokens):
-      raise RuntimeError(f"sglang-jax returned {len(tokens)} tokens but {len(logps)} log-probs")
-    self._accept(s, tokens, logps)
+    entries = completion_logprobs(out["meta_info"]["output_token_logprobs"], tokens)
+    self._accept(s, tokens, [float(x[0]) for x in entries])
     reason = out["meta_info"]["finish_reason"] or {}
     if s.finish is None:  # sglang stopped without our rules firing: trust its reason, but say which
+      if reason.get("type") == "length" and len(tokens) < s.limit:
+        raise RuntimeError(f"sglang-jax cut a completion at {len(tokens)} of its {s.limit} tokens (its context "
+                           "or token-pool limit is below this engine's max_seq_len)")
       s.finish = "length" if reason.get("type") == "length" else "eos"
 
   def close(self) -> None:
-    """Stop the engine's threads (also at interpreter exit, by sglang's own atexit hook)."""
+    """Shut the engine down and allow another in this process (its scheduler thread lingers, see above)."""
     if getattr(self, "engine", None) is not None:
       self.engine.shutdown()
       self.engine = None

@@ -16,7 +16,7 @@ from rl.rollout import EngineConfig, SamplingParams, make_engine  # noqa: E402
 from rl.rollout.sampling import processed_logprobs  # noqa: E402
 
 PROMPT_LENS = [5, 17, 3, 30, 9, 12]
-EC = dict(max_seq_len=64, max_slots=8, page_size=8, steps_per_sync=4)
+EC = dict(max_seq_len=128, max_slots=8, page_size=8, steps_per_sync=4)
 
 
 def _model(seed=0, **overrides):
@@ -65,6 +65,18 @@ def test_greedy_equals_paged_token_for_token(model, engine, prompts):
   # a stop token ends both the same way (kept as the last token, reason "eos")
   stop = int(ref.completions[0].token_ids[6])
   _assert_same_tokens(_greedy(engine, prompts, stop_token_ids=(stop,)), _greedy(paged, prompts, stop_token_ids=(stop,)))
+
+
+def test_long_completions_up_to_max_seq_len(model, engine, prompts):
+  """Past sglang-jax's 50-token log-prob re-send (twice), one completion ending exactly at max_seq_len:
+  the same tokens, log-probs and lengths as the paged engine, nothing clipped."""
+  ps = [prompts[0], prompts[2]]
+  sp = [SamplingParams(max_new_tokens=EC["max_seq_len"] - len(ps[0]), temperature=0.0),
+        SamplingParams(max_new_tokens=110, temperature=0.0)]
+  paged = make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[])
+  got = engine.generate(ps, sp)
+  _assert_same_tokens(got, paged.generate(ps, sp))
+  assert [len(c.token_ids) for c in got.completions] == [p.max_new_tokens for p in sp]
 
 
 def test_resync_follows_new_weights(model, engine, prompts):
