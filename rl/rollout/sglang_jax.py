@@ -4,7 +4,8 @@ The way TPU RL recipes roll out (Tunix's SGLang-JAX sampler): sglang-jax's `Engi
 this process (`enable_single_process=True`: scheduler threads, no server, no tokenizer), starts on dummy
 weights, and before each `generate` the trainer's current parameters are written into its model runner
 (`model_runner.model_state_leaves`, the flat list its jitted forward reads on every call). Nothing is
-restarted or recompiled; each leaf is placed on the engine's own sharding with `jax.device_put`, cast
+restarted or recompiled; each leaf is placed on the engine's own sharding with `jax.device_put` (same
+dtype on one device: the engine then reads our buffer, no copy), cast
 or transposed only where dtype or layout differ (a bf16 engine over f32 master weights costs one cast
 per sync), and a sync that finds no new parameter arrays does nothing.
 

@@ -126,3 +126,12 @@ def test_resync_of_the_head_alone(model, engine, prompts):
 def test_unsupported_models_are_clear_errors(overrides, match):  # checked before any engine starts
   with pytest.raises(ValueError, match=match):
     make_engine(init_model(preset("tiny-h128", **overrides)), EngineConfig(backend="sglang_jax", **EC))
+
+
+def test_sync_shares_buffers_where_layouts_allow(model, engine):
+  """Same dtype, same device, no transpose: the engine reads our parameter buffers, no copy."""
+  engine.sync_weights()
+  ours, leaves = engine._params(), engine._runner.model_state_leaves
+  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()  # noqa: E731
+  direct = [(ours[name], leaves[i]) for i, name, transpose in engine._plan if not transpose]
+  assert direct and all(pointer(a) == pointer(b) for a, b in direct)
