@@ -16,7 +16,7 @@ from bench.tolerances import assert_close
 from kernels.fused_linear import LinearBlocks, vocab_stats_reference
 from kernels.grpo_loss.reference import LOSS_TYPES
 from rl.sharding import make_mesh
-from tests.problems import policy_kwargs
+from tests.problems import loss_scale, policy_kwargs
 
 # (impl, platform): the fused kernels in the interpreter; the chunked path with grpo_loss's tiled
 # kernels (TPU family) and its rowloop kernels (the Triton family) in the interpreter.
@@ -65,7 +65,8 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
     msg = f"{impl}/{platform} {loss_type} {dtype.name}"
     assert dh.dtype == dtype and dw.dtype == dtype
     # logits accumulate over H, the log-sum-exp over V; dh sums over V, dw over the N tokens
-    assert_close(value, r_value, "value", jnp.float32, hd + v, err_msg=msg)
+    scale = max(loss_scale(r_aux, args[3], args[4], kw), float(abs(r_value)))
+    assert_close(value, r_value, "value", jnp.float32, hd + v, err_msg=msg, scale=scale)
     for name in ("per_token_logps", "entropy"):
       assert_close(getattr(aux, name), getattr(r_aux, name), "value", jnp.float32, hd + v, err_msg=f"{msg} {name}")
     # KL = exp(d) - d - 1 with d = ref - logp cancels: its rounding is logp's, times |dKL/dlogp| = |e^d - 1|.
@@ -76,8 +77,18 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
     assert_close(aux.per_token_kl, r_aux.per_token_kl, "value", jnp.float32, hd + v, err_msg=f"{msg} kl",
                  scale=kl_scale)
     np.testing.assert_array_equal(aux.is_clipped, r_aux.is_clipped)
-    assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden")
-    assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head")
+    # dlogits = C (p - onehot) per token (C: the loss's weight on that token's log-prob), and p_y - 1
+    # cancels when p_y ~ 1: dh = dlogits @ W^T and dW = h^T @ dlogits round relative to C, not to their
+    # own (possibly cancelled) size. C = sum |dlogits| / (2 (1 - p_y)), from the reference in float64.
+    h32, w32 = np.asarray(hidden, np.float32), np.asarray(lm_head, np.float32)
+    g = np.abs(np.asarray(jax.grad(lambda x: kernels.grpo_loss(x, *args[2:], loss_type=loss_type, impl="xla",
+                                                                **kw)[0])(jnp.asarray(h32 @ w32)), np.float64))
+    p_y = np.exp(np.asarray(r_aux.per_token_logps, np.float64))
+    c = g.sum(-1) / (2.0 * np.maximum(1.0 - p_y, np.finfo(np.float32).eps))  # [B, T]; p_y rounds to 1 below eps
+    dh_scale = max(float(np.max(c)) * 2.0 * float(np.max(np.abs(w32))), float(np.max(np.abs(r_dh))))
+    dw_scale = max(2.0 * float(np.max(c.reshape(-1) @ np.abs(h32.reshape(-1, hd)))), float(np.max(np.abs(r_dw))))
+    assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden", scale=dh_scale)
+    assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head", scale=dw_scale)
 
 
 # ------------------------------------------------------------------------------------- reference

@@ -13,7 +13,7 @@ import kernels
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss.reference import LOSS_TYPES, token_logps_and_entropy
 from bench.tolerances import assert_close
-from tests.problems import policy_kwargs
+from tests.problems import loss_scale, policy_kwargs
 
 # (platform, blocks maker): the tiled family as the CPU interpreter runs it, and the GPU rowloop family
 # run through the interpreter, so the Triton kernel's arithmetic is checked without a GPU.
@@ -55,7 +55,8 @@ def assert_parity(args, kw, *, platform, blocks, loss_types=LOSS_TYPES):
                          blocks=blocks)
     ref = loss_and_grad(args, kw, loss_type=loss_type, impl="xla")
     msg = f"{loss_type} {platform} {blocks}"
-    assert_close(ours[0], ref[0], "value", jnp.float32, v, msg)
+    scale = max(loss_scale(ref[1], args[2], args[3], kw), float(abs(ref[0])))
+    assert_close(ours[0], ref[0], "value", jnp.float32, v, msg, scale=scale)
     for name, a, e in zip(ours[1]._fields, ours[1], ref[1]):
       if name == "is_clipped":
         np.testing.assert_array_equal(a, e, err_msg=msg)
