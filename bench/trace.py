@@ -172,15 +172,16 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   op_events = [e for e in (device or events) if {"hlo_op", "hlo_module"} <= e.get("args", {}).keys()]
   scopes, split = {}, {}
   if op_events:
+    timed = _self_times(op_events)
     try:
       scopes = hlo_scopes(session, {e["args"]["hlo_module"] for e in op_events})
     except Exception as err:  # xprof missing, or HLO it cannot print: the rest still stands
       split = {"error": f"{type(err).__name__}: {err}"}
-    timed = _self_times(op_events)
+    else:
+      split = update_split(scopes, timed)
   else:
     timed = [(e, e.get("dur", 0.0)) for e in device or events
              if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))]
-  split = split or update_split(scopes, timed)
   kernels, counts, scope_of = collections.Counter(), collections.Counter(), {}
   for e, us in timed:
     kernels[e["name"]] += us

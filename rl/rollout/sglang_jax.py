@@ -86,25 +86,25 @@ def completion_logprobs(entries: Sequence, tokens: Sequence[int]) -> list:
   if extra < 0:
     raise RuntimeError(f"sglang-jax returned {n} tokens but only {len(entries)} log-probs")
   full = list(entries[extra:])
-  if extra:
-    head = list(entries[:extra])
-    # extra = I * k(k + 1) / 2 with k = ceil(n / I) - 1: find I from the first chunk being a prefix of full.
-    chunks = next((c for c in (_prefix_chunks(interval, n) for interval in range(1, n))
-                   if sum(c) == extra and all(head[a:a + L] == full[:L] for a, L in zip(_starts(c), c))), None)
-    if chunks is None:
-      raise RuntimeError(f"sglang-jax returned {n} tokens but {len(entries)} log-probs that are not its "
-                         "repeated-prefix pattern")
+  if extra and not any(_repeated_prefixes(entries[:extra], full, interval) for interval in range(1, n)):
+    raise RuntimeError(f"sglang-jax returned {n} tokens but {len(entries)} log-probs that are not its "
+                       "repeated-prefix pattern")
   if [int(x[1]) for x in full] != list(tokens):
     raise RuntimeError("sglang-jax's log-probs name other tokens than its output ids")
   return full
 
 
-def _prefix_chunks(interval: int, n: int) -> list[int]:
-  return list(range(interval, n, interval))
-
-
-def _starts(chunks: list[int]) -> list[int]:
-  return [sum(chunks[:i]) for i in range(len(chunks))]
+def _repeated_prefixes(head: Sequence, full: list, interval: int) -> bool:
+  """Whether `head` is full[:I] + full[:2I] + ... + full[:kI] for I = interval and kI < len(full)."""
+  lengths = range(interval, len(full), interval)
+  if sum(lengths) != len(head):
+    return False
+  start = 0
+  for length in lengths:
+    if list(head[start:start + length]) != full[:length]:
+      return False
+    start += length
+  return True
 
 
 class SglangJaxEngine(RolloutEngine):
