@@ -1,4 +1,4 @@
-"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s bench`` (the main job), ``nox -s lower``,
+"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s lint`` (ruff format + check, also in CI), ``nox -s bench`` (the main job), ``nox -s lower``,
 ``nox -s train`` (the GRPO loop on the embedded default), ``nox -s parity`` (end-to-end parity of the
 loop's xla and pallas losses over seeds), ``nox -s profile`` (captured traces and their summaries),
 ``nox -s sglang`` (the sglang-jax rollout backend's tests and its throughput vs our engines, Python 3.12).
@@ -11,7 +11,16 @@ import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+RUFF = "ruff==0.17.6"  # pinned: a new ruff release may reformat the tree
 
+
+@nox.session
+def lint(session: nox.Session):
+  """ruff: the formatter's check and the linter (rule set in pyproject.toml). `-- --fix` to apply."""
+  session.install(RUFF)
+  fix = "--fix" in session.posargs
+  session.run("ruff", "format", *([] if fix else ["--check"]), ".")
+  session.run("ruff", "check", *(["--fix"] if fix else []), ".")
 
 
 @nox.session
@@ -43,8 +52,17 @@ def train(session: nox.Session):
   session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)
 
 
-PARITY_DEFAULT = ["--config", "configs/cpu-default.yaml", "--seeds", "0", "1",
-                  "--arm", "xla: train.policy_loss_impl=xla", "--arm", "pallas: train.policy_loss_impl=pallas"]
+PARITY_DEFAULT = [
+  "--config",
+  "configs/cpu-default.yaml",
+  "--seeds",
+  "0",
+  "1",
+  "--arm",
+  "xla: train.policy_loss_impl=xla",
+  "--arm",
+  "pallas: train.policy_loss_impl=pallas",
+]
 
 
 @nox.session
@@ -60,14 +78,26 @@ def profile(session: nox.Session):
   """Traces into profiles/: the bench (args after -- go to it) and 2 GRPO steps of the embedded loop,
   each summarised by bench.trace. Open them with `tensorboard --logdir profiles/<run>`."""
   session.install("-e", ".[dev]")
-  platform = session.run("python", "-c", "import jax; print(jax.default_backend())", silent=True).strip()
+  platform = session.run(
+    "python", "-c", "import jax; print(jax.default_backend())", silent=True
+  ).strip()
   # CPU: the interpreter's thread events would fill the trace export's 1M-event cap at the small size
   args = session.posargs or (["--size", "tiny"] if platform == "cpu" else [])
   session.run("python", "-m", "bench", "--profile", "profiles/bench", *args)
   session.run("python", "-m", "bench.trace", "profiles/bench")
-  session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", "train.warmup_sft_steps=0",
-              "train.steps=4", "eval.full_at_end=false", "run.out_dir=runs/profile-loop", "run.profile_steps=2",
-              "run.profile_dir=profiles/loop")
+  session.run(
+    "python",
+    "-m",
+    "rl.train",
+    "--config",
+    "configs/cpu-default.yaml",
+    "train.warmup_sft_steps=0",
+    "train.steps=4",
+    "eval.full_at_end=false",
+    "run.out_dir=runs/profile-loop",
+    "run.profile_steps=2",
+    "run.profile_dir=profiles/loop",
+  )
   session.run("python", "-m", "bench.trace", "profiles/loop")
 
 
@@ -79,10 +109,32 @@ def sglang(session: nox.Session):
   One pytest process per engine: sglang-jax 0.1.0rc0's scheduler thread outlives `close()` and keeps a
   core busy, so each engine gets a process of its own (as the loop has)."""
   session.install("-e", ".[sglang]", "pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
-  pytest = ("pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning", *session.posargs)
+  pytest = (
+    "pytest",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-W",
+    "ignore::DeprecationWarning",
+    *session.posargs,
+  )
   for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
     session.run(*pytest, "tests/rl/test_sglang_jax.py", "-k", selection)
   session.run(*pytest, "tests/rl/test_sglang_jax_logprobs.py", "tests/rl/test_sglang_jax_loop.py")
-  session.run("python", "-W", "ignore::DeprecationWarning", "-m", "bench.rollout", "--size", "h128",
-              "--backend", "paged", "--backend", "sglang_jax", "--backend", "dense",
-              "--out", str(session.create_tmp()) + "/sglang-rollout")
+  session.run(
+    "python",
+    "-W",
+    "ignore::DeprecationWarning",
+    "-m",
+    "bench.rollout",
+    "--size",
+    "h128",
+    "--backend",
+    "paged",
+    "--backend",
+    "sglang_jax",
+    "--backend",
+    "dense",
+    "--out",
+    str(session.create_tmp()) + "/sglang-rollout",
+  )

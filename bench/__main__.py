@@ -59,8 +59,12 @@ class BenchConfig:
 
 def parse_args(argv=None) -> BenchConfig:
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-  p.add_argument("--suite", action="append", choices=ALL_SUITES, help="repeatable; default: all suites")
-  p.add_argument("--size", action="append", choices=SIZES, help="repeatable; default: small on CPU, else large")
+  p.add_argument(
+    "--suite", action="append", choices=ALL_SUITES, help="repeatable; default: all suites"
+  )
+  p.add_argument(
+    "--size", action="append", choices=SIZES, help="repeatable; default: small on CPU, else large"
+  )
   p.add_argument("--repeats", type=int, default=BenchConfig.repeats)
   p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
   p.add_argument("--rollout-repeats", type=int, default=BenchConfig.rollout_repeats)
@@ -68,18 +72,35 @@ def parse_args(argv=None) -> BenchConfig:
   p.add_argument("--no-measure-bandwidth", action="store_true", help="use datasheet peaks only")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--out", type=pathlib.Path)
-  p.add_argument("--profile", nargs="?", type=pathlib.Path, const=pathlib.Path(""), default=None,
-                 metavar="DIR", help="capture a profiler trace (default DIR: profiles/bench-<time>)")
+  p.add_argument(
+    "--profile",
+    nargs="?",
+    type=pathlib.Path,
+    const=pathlib.Path(""),
+    default=None,
+    metavar="DIR",
+    help="capture a profiler trace (default DIR: profiles/bench-<time>)",
+  )
   a = p.parse_args(argv)
-  return BenchConfig(tuple(dict.fromkeys(a.suite)) if a.suite else None,
-                     tuple(dict.fromkeys(a.size)) if a.size else None, a.repeats, a.warmup,
-                     a.rollout_repeats, a.seed, not a.no_measure_bandwidth, a.out, a.profile, not a.no_plots)
+  return BenchConfig(
+    tuple(dict.fromkeys(a.suite)) if a.suite else None,
+    tuple(dict.fromkeys(a.size)) if a.size else None,
+    a.repeats,
+    a.warmup,
+    a.rollout_repeats,
+    a.seed,
+    not a.no_measure_bandwidth,
+    a.out,
+    a.profile,
+    not a.no_plots,
+  )
 
 
 def _profiling(path: pathlib.Path | None, stamp: str):
   if path is None:
     return contextlib.nullcontext(None)
   from bench import trace
+
   return trace.capture(str(path if str(path) else ROOT / "profiles" / f"bench-{stamp}"))
 
 
@@ -89,16 +110,23 @@ def main(argv=None) -> int:
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
   kernel_suites = tuple(s for s in suites if s != ROLLOUT)
-  cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)] if kernel_suites else []
+  cases = (
+    [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
+    if kernel_suites
+    else []
+  )
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   kind = env["device_kind"].replace(" ", "_").replace("/", "_")
   out = cfg.out or ROOT / "bench" / "results" / f"{target.platform}-{kind}-{stamp}"
-  print(f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
-        f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
-        f"{', interpret mode' if target.interpret else ''})", flush=True)
+  print(
+    f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
+    f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
+    f"{', interpret mode' if target.interpret else ''})",
+    flush=True,
+  )
   results, rollout_runs = [], []
   with _profiling(cfg.profile, stamp) as profile_dir:
     for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
@@ -119,8 +147,12 @@ def main(argv=None) -> int:
   if profile_dir:
     print(f"profile: tensorboard --logdir {profile_dir}   |   python -m bench.trace {profile_dir}")
   failed = [r.name for r in results if not r.ok]
-  failed += [f"rollout/{run['size']}/{r.workload}/{r.backend}" for run in rollout_runs for r in run["rows"]
-             if not r.ok]
+  failed += [
+    f"rollout/{run['size']}/{r.workload}/{r.backend}"
+    for run in rollout_runs
+    for r in run["rows"]
+    if not r.ok
+  ]
   if failed:
     print(f"FAILED (parity or error): {failed}", file=sys.stderr)
   return 1 if failed else 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -50,11 +51,17 @@ def memory_of(compiled) -> Memory:
   except Exception:  # some backends do not implement it
     m = None
   get = lambda name: None if m is None else getattr(m, name, None)
-  return Memory(get("temp_size_in_bytes"), get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                get("alias_size_in_bytes"))
+  return Memory(
+    get("temp_size_in_bytes"),
+    get("argument_size_in_bytes"),
+    get("output_size_in_bytes"),
+    get("alias_size_in_bytes"),
+  )
 
 
-def time_compiled(compiled, args: tuple, *, warmup: int = 2, repeats: int = 10, compile_s: float = 0.0) -> Timing:
+def time_compiled(
+  compiled, args: tuple, *, warmup: int = 2, repeats: int = 10, compile_s: float = 0.0
+) -> Timing:
   """Median wall time of ``compiled(*args)`` to completion, after ``warmup`` untimed calls."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")

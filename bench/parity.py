@@ -24,8 +24,22 @@ from rl import train
 from rl.metrics import read_metrics
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+_T975 = {
+  1: 12.706,
+  2: 4.303,
+  3: 3.182,
+  4: 2.776,
+  5: 2.571,
+  6: 2.447,
+  7: 2.365,
+  8: 2.306,
+  9: 2.262,
+  10: 2.228,
+  12: 2.179,
+  15: 2.131,
+  20: 2.086,
+  30: 2.042,
+}
 
 
 def t_quantile(df: int) -> float:
@@ -62,19 +76,30 @@ def run_summary(run_dir: str) -> dict:
   lines = read_metrics(run_dir)
   steps = [m for m in lines if "time/train/step_s" in m]
   full = [m for m in lines if "eval_full/accuracy" in m]
-  return {"step_avg_s": statistics.median([m["time/train/step_s"] for m in steps[-10:]]),
-          "eval_full_accuracy": full[-1]["eval_full/accuracy"] if full else float("nan"),
-          "reward_curve": [m["reward/total/mean"] for m in steps]}
+  return {
+    "step_avg_s": statistics.median([m["time/train/step_s"] for m in steps[-10:]]),
+    "eval_full_accuracy": full[-1]["eval_full/accuracy"] if full else float("nan"),
+    "reward_curve": [m["reward/total/mean"] for m in steps],
+  }
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", required=True)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  ap.add_argument("--arm", action="append", required=True, type=_arm,
-                  help='"NAME: key=value key=value": one variant (the first is the baseline)')
-  ap.add_argument("--margin-accuracy", type=float, default=0.05, help="parity margin on eval_full accuracy")
-  ap.add_argument("--margin-step", type=float, default=0.1, help="parity margin on step_avg, as a fraction")
+  ap.add_argument(
+    "--arm",
+    action="append",
+    required=True,
+    type=_arm,
+    help='"NAME: key=value key=value": one variant (the first is the baseline)',
+  )
+  ap.add_argument(
+    "--margin-accuracy", type=float, default=0.05, help="parity margin on eval_full accuracy"
+  )
+  ap.add_argument(
+    "--margin-step", type=float, default=0.1, help="parity margin on step_avg, as a fraction"
+  )
   ap.add_argument("--out", default=None)
   ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every arm")
   args = ap.parse_intermixed_args(argv)
@@ -87,11 +112,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
   for name, *arm_overrides in args.arm:
     for seed in args.seeds:
       run_dir = os.path.join(out, name, f"seed{seed}")
-      train.main(["--config", args.config, *args.overrides, *arm_overrides, f"train.seed={seed}",
-                  f"run.out_dir={run_dir}", "eval.full_at_end=true"])
+      train.main(
+        [
+          "--config",
+          args.config,
+          *args.overrides,
+          *arm_overrides,
+          f"train.seed={seed}",
+          f"run.out_dir={run_dir}",
+          "eval.full_at_end=true",
+        ]
+      )
       results.setdefault(name, {})[seed] = run_summary(run_dir)
-  report = {"config": args.config, "seeds": args.seeds, "overrides": args.overrides,
-            "arms": {n: {"overrides": o} for n, *o in args.arm}, "runs": results, "comparisons": {}}
+  report = {
+    "config": args.config,
+    "seeds": args.seeds,
+    "overrides": args.overrides,
+    "arms": {n: {"overrides": o} for n, *o in args.arm},
+    "runs": results,
+    "comparisons": {},
+  }
   base = args.arm[0][0]
   for name, *_ in args.arm[1:]:
     cmp = {}
@@ -100,7 +140,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
       mean, low, high = paired_interval(diffs)
       if margin is None:  # relative to the baseline's mean step time
         margin = args.margin_step * statistics.fmean(results[base][s][key] for s in args.seeds)
-      cmp[key] = {"mean_diff": mean, "ci95": [low, high], "margin": margin, "verdict": verdict(low, high, margin)}
+      cmp[key] = {
+        "mean_diff": mean,
+        "ci95": [low, high],
+        "margin": margin,
+        "verdict": verdict(low, high, margin),
+      }
     report["comparisons"][f"{name} - {base}"] = cmp
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "parity.json"), "w") as f:
@@ -117,26 +162,38 @@ def markdown(report: dict) -> str:
   for name, runs in report["runs"].items():
     for seed, r in runs.items():
       lines.append(f"| {name} | {seed} | {r['step_avg_s']:.4f} | {r['eval_full_accuracy']:.4f} |")
-  lines += ["", "| comparison | metric | mean diff | 95% CI | margin | verdict |", "|---|---|---|---|---|---|"]
+  lines += [
+    "",
+    "| comparison | metric | mean diff | 95% CI | margin | verdict |",
+    "|---|---|---|---|---|---|",
+  ]
   for cname, cmp in report["comparisons"].items():
     for key, c in cmp.items():
-      lines.append(f"| {cname} | {key} | {c['mean_diff']:+.4f} | [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | "
-                   f"±{c['margin']:.4f} | {c['verdict']} |")
+      lines.append(
+        f"| {cname} | {key} | {c['mean_diff']:+.4f} | [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | "
+        f"±{c['margin']:.4f} | {c['verdict']} |"
+      )
   return "\n".join(lines) + "\n"
 
 
 def _plot(results: dict, path: str) -> None:
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
     return  # the numbers are in parity.json; the plot needs matplotlib (the dev extra)
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, (name, runs) in enumerate(results.items()):
-    for j, (seed, r) in enumerate(runs.items()):
-      ax.plot(range(1, len(r["reward_curve"]) + 1), r["reward_curve"], color=f"C{i}", alpha=0.7,
-              label=name if j == 0 else None)
+    for j, r in enumerate(runs.values()):
+      ax.plot(
+        range(1, len(r["reward_curve"]) + 1),
+        r["reward_curve"],
+        color=f"C{i}",
+        alpha=0.7,
+        label=name if j == 0 else None,
+      )
   ax.set_xlabel("GRPO step")
   ax.set_ylabel("mean total reward")
   ax.legend()

@@ -19,8 +19,12 @@ from bench.run import CaseResult
 def git_commit() -> str | None:
   root = pathlib.Path(__file__).resolve().parents[1]
   try:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
+    sha = subprocess.run(
+      ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return None
   return sha + ("-dirty" if dirty else "")
@@ -29,18 +33,18 @@ def git_commit() -> str | None:
 def environment(peaks: DevicePeaks, target_platform: str, interpret: bool) -> dict:
   dev = jax.devices()[0]
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "device_kind": dev.device_kind,
-      "device_platform": dev.platform,
-      "device_count": jax.device_count(),
-      "kernel_target": target_platform,
-      "interpret_mode": interpret,
-      "jax": jax.__version__,
-      "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
-      "python": _platform.python_version(),
-      "host": _platform.machine(),
-      "git_commit": git_commit(),
-      "peaks": dataclasses.asdict(peaks),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "device_kind": dev.device_kind,
+    "device_platform": dev.platform,
+    "device_count": jax.device_count(),
+    "kernel_target": target_platform,
+    "interpret_mode": interpret,
+    "jax": jax.__version__,
+    "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+    "python": _platform.python_version(),
+    "host": _platform.machine(),
+    "git_commit": git_commit(),
+    "peaks": dataclasses.asdict(peaks),
   }
 
 
@@ -57,8 +61,10 @@ def _fmt_bytes(b):
 
 
 def markdown_table(results: list[CaseResult]) -> str:
-  head = ("| case | kernel median (IQR) | reference median | speedup | kernel roofline | reference roofline "
-          "| TFLOP/s kernel / ref | kernel temp mem | reference temp mem | parity (err/tol) | ok |")
+  head = (
+    "| case | kernel median (IQR) | reference median | speedup | kernel roofline | reference roofline "
+    "| TFLOP/s kernel / ref | kernel temp mem | reference temp mem | parity (err/tol) | ok |"
+  )
   rows = [head, "|" + "---|" * 11]
   for r in results:
     if r.kernel is None:
@@ -66,26 +72,45 @@ def markdown_table(results: list[CaseResult]) -> str:
       continue
     k, ref = r.kernel, r.reference
     parity = ", ".join(f"{label} {err:.2g}" for label, err in r.parity.items())
-    rows.append(f"| {r.name} | {_fmt_time(k.timing.median_s)} ({_fmt_time(k.timing.iqr_s)}) "
-                f"| {_fmt_time(ref.timing.median_s)} | {r.speedup:.2f}x | {_fmt_pct(k.roofline_fraction)} "
-                f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_flops(k)} / {_fmt_flops(ref)} "
-                f"| {_fmt_bytes(k.memory.temp_bytes)} "
-                f"| {_fmt_bytes(ref.memory.temp_bytes)} | {parity} | {'yes' if r.ok else 'NO'} |")
+    rows.append(
+      f"| {r.name} | {_fmt_time(k.timing.median_s)} ({_fmt_time(k.timing.iqr_s)}) "
+      f"| {_fmt_time(ref.timing.median_s)} | {r.speedup:.2f}x | {_fmt_pct(k.roofline_fraction)} "
+      f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_flops(k)} / {_fmt_flops(ref)} "
+      f"| {_fmt_bytes(k.memory.temp_bytes)} "
+      f"| {_fmt_bytes(ref.memory.temp_bytes)} | {parity} | {'yes' if r.ok else 'NO'} |"
+    )
   return "\n".join(rows)
 
 
-def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult], rollout_runs: list[dict] = (),
-          plots: bool = True) -> pathlib.Path:
+def write(
+  out_dir: pathlib.Path,
+  env: dict,
+  results: list[CaseResult],
+  rollout_runs: list[dict] = (),
+  plots: bool = True,
+) -> pathlib.Path:
   """results.json, summary.md and (with `plots`) roofline.png, time_vs_size.png, rollout.png."""
   out_dir.mkdir(parents=True, exist_ok=True)
-  rollout_json = [dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs]
-  payload = {"environment": env, "cases": [dataclasses.asdict(r) for r in results], "rollout": rollout_json}
+  rollout_json = [
+    dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs
+  ]
+  payload = {
+    "environment": env,
+    "cases": [dataclasses.asdict(r) for r in results],
+    "rollout": rollout_json,
+  }
   (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-  note = ("\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
-          "and parity, and are not kernel performance.\n" if env["interpret_mode"] else "\n")
-  header = (f"# Bench: {env['device_kind']} ({env['device_platform']}), jax {env['jax']}, {env['date']}, "
-            f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
-            f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n")
+  note = (
+    "\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
+    "and parity, and are not kernel performance.\n"
+    if env["interpret_mode"]
+    else "\n"
+  )
+  header = (
+    f"# Bench: {env['device_kind']} ({env['device_platform']}), jax {env['jax']}, {env['date']}, "
+    f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
+    f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n"
+  )
   body = markdown_table(results) if results else "(no kernel cases selected)"
   for run in rollout_runs:
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
@@ -97,19 +122,25 @@ def write(out_dir: pathlib.Path, env: dict, results: list[CaseResult], rollout_r
 
 
 def _rollout_shape(c: dict) -> str:
-  return (f"model {c['model']}, {c['prompts']} prompts x {c['n']} samples, prompt {c['prompt_len']} + "
-          f"{c['new_tokens']} new tokens, page {c['page_size']}")
+  return (
+    f"model {c['model']}, {c['prompts']} prompts x {c['n']} samples, prompt {c['prompt_len']} + "
+    f"{c['new_tokens']} new tokens, page {c['page_size']}"
+  )
 
 
 def _plots(out_dir, env, results, rollout_runs) -> list[pathlib.Path]:
   from bench import plots  # matplotlib: imported only when figures are wanted
+
   figures = []
   if results:
     figures.append(plots.roofline_chart(results, env["peaks"], out_dir / "roofline.png"))
     figures.append(plots.time_vs_size(results, out_dir / "time_vs_size.png"))
   if rollout_runs:
-    rows = [dataclasses.replace(r, workload=f"{run['size']}/{r.workload}") for run in rollout_runs
-            for r in run["rows"]]
+    rows = [
+      dataclasses.replace(r, workload=f"{run['size']}/{r.workload}")
+      for run in rollout_runs
+      for r in run["rows"]
+    ]
     figures.append(plots.rollout_chart(rows, out_dir / "rollout.png"))
   return figures
 

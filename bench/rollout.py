@@ -46,20 +46,35 @@ from rl.train import pack
 from rl.update import token_logps
 
 SIZES = {
-    "tiny": dict(model="tiny", prompts=2, n=2, prompt_len=8, new_tokens=8, page_size=8, steps=4),  # tests
-    # preset, prompts, samples per prompt, prompt length, new tokens, slots, page size, steps per sync
-    "small": dict(model="tiny", prompts=8, n=2, prompt_len=32, new_tokens=64, page_size=16, steps=8),
-    "large": dict(model="qwen2.5-0.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16,
-                  steps=16),
-    # shapes sglang-jax 0.1.0rc0 runs (head_dim 128, >= 2 KV heads)
-    # float32 on CPU: in bf16 sglang-jax's log-probs were up to 2 nats off a teacher-forced forward at
-    # this model's peaked logits (0.64 - 0.99 of the tolerance; paged 0.25 nats), too near the gate
-    "h128": dict(model="tiny-h128", prompts=8, n=2, prompt_len=32, new_tokens=64, page_size=16, steps=8,
-                 dtype="float32"),
-    "large-h128": dict(model="qwen2.5-1.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16,
-                       steps=16),
+  "tiny": dict(
+    model="tiny", prompts=2, n=2, prompt_len=8, new_tokens=8, page_size=8, steps=4
+  ),  # tests
+  # preset, prompts, samples per prompt, prompt length, new tokens, slots, page size, steps per sync
+  "small": dict(model="tiny", prompts=8, n=2, prompt_len=32, new_tokens=64, page_size=16, steps=8),
+  "large": dict(
+    model="qwen2.5-0.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16, steps=16
+  ),
+  # shapes sglang-jax 0.1.0rc0 runs (head_dim 128, >= 2 KV heads)
+  # float32 on CPU: in bf16 sglang-jax's log-probs were up to 2 nats off a teacher-forced forward at
+  # this model's peaked logits (0.64 - 0.99 of the tolerance; paged 0.25 nats), too near the gate
+  "h128": dict(
+    model="tiny-h128",
+    prompts=8,
+    n=2,
+    prompt_len=32,
+    new_tokens=64,
+    page_size=16,
+    steps=8,
+    dtype="float32",
+  ),
+  "large-h128": dict(
+    model="qwen2.5-1.5b", prompts=32, n=4, prompt_len=256, new_tokens=512, page_size=16, steps=16
+  ),
 }
-BACKENDS = ("paged", "dense")  # the default comparison; the last named backend is the greedy reference
+BACKENDS = (
+  "paged",
+  "dense",
+)  # the default comparison; the last named backend is the greedy reference
 
 
 @dataclasses.dataclass
@@ -73,45 +88,72 @@ class RolloutBenchRow:
   decode_s: float
   decode_steps: int
   preemptions: int
-  logprob_parity: float  # sampler log-probs vs a teacher-forced forward, error / tolerance (<= 1 passes)
+  logprob_parity: (
+    float  # sampler log-probs vs a teacher-forced forward, error / tolerance (<= 1 passes)
+  )
   logprob_max_abs_diff: float  # the same comparison in nats
   ok: bool
 
 
 def workload(size: dict, kind: str, seed: int = 0):
   rng = np.random.default_rng(seed)
-  prompts = [list(map(int, rng.integers(3, 200, size=size["prompt_len"]))) for _ in range(size["prompts"])]
+  prompts = [
+    list(map(int, rng.integers(3, 200, size=size["prompt_len"]))) for _ in range(size["prompts"])
+  ]
   new = size["new_tokens"]
-  lens = [new] * len(prompts) if kind == "fixed" else list(map(int, rng.integers(new // 8, new + 1,
-                                                                                   len(prompts))))
-  params = [SamplingParams(max_new_tokens=m, temperature=1.0, n=size["n"], seed=i) for i, m in enumerate(lens)]
+  lens = (
+    [new] * len(prompts)
+    if kind == "fixed"
+    else list(map(int, rng.integers(new // 8, new + 1, len(prompts))))
+  )
+  params = [
+    SamplingParams(max_new_tokens=m, temperature=1.0, n=size["n"], seed=i)
+    for i, m in enumerate(lens)
+  ]
   return prompts, params
 
 
-def teacher_forced_error(model, result: RolloutResult, prompt_len: int, new_tokens: int,
-                         rows_per_call: int = 8) -> tuple[float, float]:
+def teacher_forced_error(
+  model, result: RolloutResult, prompt_len: int, new_tokens: int, rows_per_call: int = 8
+) -> tuple[float, float]:
   """(largest error / tolerance, largest |difference|) of the sampler log-probs (temperature 1, no top-k / top-p) against the
   model's log-probs of the same tokens in one forward pass (the trainer's `token_logps`)."""
-  tokens, mask = pack([c.prompt_ids for c in result.completions], [c.token_ids for c in result.completions],
-                      prompt_len, new_tokens, pad_id=0)
+  tokens, mask = pack(
+    [c.prompt_ids for c in result.completions],
+    [c.token_ids for c in result.completions],
+    prompt_len,
+    new_tokens,
+    pad_id=0,
+  )
   _, comp_mask, sampler = result.padded(new_tokens)
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda st, t, m: token_logps(nnx.merge(graphdef, st), t, m, new_tokens, 1.0))
   n = len(tokens)
-  pad = -n % rows_per_call  # whole chunks: one compile; [rows, C, V] logits stay small on a real vocab
+  pad = (
+    -n % rows_per_call
+  )  # whole chunks: one compile; [rows, C, V] logits stay small on a real vocab
   tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, 0)])
   mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
-  expected = np.concatenate([np.asarray(forward(state, tokens[i:i + rows_per_call], mask[i:i + rows_per_call]))
-                             for i in range(0, len(tokens), rows_per_call)])[:n]
+  expected = np.concatenate(
+    [
+      np.asarray(forward(state, tokens[i : i + rows_per_call], mask[i : i + rows_per_call]))
+      for i in range(0, len(tokens), rows_per_call)
+    ]
+  )[:n]
   cfg = model.cfg
   actual, expected = sampler[comp_mask], expected[comp_mask]
-  return (parity_error(actual, expected, "value", cfg.dtype, cfg.vocab_size),
-          float(np.max(np.abs(actual - expected), initial=0.0)))
+  return (
+    parity_error(actual, expected, "value", cfg.dtype, cfg.vocab_size),
+    float(np.max(np.abs(actual - expected), initial=0.0)),
+  )
 
 
 def greedy_agreement(a: RolloutResult, b: RolloutResult) -> float:
   """Fraction of completions identical token for token."""
-  same = [np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.completions, b.completions, strict=True)]
+  same = [
+    np.array_equal(x.token_ids, y.token_ids)
+    for x, y in zip(a.completions, b.completions, strict=True)
+  ]
   return sum(same) / len(same)
 
 
@@ -128,13 +170,19 @@ def bench_model(size_name: str):
 def bench_engine(model, size_name: str, backend: str):
   """An engine with room for the whole workload at once; no EOS, so every request runs to its length."""
   size = SIZES[size_name]
-  cfg = EngineConfig(backend=backend, max_seq_len=size["prompt_len"] + size["new_tokens"],
-                     max_slots=size["prompts"] * size["n"], page_size=size["page_size"],
-                     steps_per_sync=size["steps"])
+  cfg = EngineConfig(
+    backend=backend,
+    max_seq_len=size["prompt_len"] + size["new_tokens"],
+    max_slots=size["prompts"] * size["n"],
+    page_size=size["page_size"],
+    steps_per_sync=size["steps"],
+  )
   return make_engine(model, cfg, eos_ids=[])
 
 
-def run(size_name: str, repeats: int = 3, backends=BACKENDS, warmup: int = 2) -> tuple[list[RolloutBenchRow], dict]:
+def run(
+  size_name: str, repeats: int = 3, backends=BACKENDS, warmup: int = 2
+) -> tuple[list[RolloutBenchRow], dict]:
   """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}}).
 
   One engine per backend serves both workloads, `warmup` untimed calls each (a continuous-batching
@@ -158,30 +206,52 @@ def run(size_name: str, repeats: int = 3, backends=BACKENDS, warmup: int = 2) ->
         mid = results[int(np.argsort(times)[len(times) // 2])]
         err, diff = teacher_forced_error(model, mid, size["prompt_len"], size["new_tokens"])
         st = mid.stats
-        found[kind, name] = RolloutBenchRow(name, kind, statistics.median(times), st.generated_tokens,
-                                            st.generated_tokens / statistics.median(times), st.prefill_s,
-                                            st.decode_s, st.decode_steps, st.preemptions, err, diff, err <= 1.0)
-        outs[kind][name] = engine.generate(prompts, [dataclasses.replace(p, temperature=0.0) for p in params])
+        found[kind, name] = RolloutBenchRow(
+          name,
+          kind,
+          statistics.median(times),
+          st.generated_tokens,
+          st.generated_tokens / statistics.median(times),
+          st.prefill_s,
+          st.decode_s,
+          st.decode_steps,
+          st.preemptions,
+          err,
+          diff,
+          err <= 1.0,
+        )
+        outs[kind][name] = engine.generate(
+          prompts, [dataclasses.replace(p, temperature=0.0) for p in params]
+        )
     finally:
       engine.close()
   rows = [found[kind, name] for kind in WORKLOADS for name in backends]
-  greedy = {kind: {name: greedy_agreement(outs[kind][name], outs[kind][backends[-1]]) for name in backends[:-1]}
-            for kind in WORKLOADS}
+  greedy = {
+    kind: {
+      name: greedy_agreement(outs[kind][name], outs[kind][backends[-1]]) for name in backends[:-1]
+    }
+    for kind in WORKLOADS
+  }
   return rows, {"greedy_agreement": greedy, "reference": backends[-1]}
 
 
 def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
   ref = (extra or {}).get("reference", "dense")
-  lines = ["| workload | backend | median s | tokens | tokens/s | prefill s | decode s | decode steps | "
-           f"speedup vs dense | logprob err/tol (max nats) | greedy = {ref} | ok |", "|" + "---|" * 12]
+  lines = [
+    "| workload | backend | median s | tokens | tokens/s | prefill s | decode s | decode steps | "
+    f"speedup vs dense | logprob err/tol (max nats) | greedy = {ref} | ok |",
+    "|" + "---|" * 12,
+  ]
   dense = {r.workload: r.tokens_per_s for r in rows if r.backend == "dense"}
   agree = (extra or {}).get("greedy_agreement", {})
   for r in rows:
     speed = f"{r.tokens_per_s / dense[r.workload]:.2f}x" if dense.get(r.workload) else "-"
     same = agree.get(r.workload, {}).get(r.backend)
-    lines.append(f"| {r.workload} | {r.backend} | {r.median_s:.3f} | {r.tokens} | {r.tokens_per_s:.1f} | "
-                 f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} | {r.logprob_parity:.2g} ({r.logprob_max_abs_diff:.2g}) | "
-                 f"{'-' if same is None else f'{100 * same:.0f}%'} | {'yes' if r.ok else 'NO'} |")
+    lines.append(
+      f"| {r.workload} | {r.backend} | {r.median_s:.3f} | {r.tokens} | {r.tokens_per_s:.1f} | "
+      f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} | {r.logprob_parity:.2g} ({r.logprob_max_abs_diff:.2g}) | "
+      f"{'-' if same is None else f'{100 * same:.0f}%'} | {'yes' if r.ok else 'NO'} |"
+    )
   return "\n".join(lines)
 
 
@@ -196,23 +266,42 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__.split("\n")[0])
   p.add_argument("--size", choices=sorted(SIZES), default=None)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--warmup", type=int, default=2, help="untimed generate() calls per backend and workload")
-  p.add_argument("--backend", action="append", choices=("paged", "dense", "sglang_jax"),
-                 help="repeatable, in table order; the last is the greedy-agreement reference "
-                      f"(default: {' '.join(BACKENDS)})")
-  p.add_argument("--out", type=pathlib.Path, default=None, help="write results.json and summary.md here")
+  p.add_argument(
+    "--warmup", type=int, default=2, help="untimed generate() calls per backend and workload"
+  )
+  p.add_argument(
+    "--backend",
+    action="append",
+    choices=("paged", "dense", "sglang_jax"),
+    help="repeatable, in table order; the last is the greedy-agreement reference "
+    f"(default: {' '.join(BACKENDS)})",
+  )
+  p.add_argument(
+    "--out", type=pathlib.Path, default=None, help="write results.json and summary.md here"
+  )
   a = p.parse_args(argv)
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
   rows, extra = run(size, a.repeats, tuple(a.backend) if a.backend else BACKENDS, a.warmup)
   table = markdown(rows, extra)
-  print(f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}")
+  print(
+    f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}"
+  )
   if a.out:
     a.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(),
-                sglang_jax=_version("sglang-jax"), size=size, config=SIZES[size], repeats=a.repeats, warmup=a.warmup,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (a.out / "results.json").write_text(json.dumps(dict(meta, rows=[dataclasses.asdict(r) for r in rows],
-                                                        **extra), indent=2))
+    meta = dict(
+      device=jax.devices()[0].device_kind,
+      jax=jax.__version__,
+      python=platform.python_version(),
+      sglang_jax=_version("sglang-jax"),
+      size=size,
+      config=SIZES[size],
+      repeats=a.repeats,
+      warmup=a.warmup,
+      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    (a.out / "results.json").write_text(
+      json.dumps(dict(meta, rows=[dataclasses.asdict(r) for r in rows], **extra), indent=2)
+    )
     (a.out / "summary.md").write_text(table + "\n")
   return 0 if all(r.ok for r in rows) else 1
 

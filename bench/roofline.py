@@ -22,17 +22,17 @@ class DevicePeaks:
 
 # Keyed by a prefix of jax's ``device.device_kind``. Dense (non-sparse) peaks from vendor datasheets.
 DATASHEET: dict[str, DevicePeaks] = {
-    "NVIDIA H100 80GB HBM3": DevicePeaks(3.35e12, 989e12, "datasheet"),  # SXM
-    "NVIDIA H100 PCIe": DevicePeaks(2.0e12, 756e12, "datasheet"),
-    "NVIDIA H100": DevicePeaks(3.35e12, 989e12, "datasheet"),
-    "NVIDIA H200": DevicePeaks(4.8e12, 989e12, "datasheet"),
-    "NVIDIA A100-SXM4-80GB": DevicePeaks(2.04e12, 312e12, "datasheet"),
-    "NVIDIA A100": DevicePeaks(1.56e12, 312e12, "datasheet"),
-    "TPU v4": DevicePeaks(1.2e12, 275e12, "datasheet"),
-    "TPU v5 lite": DevicePeaks(8.19e11, 197e12, "datasheet"),  # v5e
-    "TPU v5p": DevicePeaks(2.765e12, 459e12, "datasheet"),
-    "TPU v5": DevicePeaks(2.765e12, 459e12, "datasheet"),
-    "TPU v6 lite": DevicePeaks(1.64e12, 918e12, "datasheet"),  # v6e / Trillium
+  "NVIDIA H100 80GB HBM3": DevicePeaks(3.35e12, 989e12, "datasheet"),  # SXM
+  "NVIDIA H100 PCIe": DevicePeaks(2.0e12, 756e12, "datasheet"),
+  "NVIDIA H100": DevicePeaks(3.35e12, 989e12, "datasheet"),
+  "NVIDIA H200": DevicePeaks(4.8e12, 989e12, "datasheet"),
+  "NVIDIA A100-SXM4-80GB": DevicePeaks(2.04e12, 312e12, "datasheet"),
+  "NVIDIA A100": DevicePeaks(1.56e12, 312e12, "datasheet"),
+  "TPU v4": DevicePeaks(1.2e12, 275e12, "datasheet"),
+  "TPU v5 lite": DevicePeaks(8.19e11, 197e12, "datasheet"),  # v5e
+  "TPU v5p": DevicePeaks(2.765e12, 459e12, "datasheet"),
+  "TPU v5": DevicePeaks(2.765e12, 459e12, "datasheet"),
+  "TPU v6 lite": DevicePeaks(1.64e12, 918e12, "datasheet"),  # v6e / Trillium
 }
 
 
@@ -73,7 +73,9 @@ def peaks_for(device=None, *, measure: bool = True) -> DevicePeaks:
   return DevicePeaks(bw, sheet.bf16_flops_per_s if sheet else None, "measured")
 
 
-def roofline_fraction(seconds: float, nbytes: float | None, flops: float | None, peaks: DevicePeaks) -> float | None:
+def roofline_fraction(
+  seconds: float, nbytes: float | None, flops: float | None, peaks: DevicePeaks
+) -> float | None:
   """Achieved fraction of the binding roofline: max(bytes / bandwidth, flops / peak) / time."""
   bounds = []
   if nbytes and peaks.hbm_bytes_per_s:

@@ -24,13 +24,13 @@ class LossShape:
 
 
 LOSS_SHAPES: dict[str, LossShape] = {
-    # CPU interpreter sizes (ragged: V and N are multiples of no block size)
-    "tiny": LossShape(3, 7, 1000, "float32"),
-    "cpu-small": LossShape(4, 64, 8000, "float32"),
-    "cpu-medium": LossShape(8, 128, 32000, "bfloat16"),
-    # production sizes: N = 8192 completion tokens
-    "qwen2.5-8k": LossShape(8, 1024, 151936, "bfloat16"),
-    "llama3-8k": LossShape(8, 1024, 128256, "bfloat16"),
+  # CPU interpreter sizes (ragged: V and N are multiples of no block size)
+  "tiny": LossShape(3, 7, 1000, "float32"),
+  "cpu-small": LossShape(4, 64, 8000, "float32"),
+  "cpu-medium": LossShape(8, 128, 32000, "bfloat16"),
+  # production sizes: N = 8192 completion tokens
+  "qwen2.5-8k": LossShape(8, 1024, 151936, "bfloat16"),
+  "llama3-8k": LossShape(8, 1024, 128256, "bfloat16"),
 }
 
 PRODUCTION_LOSS_SHAPES = ("qwen2.5-8k", "llama3-8k")
@@ -52,13 +52,13 @@ class LinearLossShape:
 
 
 LINEAR_LOSS_SHAPES: dict[str, LinearLossShape] = {
-    # CPU interpreter sizes (ragged: N and V are multiples of no block)
-    "tiny": LinearLossShape(2, 7, 64, 1000, "float32"),
-    "cpu-small": LinearLossShape(4, 64, 128, 4000, "float32"),
-    "cpu-mid": LinearLossShape(8, 256, 64, 16000, "bfloat16"),  # N >> H: [N, V] dwarfs [H, V]
-    # production: Qwen2.5-3B's head (H = 2048, V = 151936) at 8k and 16k completion tokens
-    "qwen2.5-3b-8k": LinearLossShape(8, 1024, 2048, 151936, "bfloat16"),
-    "qwen2.5-3b-16k": LinearLossShape(16, 1024, 2048, 151936, "bfloat16"),
+  # CPU interpreter sizes (ragged: N and V are multiples of no block)
+  "tiny": LinearLossShape(2, 7, 64, 1000, "float32"),
+  "cpu-small": LinearLossShape(4, 64, 128, 4000, "float32"),
+  "cpu-mid": LinearLossShape(8, 256, 64, 16000, "bfloat16"),  # N >> H: [N, V] dwarfs [H, V]
+  # production: Qwen2.5-3B's head (H = 2048, V = 151936) at 8k and 16k completion tokens
+  "qwen2.5-3b-8k": LinearLossShape(8, 1024, 2048, 151936, "bfloat16"),
+  "qwen2.5-3b-16k": LinearLossShape(16, 1024, 2048, 151936, "bfloat16"),
 }
 
 PRODUCTION_LINEAR_LOSS_SHAPES = ("qwen2.5-3b-8k", "qwen2.5-3b-16k")
@@ -88,15 +88,21 @@ class PagedShape:
 
   def kv_bytes(self) -> int:
     """K and V bytes the op must read: every cached token of every kv head, once."""
-    return 2 * sum(self.lengths()) * self.kv_heads * self.head_dim * np.dtype(jnp.dtype(self.dtype)).itemsize
+    return (
+      2
+      * sum(self.lengths())
+      * self.kv_heads
+      * self.head_dim
+      * np.dtype(jnp.dtype(self.dtype)).itemsize
+    )
 
 
 PAGED_SHAPES: dict[str, PagedShape] = {
-    "tiny": PagedShape(3, 4, 2, 16, 40, 8, "float32"),
-    "cpu-small": PagedShape(8, 8, 2, 64, 512, 16, "bfloat16"),
-    # production: the issue's decode size (a Qwen2.5-1.5B-like GQA layer, 4k context), and a long one
-    "decode-4k": PagedShape(64, 16, 2, 128, 4096, 16, "bfloat16"),
-    "decode-16k-b8": PagedShape(8, 16, 2, 128, 16384, 16, "bfloat16"),
+  "tiny": PagedShape(3, 4, 2, 16, 40, 8, "float32"),
+  "cpu-small": PagedShape(8, 8, 2, 64, 512, 16, "bfloat16"),
+  # production: the issue's decode size (a Qwen2.5-1.5B-like GQA layer, 4k context), and a long one
+  "decode-4k": PagedShape(64, 16, 2, 128, 4096, 16, "bfloat16"),
+  "decode-16k-b8": PagedShape(8, 16, 2, 128, 16384, 16, "bfloat16"),
 }
 
 PRODUCTION_PAGED_SHAPES = ("decode-4k", "decode-16k-b8")

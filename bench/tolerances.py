@@ -16,11 +16,11 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 # quantity -> (rtol in ulps of the compared dtype, atol in ulps of it, acc: f32 eps per sqrt(len))
 TABLE = {
-    "value": (64, 4, 8),  # loss and per-token f32 outputs (logp, entropy, kl), any input dtype
-    "grad": (2, 1, 8),  # gradients, stored in the input dtype
-    "f64_check": (64, 4, 8),  # the f32 reference against an independent float64 NumPy formula
-    "optimizer": (4, 4, 0),  # element-wise updates: same ops, only fusion / rounding order may differ
-    "attention": (4, 2, 8),  # attention outputs in q's dtype: p is rounded to it for the PV matmul
+  "value": (64, 4, 8),  # loss and per-token f32 outputs (logp, entropy, kl), any input dtype
+  "grad": (2, 1, 8),  # gradients, stored in the input dtype
+  "f64_check": (64, 4, 8),  # the f32 reference against an independent float64 NumPy formula
+  "optimizer": (4, 4, 0),  # element-wise updates: same ops, only fusion / rounding order may differ
+  "attention": (4, 2, 8),  # attention outputs in q's dtype: p is rounded to it for the PV matmul
 }
 
 
@@ -29,7 +29,9 @@ def tolerance(quantity: str, dtype, reduction_len: int, scale: float = 1.0) -> d
   rtol_ulps, atol_ulps, acc = TABLE[quantity]
   eps = float(jnp.finfo(dtype).eps)  # jnp.finfo knows bfloat16
   scale = max(float(scale), 1e-30)
-  return dict(rtol=rtol_ulps * eps, atol=scale * (atol_ulps * eps + acc * F32_EPS * math.sqrt(reduction_len)))
+  return dict(
+    rtol=rtol_ulps * eps, atol=scale * (atol_ulps * eps + acc * F32_EPS * math.sqrt(reduction_len))
+  )
 
 
 def parity_error(actual, expected, quantity: str, dtype, reduction_len: int) -> float:
@@ -49,8 +51,15 @@ def parity_error(actual, expected, quantity: str, dtype, reduction_len: int) -> 
   return float(np.nanmax(err / bound)) if np.isfinite(err).any() else 0.0
 
 
-def assert_close(actual, expected, quantity: str, dtype, reduction_len: int, err_msg: str = "",
-                 scale: float | None = None):
+def assert_close(
+  actual,
+  expected,
+  quantity: str,
+  dtype,
+  reduction_len: int,
+  err_msg: str = "",
+  scale: float | None = None,
+):
   """Compare ``actual`` to ``expected`` (both cast to f64) under the budget for ``dtype`` arrays.
 
   ``scale`` defaults to max |expected|. Pass the operands' magnitude when the result is a difference
@@ -60,5 +69,6 @@ def assert_close(actual, expected, quantity: str, dtype, reduction_len: int, err
   expected = np.asarray(expected, dtype=np.float64)
   if scale is None:
     scale = float(np.max(np.abs(expected))) if expected.size else 1.0
-  np.testing.assert_allclose(actual, expected, err_msg=err_msg,
-                             **tolerance(quantity, dtype, reduction_len, scale))
+  np.testing.assert_allclose(
+    actual, expected, err_msg=err_msg, **tolerance(quantity, dtype, reduction_len, scale)
+  )

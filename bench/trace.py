@@ -43,7 +43,9 @@ TRACE_EVENT_CAP = 1_000_000
 def capture(run_dir: str, python_frames: bool = False):
   """Profile the enclosed work into `run_dir` (open with `tensorboard --logdir run_dir`)."""
   os.makedirs(run_dir, exist_ok=True)
-  with jax.profiler.trace(run_dir, create_perfetto_trace=True, profiler_options=profiler_options(python_frames)):
+  with jax.profiler.trace(
+    run_dir, create_perfetto_trace=True, profiler_options=profiler_options(python_frames)
+  ):
     yield run_dir
 
 
@@ -53,7 +55,9 @@ def latest_session(run_dir: str) -> str:
     return run_dir
   sessions = sorted(glob.glob(os.path.join(run_dir, "plugins", "profile", "*")))
   if not sessions:
-    raise FileNotFoundError(f"no profile under {run_dir} (expected plugins/profile/<time>/*.xplane.pb)")
+    raise FileNotFoundError(
+      f"no profile under {run_dir} (expected plugins/profile/<time>/*.xplane.pb)"
+    )
   return sessions[-1]
 
 
@@ -61,6 +65,7 @@ def op_stats(session: str) -> list[dict]:
   """xprof's framework_op_stats table: one dict per op (host_or_device, type, operation, occurrences,
   total_time, total_self_time in microseconds, ...)."""
   from xprof.convert import raw_to_tool_data
+
   paths = sorted(glob.glob(os.path.join(session, "*.xplane.pb")))
   data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "framework_op_stats", {})
   tables = json.loads(data)
@@ -101,7 +106,9 @@ def step_phase(op_name: str) -> str | None:
   return None
 
 
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([^\s=]+)\s*=.*?metadata=\{op_name="((?:[^"\\]|\\.)*)"', re.M)
+_INSTRUCTION = re.compile(
+  r'^\s*(?:ROOT\s+)?%([^\s=]+)\s*=.*?metadata=\{op_name="((?:[^"\\]|\\.)*)"', re.M
+)
 
 
 def hlo_scopes(session: str, modules: Iterable[str]) -> dict[str, dict[str, str]]:
@@ -109,16 +116,20 @@ def hlo_scopes(session: str, modules: Iterable[str]) -> dict[str, dict[str, str]
   `jit_train_step`), from the HLO the trace carries, printed by xprof's graph_viewer. xprof first
   writes each module as `<module>(<program id>).hlo_proto.pb` into the session (as TensorBoard does)."""
   from xprof.convert import raw_to_tool_data
+
   paths = sorted(glob.glob(os.path.join(session, "*.xplane.pb")))
   raw_to_tool_data.xspace_to_tool_names(paths)
   wanted, scopes = set(modules), {}
   for path in sorted(glob.glob(os.path.join(session, "*.hlo_proto.pb"))):
-    program = os.path.basename(path)[:-len(".hlo_proto.pb")]
+    program = os.path.basename(path)[: -len(".hlo_proto.pb")]
     module = re.sub(r"\(\d+\)$", "", program)
     if module not in wanted:
       continue
     text, _ = raw_to_tool_data.xspace_to_tool_data(
-        paths, "graph_viewer", {"graph_viewer_options": {"module_name": program, "type": "long_txt", "show_metadata": 1}})
+      paths,
+      "graph_viewer",
+      {"graph_viewer_options": {"module_name": program, "type": "long_txt", "show_metadata": 1}},
+    )
     text = text.decode() if isinstance(text, bytes) else text
     # Recompiles of one function share its module name; their instruction names mostly agree.
     scopes.setdefault(module, {}).update(m.groups() for m in _INSTRUCTION.finditer(text))
@@ -146,14 +157,18 @@ def _self_times(events) -> list[tuple[dict, float]]:
   return out
 
 
-def update_split(scopes: dict[str, dict[str, str]], timed: list[tuple[dict, float]]) -> dict[str, float]:
+def update_split(
+  scopes: dict[str, dict[str, str]], timed: list[tuple[dict, float]]
+) -> dict[str, float]:
   """Self time of the train step's ops by phase (`step_phase`), plus its unscoped ops (copies, layout
   changes) as `update/other`, over every module that holds a scoped op."""
   stepping = {m for m, table in scopes.items() if any(map(step_phase, table.values()))}
   split = collections.defaultdict(float)
   for e, self_us in timed:
     if e["args"]["hlo_module"] in stepping:
-      split[step_phase(scopes[e["args"]["hlo_module"]].get(e["args"]["hlo_op"], "")) or "update/other"] += self_us
+      split[
+        step_phase(scopes[e["args"]["hlo_module"]].get(e["args"]["hlo_op"], "")) or "update/other"
+      ] += self_us
   return dict(sorted(split.items()))
 
 
@@ -169,7 +184,9 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   device, where = _device_events(events, procs)
   # Executed XLA ops name their module and instruction (device kernels on GPU, thunks on XLA:CPU):
   # ranked by self time and labelled with their name scope. Without them, every non-annotation event.
-  op_events = [e for e in (device or events) if {"hlo_op", "hlo_module"} <= e.get("args", {}).keys()]
+  op_events = [
+    e for e in (device or events) if {"hlo_op", "hlo_module"} <= e.get("args", {}).keys()
+  ]
   scopes, split = {}, {}
   if op_events:
     timed = _self_times(op_events)
@@ -180,8 +197,11 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
     else:
       split = update_split(scopes, timed)
   else:
-    timed = [(e, e.get("dur", 0.0)) for e in device or events
-             if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))]
+    timed = [
+      (e, e.get("dur", 0.0))
+      for e in device or events
+      if not e["name"].startswith(("$", PHASE_PREFIX, BENCH_PREFIX))
+    ]
   kernels, counts, scope_of = collections.Counter(), collections.Counter(), {}
   for e, us in timed:
     kernels[e["name"]] += us
@@ -191,7 +211,7 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   phases = collections.defaultdict(float)
   for e in events:
     if e["name"].startswith(PHASE_PREFIX):
-      phases[e["name"][len(PHASE_PREFIX):]] += e.get("dur", 0.0)
+      phases[e["name"][len(PHASE_PREFIX) :]] += e.get("dur", 0.0)
     elif e["name"].startswith(BENCH_PREFIX):
       phases[e["name"]] += e.get("dur", 0.0)
   gaps = _gaps(device, gap_us) if device else None
@@ -199,11 +219,19 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
     ops = op_stats(session)
   except Exception as err:  # xprof missing or a format it does not know: the rest still stands
     ops = [{"error": f"{type(err).__name__}: {err}"}]
-  return {"session": session, "timeline": where, "truncated": len(events) >= TRACE_EVENT_CAP,
-          "top": [{"name": n, "total_us": t, "count": counts[n], "scope": scope_of[n]}
-                  for n, t in kernels.most_common(top)],
-          "phases_us": dict(sorted(phases.items())), "update_split_us": split, "gaps": gaps,
-          "op_stats": sorted(ops, key=lambda r: -(r.get("total_self_time") or 0))[:top]}
+  return {
+    "session": session,
+    "timeline": where,
+    "truncated": len(events) >= TRACE_EVENT_CAP,
+    "top": [
+      {"name": n, "total_us": t, "count": counts[n], "scope": scope_of[n]}
+      for n, t in kernels.most_common(top)
+    ],
+    "phases_us": dict(sorted(phases.items())),
+    "update_split_us": split,
+    "gaps": gaps,
+    "op_stats": sorted(ops, key=lambda r: -(r.get("total_self_time") or 0))[:top],
+  }
 
 
 def _gaps(device_events, gap_us):
@@ -225,18 +253,23 @@ def _gaps(device_events, gap_us):
 
 
 def _tail(text: str, n: int) -> str:
-  return text if len(text) <= n else "..." + text[-(n - 3):]
+  return text if len(text) <= n else "..." + text[-(n - 3) :]
 
 
 def format_summary(s: dict) -> str:
   lines = [f"profile: {s['session']}"]
   if s.get("truncated"):
-    lines.append(f"WARNING: the trace's event export stopped at {TRACE_EVENT_CAP:,} events, so what follows "
-                 "covers only the start of the run; capture less (fewer bench suites / sizes, fewer steps) "
-                 "or open the .xplane.pb in TensorBoard, which has everything")
+    lines.append(
+      f"WARNING: the trace's event export stopped at {TRACE_EVENT_CAP:,} events, so what follows "
+      "covers only the start of the run; capture less (fewer bench suites / sizes, fewer steps) "
+      "or open the .xplane.pb in TensorBoard, which has everything"
+    )
   lines.append(f"top ops by total self time ({s['timeline']}):")
-  lines += [f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:60]}"
-            + (f"  [{_tail(r['scope'], 90)}]" if r.get("scope") else "") for r in s["top"]]
+  lines += [
+    f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:60]}"
+    + (f"  [{_tail(r['scope'], 90)}]" if r.get("scope") else "")
+    for r in s["top"]
+  ]
   if s["phases_us"]:
     lines.append("phases (host annotations: GRPO step phases, bench cases):")
     lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in s["phases_us"].items()]
@@ -248,19 +281,25 @@ def format_summary(s: dict) -> str:
     lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in split.items()]
   if s["gaps"] is not None:
     g = s["gaps"]
-    lines.append(f"device idle gaps > {g['threshold_us']:.0f} us: {g['count']} totalling {g['total_us'] / 1e3:.3f} ms "
-                 f"(longest {g['longest_us'] / 1e3:.3f} ms)")
+    lines.append(
+      f"device idle gaps > {g['threshold_us']:.0f} us: {g['count']} totalling {g['total_us'] / 1e3:.3f} ms "
+      f"(longest {g['longest_us'] / 1e3:.3f} ms)"
+    )
   else:
     lines.append("device idle gaps: no device timeline in this trace (CPU run)")
   if s["op_stats"] and "error" not in s["op_stats"][0]:
     lines.append("xprof framework_op_stats (by self time):")
-    lines += [f"  {r.get('total_self_time', 0) / 1e3:10.3f} ms  {r.get('host_or_device')}  {r.get('operation')}"
-              for r in s["op_stats"]]
+    lines += [
+      f"  {r.get('total_self_time', 0) / 1e3:10.3f} ms  {r.get('host_or_device')}  {r.get('operation')}"
+      for r in s["op_stats"]
+    ]
   return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(prog="python -m bench.trace", description="Summarise a captured profile.")
+  ap = argparse.ArgumentParser(
+    prog="python -m bench.trace", description="Summarise a captured profile."
+  )
   ap.add_argument("run_dir", help="profiles/<run> (a jax.profiler.trace log directory)")
   ap.add_argument("--top", type=int, default=15)
   ap.add_argument("--gap-us", type=float, default=100.0)

@@ -5,12 +5,38 @@ Public ops: :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_atte
 """
 
 from kernels import optim
-from kernels.fused_linear import LinearBlocks, fused_linear_grpo_loss, fused_linear_grpo_loss_reference
+from kernels.fused_linear import (
+  LinearBlocks,
+  fused_linear_grpo_loss,
+  fused_linear_grpo_loss_reference,
+)
 from kernels.grpo_loss import GRPOAux, LossBlocks, grpo_loss, grpo_loss_reference
+from kernels.optim import (
+  adamw_update,
+  fused_adamw,
+  fused_adamw_step,
+  fused_lion,
+  fused_lion_step,
+  lion_update,
+)
 from kernels.paged_attention import PagedBlocks, paged_attention, paged_attention_reference
-from kernels.optim import adamw_update, fused_adamw, fused_adamw_step, fused_lion, fused_lion_step, lion_update
 
-__all__ = ["grpo_loss", "grpo_loss_reference", "GRPOAux", "LossBlocks", "fused_linear_grpo_loss",
-           "fused_linear_grpo_loss_reference", "LinearBlocks",
-           "paged_attention", "paged_attention_reference", "PagedBlocks", "adamw_update", "lion_update", "fused_adamw",
-           "fused_lion", "fused_adamw_step", "fused_lion_step", "optim"]
+__all__ = [
+  "GRPOAux",
+  "LinearBlocks",
+  "LossBlocks",
+  "PagedBlocks",
+  "adamw_update",
+  "fused_adamw",
+  "fused_adamw_step",
+  "fused_linear_grpo_loss",
+  "fused_linear_grpo_loss_reference",
+  "fused_lion",
+  "fused_lion_step",
+  "grpo_loss",
+  "grpo_loss_reference",
+  "lion_update",
+  "optim",
+  "paged_attention",
+  "paged_attention_reference",
+]

@@ -69,7 +69,9 @@ def host_platform() -> Platform:
   return "cpu"
 
 
-_TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar("kernel_target", default=None)
+_TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
+  "kernel_target", default=None
+)
 
 
 @contextlib.contextmanager
@@ -116,14 +118,20 @@ def _triton_module():
   return pltriton
 
 
-def compiler_params(target: Target, *, dimension_semantics=None, num_warps=None, num_stages=None,
-                    vmem_limit_bytes=None):
+def compiler_params(
+  target: Target,
+  *,
+  dimension_semantics=None,
+  num_warps=None,
+  num_stages=None,
+  vmem_limit_bytes=None,
+):
   """Per-backend compiler params for ``pallas_call`` (None when interpreting)."""
   if target.interpret:
     return None
   if target.platform == "tpu":
     pltpu = _tpu_module()
-    cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+    cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
     kw = {}
     if dimension_semantics is not None:
       kw["dimension_semantics"] = tuple(dimension_semantics)
@@ -131,7 +139,7 @@ def compiler_params(target: Target, *, dimension_semantics=None, num_warps=None,
       kw["vmem_limit_bytes"] = int(vmem_limit_bytes)
     return cls(**kw)
   pltriton = _triton_module()
-  cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+  cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
   kw = {}
   if num_warps is not None:
     kw["num_warps"] = int(num_warps)

@@ -26,7 +26,8 @@ class Checkpointer:
     self.every = every
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -39,18 +40,26 @@ class Checkpointer:
     crash right after never leaves a half-written 'latest' checkpoint."""
     if step in self._manager.all_steps():
       return
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)))
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+    )
     self._manager.wait_until_finished()
 
-  def restore_latest(self, like: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+  def restore_latest(
+    self, like: dict[str, Any]
+  ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """(step, state, meta) of the newest checkpoint, restored with `like`'s structure and shardings;
     None when there is none."""
     step = self._manager.latest_step()
     if step is None:
       return None
-    out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like)),
-                                                              meta=ocp.args.JsonRestore()))
+    out = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()
+      ),
+    )
     return step, out["state"], out["meta"]
 
   def close(self) -> None:

@@ -18,7 +18,9 @@ from rl.rollout.config import EngineConfig
 class ModelSection:
   preset: str = "tiny"  # rl.model presets; ignored when `checkpoint` is set
   checkpoint: str | None = None  # a local HF directory (config.json + *.safetensors)
-  tokenizer: str | None = None  # a directory with tokenizer.json; None: the checkpoint's, else embedded
+  tokenizer: str | None = (
+    None  # a directory with tokenizer.json; None: the checkpoint's, else embedded
+  )
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
 
@@ -36,8 +38,9 @@ class DataSection:
 
   def __post_init__(self):
     if self.dataset == "gsm8k" and not self.path:
-      raise ValueError("data.path must name the GSM8K directory (train.jsonl / test.jsonl) when "
-                       "data.dataset=gsm8k")
+      raise ValueError(
+        "data.path must name the GSM8K directory (train.jsonl / test.jsonl) when data.dataset=gsm8k"
+      )
     for name in ("train_limit", "eval_limit"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}")
@@ -64,7 +67,9 @@ class SamplingSection:
 
   def __post_init__(self):
     if self.group_size < 2:
-      raise ValueError(f"group_size must be >= 2 (advantages compare samples of a prompt), got {self.group_size}")
+      raise ValueError(
+        f"group_size must be >= 2 (advantages compare samples of a prompt), got {self.group_size}"
+      )
     if self.temperature <= 0:
       raise ValueError(f"training rollouts need temperature > 0, got {self.temperature}")
 
@@ -99,7 +104,9 @@ class TrainSection:
     if self.warmup_sft_steps < 0:
       raise ValueError(f"train.warmup_sft_steps must be >= 0, got {self.warmup_sft_steps}")
     if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
-      raise ValueError("train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true")
+      raise ValueError(
+        "train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +119,9 @@ class EvalSection:
   def __post_init__(self):
     for name in ("every", "batch", "full_every"):
       if getattr(self, name) < (1 if name == "batch" else 0):
-        raise ValueError(f"eval.{name} must be {'>= 1' if name == 'batch' else '>= 0'}, got {getattr(self, name)}")
+        raise ValueError(
+          f"eval.{name} must be {'>= 1' if name == 'batch' else '>= 0'}, got {getattr(self, name)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +135,18 @@ class MeshSection:
   def __post_init__(self):
     sizes = (self.dp, self.fsdp, self.tp)
     if any(v == 0 or v < -1 for v in sizes) or sizes.count(-1) > 1:
-      raise ValueError(f"mesh sizes must be positive, with at most one -1; got dp={self.dp} fsdp={self.fsdp} "
-                       f"tp={self.tp}")
+      raise ValueError(
+        f"mesh sizes must be positive, with at most one -1; got dp={self.dp} fsdp={self.fsdp} "
+        f"tp={self.tp}"
+      )
 
   def resolve(self, num_devices: int) -> MeshSection:
     known = abs(self.dp * self.fsdp * self.tp)
     if -1 not in (self.dp, self.fsdp, self.tp):
       if known > num_devices:
-        raise ValueError(f"mesh dp*fsdp*tp = {known} needs more than the {num_devices} devices available")
+        raise ValueError(
+          f"mesh dp*fsdp*tp = {known} needs more than the {num_devices} devices available"
+        )
       return self
     if num_devices % known:
       raise ValueError(f"{num_devices} devices do not divide by the fixed mesh axes ({known})")
@@ -145,17 +158,23 @@ class MeshSection:
 class RunSection:
   out_dir: str = "runs/default"
   checkpoint_every: int = 0  # 0: only at the end
-  resume: bool = False  # continue from the newest checkpoint in out_dir (a fresh start if there is none)
+  resume: bool = (
+    False  # continue from the newest checkpoint in out_dir (a fresh start if there is none)
+  )
   log_every: int = 1
   tensorboard: bool = True
   progress: bool = True  # a progress bar on the console (process 0)
   host_devices: int | None = None  # simulate this many CPU devices (set before jax starts)
-  profile_steps: int = 0  # capture a profiler trace of this many GRPO steps (after the compiling first)
+  profile_steps: int = (
+    0  # capture a profiler trace of this many GRPO steps (after the compiling first)
+  )
   profile_dir: str | None = None  # default: profiles/<basename of out_dir>
 
   def __post_init__(self):
     if self.checkpoint_every < 0 or self.log_every < 1 or self.profile_steps < 0:
-      raise ValueError("run.checkpoint_every and run.profile_steps must be >= 0, run.log_every >= 1")
+      raise ValueError(
+        "run.checkpoint_every and run.profile_steps must be >= 0, run.log_every >= 1"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +186,16 @@ class DistributedSection:
   coordinator_address: str | None = None  # "host:port" of process 0
   num_processes: int | None = None
   process_id: int | None = None
-  cpu_collectives: str = "gloo"  # CPU cross-process collectives (tests run 2 local processes on CPU)
+  cpu_collectives: str = (
+    "gloo"  # CPU cross-process collectives (tests run 2 local processes on CPU)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
   model: ModelSection = ModelSection()
   data: DataSection = DataSection()
-  rollout: EngineConfig = EngineConfig(max_seq_len=256, max_slots=64, page_size=16)
+  rollout: EngineConfig = EngineConfig(max_seq_len=256, max_slots=64, page_size=16)  # noqa: RUF009 (frozen)
   sampling: SamplingSection = SamplingSection()
   reward: RewardSection = RewardSection()
   train: TrainSection = TrainSection()
@@ -185,11 +206,15 @@ class GRPOConfig:
 
   def __post_init__(self):
     if self.sampling.group_size > self.rollout.max_slots:
-      raise ValueError(f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="
-                       f"{self.rollout.max_slots}: a group is decoded together")
+      raise ValueError(
+        f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="
+        f"{self.rollout.max_slots}: a group is decoded together"
+      )
     if self.sampling.max_new_tokens >= self.rollout.max_seq_len:
-      raise ValueError(f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no room for a prompt "
-                       f"within rollout.max_seq_len={self.rollout.max_seq_len}")
+      raise ValueError(
+        f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no room for a prompt "
+        f"within rollout.max_seq_len={self.rollout.max_seq_len}"
+      )
     if not self.reward.weights():
       raise ValueError("every reward weight is 0: nothing to learn from")
     if -1 not in (self.mesh.dp, self.mesh.fsdp, self.mesh.tp):
@@ -211,7 +236,9 @@ class GRPOConfig:
   def grad_accum_steps(self) -> int:
     n, mb = self.sequences_per_step, self.global_micro_batch
     if n % mb:
-      raise ValueError(f"prompts_per_step x group_size = {n} sequences do not split into micro-batches of "
-                       f"{mb} (train.micro_batch_size={self.train.micro_batch_size} x dp*fsdp="
-                       f"{self.mesh.dp * self.mesh.fsdp}); pick sizes that divide")
+      raise ValueError(
+        f"prompts_per_step x group_size = {n} sequences do not split into micro-batches of "
+        f"{mb} (train.micro_batch_size={self.train.micro_batch_size} x dp*fsdp="
+        f"{self.mesh.dp * self.mesh.fsdp}); pick sizes that divide"
+      )
     return n // mb

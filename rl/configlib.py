@@ -22,13 +22,17 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, path: str = "") -> T:
   """Build dataclass `cls` from a (nested) dict; unknown keys and mistyped values raise ValueError."""
   data = {} if data is None else data
   if not isinstance(data, dict):
-    raise ValueError(f"config section {path or '<root>'} must be a mapping, got {type(data).__name__}")
+    raise ValueError(
+      f"config section {path or '<root>'} must be a mapping, got {type(data).__name__}"
+    )
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls) if f.init}
   unknown = sorted(set(data) - names)
   if unknown:
-    raise ValueError(f"unknown config key(s) {[path + k for k in unknown]}; "
-                     f"{path or 'the root'} has {sorted(names)}")
+    raise ValueError(
+      f"unknown config key(s) {[path + k for k in unknown]}; "
+      f"{path or 'the root'} has {sorted(names)}"
+    )
   kwargs = {k: _convert(hints[k], v, path + k) for k, v in data.items()}
   try:
     return cls(**kwargs)
@@ -87,12 +91,14 @@ def _convert(tp, value, key: str):
 
 def to_dict(obj) -> dict[str, Any]:
   """The plain nested dict (tuples as lists): what `from_dict` reads back, and what a run saves."""
+
   def plain(x):
     if dataclasses.is_dataclass(x):
       return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
     if isinstance(x, (list, tuple)):
       return [plain(v) for v in x]
     return x
+
   return plain(obj)
 
 

@@ -26,9 +26,16 @@ def process_slice(n: int) -> slice:
   return slice(start, start + base + (p < extra))
 
 
-def evaluate(engine: RolloutEngine, examples: Sequence[Example], encode: Callable[[str], list[int]],
-             params: SamplingParams, *, chunk: int | None = None, progress: bool = False,
-             desc: str = "eval") -> dict[str, float]:
+def evaluate(
+  engine: RolloutEngine,
+  examples: Sequence[Example],
+  encode: Callable[[str], list[int]],
+  params: SamplingParams,
+  *,
+  chunk: int | None = None,
+  progress: bool = False,
+  desc: str = "eval",
+) -> dict[str, float]:
   """Mean correctness and format reward of one completion per example, and the seconds it took.
 
   `params.n` must be 1 (pass@1). Examples are submitted `chunk` at a time (default: the engine's slots)
@@ -42,7 +49,7 @@ def evaluate(engine: RolloutEngine, examples: Sequence[Example], encode: Callabl
   correct = formatted = tokens = 0.0
   bar = tqdm(total=len(examples), desc=desc, disable=not progress, leave=False)
   for i in range(0, len(mine), chunk):
-    part = mine[i:i + chunk]
+    part = mine[i : i + chunk]
     result = engine.generate([encode(e.question) for e in part], params)
     for c, e in zip(result.completions, part):
       text = engine.tokenizer.decode(c.token_ids)
@@ -51,7 +58,14 @@ def evaluate(engine: RolloutEngine, examples: Sequence[Example], encode: Callabl
       tokens += len(c.token_ids)
     bar.update(len(part) * jax.process_count())
   bar.close()
-  totals = sharding.allgather(np.array([[correct, formatted, tokens, len(mine)]], np.float64)).sum(axis=0)
+  totals = sharding.allgather(np.array([[correct, formatted, tokens, len(mine)]], np.float64)).sum(
+    axis=0
+  )
   n = max(totals[3], 1.0)
-  return {"accuracy": totals[0] / n, "format": totals[1] / n, "completion_length": totals[2] / n,
-          "examples": totals[3], "seconds": time.perf_counter() - t0}
+  return {
+    "accuracy": totals[0] / n,
+    "format": totals[1] / n,
+    "completion_length": totals[2] / n,
+    "examples": totals[3],
+    "seconds": time.perf_counter() - t0,
+  }

@@ -69,13 +69,15 @@ class MetricsWriter:
     if not enabled:
       return
     os.makedirs(run_dir, exist_ok=True)
-    self._file = open(self.path, "a", buffering=1)  # append: a resumed run continues the same file
+    self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (held for the run)  # append: a resumed run continues the same file
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
       except ImportError as e:
-        raise ImportError("TensorBoard logging needs tensorboardX (pip install tensorboardX), or set "
-                          "run.tensorboard=false") from e
+        raise ImportError(
+          "TensorBoard logging needs tensorboardX (pip install tensorboardX), or set "
+          "run.tensorboard=false"
+        ) from e
       self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:

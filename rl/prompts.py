@@ -6,8 +6,10 @@ import dataclasses
 
 from rl.tokenizer import Tokenizer
 
-GSM8K_SYSTEM = ("You are a careful math tutor. Reason step by step, then write the final answer on its own "
-                "line as '#### <number>'.")
+GSM8K_SYSTEM = (
+  "You are a careful math tutor. Reason step by step, then write the final answer on its own "
+  "line as '#### <number>'."
+)
 # The embedded byte-level model pays one token per character: a short system prompt keeps prompts short.
 COMPACT_SYSTEM = "Solve. End with #### <answer>."
 

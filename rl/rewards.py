@@ -12,8 +12,9 @@ from fractions import Fraction
 # One number: optional sign (ASCII or unicode minus; not after a word, as in "5-3") and $, thousands
 # groups or plain digits, decimals, or a fraction a/b.
 _NUMBER = re.compile(
-    r"(?:(?<![\w.)])(?P<sign>[-\u2212]))?\s?\$?\s?"
-    r"(?P<body>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+/\d+|\d+|\.\d+)(?![\d])")
+  r"(?:(?<![\w.)])(?P<sign>[-\u2212]))?\s?\$?\s?"
+  r"(?P<body>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+/\d+|\d+|\.\d+)(?![\d])"
+)
 _FRAC = re.compile(r"\\d?frac\{\s*([-\u2212]?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -83,7 +84,9 @@ def normalize_number(text: str) -> str | None:
   if value.denominator == 1:
     return str(value.numerator)
   decimal = value.numerator / value.denominator
-  return repr(decimal) if Fraction(repr(decimal)) == value else f"{value.numerator}/{value.denominator}"
+  return (
+    repr(decimal) if Fraction(repr(decimal)) == value else f"{value.numerator}/{value.denominator}"
+  )
 
 
 def correctness_reward(completion: str, gold: str) -> float:

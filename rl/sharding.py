@@ -7,12 +7,15 @@ from collections.abc import Sequence
 
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("dp", "fsdp", "tp")
 
 
-def make_mesh(dp: int = 1, fsdp: int = -1, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+  dp: int = 1, fsdp: int = -1, tp: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
   """A (dp, fsdp, tp) mesh over `devices` (default: all). One axis may be -1: it takes what is left."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = [dp, fsdp, tp]
@@ -23,26 +26,36 @@ def make_mesh(dp: int = 1, fsdp: int = -1, tp: int = 1, devices: Sequence[jax.De
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if len(devices) % known:
-      raise ValueError(f"{len(devices)} devices do not divide into dp*fsdp*tp with fixed axes = {known}")
+      raise ValueError(
+        f"{len(devices)} devices do not divide into dp*fsdp*tp with fixed axes = {known}"
+      )
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
-    raise ValueError(f"mesh dp={sizes[0]} fsdp={sizes[1]} tp={sizes[2]} needs {math.prod(sizes)} devices, "
-                     f"{len(devices)} available")
+    raise ValueError(
+      f"mesh dp={sizes[0]} fsdp={sizes[1]} tp={sizes[2]} needs {math.prod(sizes)} devices, "
+      f"{len(devices)} available"
+    )
   # Auto axes: shardings propagate through the program as in classic jit (jax's default is Explicit).
   return jax.make_mesh(tuple(sizes), AXES, devices=devices, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def initialize_distributed(initialize: bool, coordinator_address: str | None, num_processes: int | None,
-                           process_id: int | None, cpu_collectives: str = "gloo",
-                           host_devices: int | None = None) -> None:
+def initialize_distributed(
+  initialize: bool,
+  coordinator_address: str | None,
+  num_processes: int | None,
+  process_id: int | None,
+  cpu_collectives: str = "gloo",
+  host_devices: int | None = None,
+) -> None:
   """Process-level setup, before jax touches a device: simulated CPU devices and multi-process init."""
   if host_devices:
     jax.config.update("jax_num_cpu_devices", host_devices)
   if initialize:
     # CPU processes need a cross-process collectives backend; accelerators bring their own.
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
 
 
 def mesh_for(dp: int, fsdp: int, tp: int) -> Mesh:
@@ -53,7 +66,9 @@ def mesh_for(dp: int, fsdp: int, tp: int) -> Mesh:
     return make_mesh(*sizes)
   n = math.prod(sizes)
   if jax.process_count() > 1 and n != jax.device_count():
-    raise ValueError(f"a multi-process mesh must use all {jax.device_count()} devices, got dp*fsdp*tp = {n}")
+    raise ValueError(
+      f"a multi-process mesh must use all {jax.device_count()} devices, got dp*fsdp*tp = {n}"
+    )
   return make_mesh(*sizes, devices=jax.devices()[:n])
 
 
@@ -62,8 +77,10 @@ def data_axes() -> tuple[str, str]:
   return ("dp", "fsdp")
 
 
-def global_batch(mesh: Mesh, local,  # [K, M_local, ...] this process's rows of every micro-batch
-                 ) -> jax.Array:  # [K, M_local * processes, ...] sharded over (dp, fsdp) on axis 1
+def global_batch(
+  mesh: Mesh,
+  local,  # [K, M_local, ...] this process's rows of every micro-batch
+) -> jax.Array:  # [K, M_local * processes, ...] sharded over (dp, fsdp) on axis 1
   """This process's slice of every micro-batch -> one global array (rows of process p come p-th)."""
   sharding = NamedSharding(mesh, P(None, data_axes()))
   if jax.process_count() == 1:

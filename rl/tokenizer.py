@@ -35,8 +35,9 @@ class Tokenizer(Protocol):
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-  def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    ...
+  def apply_chat_template(
+    self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+  ) -> str: ...
 
 
 class ByteTokenizer:
@@ -103,8 +104,10 @@ class HFTokenizer:
       if token is not None and self._tok.token_to_id(token) is not None:
         eos.append(self._tok.token_to_id(token))
     if not eos:
-      raise ValueError(f"{directory}: no EOS token found (tokenizer_config.json eos_token, <|im_end|> or "
-                       "<|endoftext|>)")
+      raise ValueError(
+        f"{directory}: no EOS token found (tokenizer_config.json eos_token, <|im_end|> or "
+        "<|endoftext|>)"
+      )
     self.eos_ids = tuple(dict.fromkeys(int(e) for e in eos))
     pad = _token_text(config.get("pad_token"))
     pad_id = self._tok.token_to_id(pad) if pad is not None else None

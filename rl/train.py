@@ -30,14 +30,22 @@ from rl.advantages import advantage_stats, group_advantages
 from rl.checkpointing import Checkpointer
 from rl.config import GRPOConfig
 from rl.data import Example, generate_synthetic, load_gsm8k
-from rl.evaluate import evaluate, process_slice as _share
+from rl.evaluate import evaluate
+from rl.evaluate import process_slice as _share
 from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options
 from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
 from rl.tokenizer import load_tokenizer
-from rl.update import (Batch, LossSettings, batch_token_logps, compile_train_step, init_optimizer_state,
-                       make_optimizer, shardings_of)
+from rl.update import (
+  Batch,
+  LossSettings,
+  batch_token_logps,
+  compile_train_step,
+  init_optimizer_state,
+  make_optimizer,
+  shardings_of,
+)
 
 PROMPT_BUCKET = 32  # prompt widths are rounded up to this: a handful of compiled shapes per run
 
@@ -48,7 +56,9 @@ def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
     train = load_gsm8k(d.path, "train", d.train_limit)
     test = load_gsm8k(d.path, "test", d.eval_limit)
   else:
-    train = generate_synthetic(d.train_limit or d.synthetic_train, seed=1, levels=d.synthetic_levels)
+    train = generate_synthetic(
+      d.train_limit or d.synthetic_train, seed=1, levels=d.synthetic_levels
+    )
     test = generate_synthetic(d.eval_limit or d.synthetic_test, seed=2, levels=d.synthetic_levels)
   if not train or not test:
     raise ValueError(f"the {d.dataset} data has {len(train)} train and {len(test)} test examples")
@@ -59,24 +69,32 @@ def build_model(cfg: GRPOConfig, mesh):
   m = cfg.model
   if m.checkpoint:
     return load_checkpoint(m.checkpoint, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype)
-  model = init_model(preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype), seed=cfg.train.seed)
+  model = init_model(
+    preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype), seed=cfg.train.seed
+  )
   return shard_model(model, mesh)
 
 
-def pack(prompts: Sequence[Sequence[int]],  # N prompts
-         completions: Sequence[Sequence[int]],  # N completions
-         prompt_width: int, completion_width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack(
+  prompts: Sequence[Sequence[int]],  # N prompts
+  completions: Sequence[Sequence[int]],  # N completions
+  prompt_width: int,
+  completion_width: int,
+  pad_id: int,
+) -> tuple[np.ndarray, np.ndarray]:
   """Rows of [left-padded prompt | right-padded completion]: ([N, P + C] int32 ids, [N, P + C] mask).
   A prompt or completion wider than its slot is an error (nothing is cut)."""
   n, t = len(prompts), prompt_width + completion_width
   tokens, mask = np.full((n, t), pad_id, np.int32), np.zeros((n, t), bool)
   for i, (p, c) in enumerate(zip(prompts, completions)):
     if len(p) > prompt_width or len(c) > completion_width:
-      raise ValueError(f"row {i}: prompt {len(p)} / completion {len(c)} tokens exceed the widths "
-                       f"{prompt_width} / {completion_width}")
-    tokens[i, prompt_width - len(p):prompt_width] = p
-    tokens[i, prompt_width:prompt_width + len(c)] = c
-    mask[i, prompt_width - len(p):prompt_width + len(c)] = True
+      raise ValueError(
+        f"row {i}: prompt {len(p)} / completion {len(c)} tokens exceed the widths "
+        f"{prompt_width} / {completion_width}"
+      )
+    tokens[i, prompt_width - len(p) : prompt_width] = p
+    tokens[i, prompt_width : prompt_width + len(c)] = c
+    mask[i, prompt_width - len(p) : prompt_width + len(c)] = True
   return tokens, mask
 
 
@@ -91,8 +109,10 @@ class Trainer:
     cfg = cfg.resolved(jax.device_count())
     procs = jax.process_count()
     if cfg.train.prompts_per_step % procs or cfg.global_micro_batch % procs:
-      raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} and the global micro-batch "
-                       f"{cfg.global_micro_batch} must divide over the {procs} processes")
+      raise ValueError(
+        f"train.prompts_per_step={cfg.train.prompts_per_step} and the global micro-batch "
+        f"{cfg.global_micro_batch} must divide over the {procs} processes"
+      )
     self.cfg = cfg
     self.is_main = jax.process_index() == 0
     self.mesh = sharding.mesh_for(cfg.mesh.dp, cfg.mesh.fsdp, cfg.mesh.tp)
@@ -106,34 +126,62 @@ class Trainer:
 
     self.model = build_model(cfg, self.mesh)
     if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
-      raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
-                       f"{self.model.cfg.vocab_size}")
+      raise ValueError(
+        f"the tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
+        f"{self.model.cfg.vocab_size}"
+      )
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
     # Several processes: each rolls out its own prompts on a local replica of the weights.
-    self.rollout_model = self.model if procs == 1 else nnx.merge(self.graphdef, self._local_params())
+    self.rollout_model = (
+      self.model if procs == 1 else nnx.merge(self.graphdef, self._local_params())
+    )
     self.engine = make_engine(self.rollout_model, cfg.rollout, self.tokenizer)
 
     t = cfg.train
     specs = partition_specs_of(self.params) if self.mesh.size > 1 else None
     mesh = self.mesh if specs is not None else None
-    optimizer = make_optimizer(t.optimizer, t.learning_rate, t.weight_decay, t.max_grad_norm, t.fused_optimizer,
-                               mesh, specs)
+    optimizer = make_optimizer(
+      t.optimizer, t.learning_rate, t.weight_decay, t.max_grad_norm, t.fused_optimizer, mesh, specs
+    )
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
-        completion_len=cfg.sampling.max_new_tokens, loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon_low,
-        epsilon_high=t.epsilon_high, temperature=cfg.sampling.temperature, impl=t.policy_loss_impl,
-        fused_lm_head=t.fused_lm_head, mesh=self.mesh if cfg.mesh.tp > 1 else None,
-        vocab_axis="tp" if cfg.mesh.tp > 1 else None)
+      completion_len=cfg.sampling.max_new_tokens,
+      loss_type=t.loss_type,
+      beta=t.beta,
+      epsilon_low=t.epsilon_low,
+      epsilon_high=t.epsilon_high,
+      temperature=cfg.sampling.temperature,
+      impl=t.policy_loss_impl,
+      fused_lm_head=t.fused_lm_head,
+      mesh=self.mesh if cfg.mesh.tp > 1 else None,
+      vocab_axis="tp" if cfg.mesh.tp > 1 else None,
+    )
     self.state_shardings = (shardings_of(self.params), shardings_of(self.opt_state))
-    self.train_step = compile_train_step(self.graphdef, optimizer, self.loss, "grpo", self.state_shardings)
-    self._sft = (make_optimizer(t.optimizer, t.sft_learning_rate or t.learning_rate, t.weight_decay,
-                                t.max_grad_norm, t.fused_optimizer, mesh, specs), {})
+    self.train_step = compile_train_step(
+      self.graphdef, optimizer, self.loss, "grpo", self.state_shardings
+    )
+    self._sft = (
+      make_optimizer(
+        t.optimizer,
+        t.sft_learning_rate or t.learning_rate,
+        t.weight_decay,
+        t.max_grad_norm,
+        t.fused_optimizer,
+        mesh,
+        specs,
+      ),
+      {},
+    )
     # The reference policy is a frozen copy of the initial weights, kept only when the KL term is on.
     self.ref_params = jax.tree.map(jnp.copy, self.params) if t.beta > 0 else None
 
     self.timer, self.step_avg = StepTimer(), StepAverage(10)
-    self.writer = MetricsWriter(cfg.run.out_dir, enabled=self.is_main, tensorboard=cfg.run.tensorboard)
-    self.checkpointer = Checkpointer(os.path.join(cfg.run.out_dir, "checkpoints"), cfg.run.checkpoint_every)
+    self.writer = MetricsWriter(
+      cfg.run.out_dir, enabled=self.is_main, tensorboard=cfg.run.tensorboard
+    )
+    self.checkpointer = Checkpointer(
+      os.path.join(cfg.run.out_dir, "checkpoints"), cfg.run.checkpoint_every
+    )
     if self.is_main:
       configlib.dump(cfg, os.path.join(cfg.run.out_dir, "config.yaml"))
 
@@ -146,7 +194,9 @@ class Trainer:
   def _order(self, pos: int, stream: int) -> Example:
     """The example at position `pos` of the infinite sequence of seeded train-set permutations."""
     epoch, i = divmod(pos, len(self.train_data))
-    perm = np.random.default_rng([self.cfg.train.seed, stream, epoch]).permutation(len(self.train_data))
+    perm = np.random.default_rng([self.cfg.train.seed, stream, epoch]).permutation(
+      len(self.train_data)
+    )
     return self.train_data[perm[i]]
 
   def step_examples(self, step: int) -> list[Example]:
@@ -155,7 +205,7 @@ class Trainer:
     return [self._order(step * n + i, 0) for i in range(n)]
 
   def prompt_seed(self, step: int, index: int) -> int:
-    return (self.cfg.train.seed * 1_000_003 + step * 65_537 + index) % (2 ** 31)
+    return (self.cfg.train.seed * 1_000_003 + step * 65_537 + index) % (2**31)
 
   def _local_params(self):
     """The full weights on this process's first device (the multi-process rollout replica)."""
@@ -183,25 +233,42 @@ class Trainer:
     mine, first = examples[share], share.start
     prompts = [self.encode(e.question) for e in examples]
     s = cfg.sampling
-    params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                             top_p=s.top_p, n=s.group_size, seed=self.prompt_seed(step, first + i))
-              for i in range(len(mine))]
+    params = [
+      SamplingParams(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        n=s.group_size,
+        seed=self.prompt_seed(step, first + i),
+      )
+      for i in range(len(mine))
+    ]
     with timer("rollout"):
-      result = self.engine.generate(prompts[first:first + len(mine)], params)
+      result = self.engine.generate(prompts[first : first + len(mine)], params)
     with timer("reward"):
       scores = self._score(result, mine)
     totals = np.array([sc["total"] for sc in scores], np.float32)
     adv = np.asarray(group_advantages(totals, s.group_size))
     prompt_width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
-    tokens, mask = pack([c.prompt_ids for c in result.completions], [c.token_ids for c in result.completions],
-                        prompt_width, s.max_new_tokens, self.tokenizer.pad_id)
+    tokens, mask = pack(
+      [c.prompt_ids for c in result.completions],
+      [c.token_ids for c in result.completions],
+      prompt_width,
+      s.max_new_tokens,
+      self.tokenizer.pad_id,
+    )
     with timer("update"):
       batch = self._to_batch(tokens, mask, adv)
       c, temp = s.max_new_tokens, s.temperature
       if self.ref_params is not None:
-        batch = batch._replace(ref_logps=batch_token_logps(self.graphdef, self.ref_params, batch, c, temp))
+        batch = batch._replace(
+          ref_logps=batch_token_logps(self.graphdef, self.ref_params, batch, c, temp)
+        )
       if cfg.train.ppo_epochs > 1:
-        batch = batch._replace(old_logps=batch_token_logps(self.graphdef, self.params, batch, c, temp))
+        batch = batch._replace(
+          old_logps=batch_token_logps(self.graphdef, self.params, batch, c, temp)
+        )
       epochs = []
       params, opt_state = self.params, self.opt_state
       for _ in range(cfg.train.ppo_epochs):
@@ -216,14 +283,21 @@ class Trainer:
 
   def _score(self, result: RolloutResult, examples: Sequence[Example]) -> list[dict[str, float]]:
     weights = self.cfg.reward.weights()
-    return [rewards.score(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].gold, weights)
-            for c in result.completions]
+    return [
+      rewards.score(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].gold, weights)
+      for c in result.completions
+    ]
 
   def _step_metrics(self, result, scores, totals, adv, losses, times, step_s) -> dict[str, float]:
     g = self.cfg.sampling.group_size
     names = sorted(scores[0])
-    local = np.array([[sc[n] for n in names] + [len(c.token_ids), c.finish_reason == "length"]
-                      for sc, c in zip(scores, result.completions)], np.float64)
+    local = np.array(
+      [
+        [sc[n] for n in names] + [len(c.token_ids), c.finish_reason == "length"]
+        for sc, c in zip(scores, result.completions)
+      ],
+      np.float64,
+    )
     rows = sharding.allgather(local)  # [all sequences, rewards + length + truncated]
     all_totals, all_adv = sharding.allgather(totals), sharding.allgather(adv)
     generated = rows[:, len(names)].sum()
@@ -255,11 +329,14 @@ class Trainer:
       examples = [self._order(i * n + j, 1) for j in range(n)][_share(n)]
       prompts = [self.encode(e.question) for e in examples]
       answers = [self.tokenizer.encode(e.answer) + end for e in examples]
-      widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(axis=0)
+      widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(
+        axis=0
+      )
       pw, cw = round_up(int(widths[0]), PROMPT_BUCKET), round_up(int(widths[1]), PROMPT_BUCKET)
       if cw not in compiled:
-        compiled[cw] = compile_train_step(self.graphdef, optimizer, LossSettings(completion_len=cw), "sft",
-                                          self.state_shardings)
+        compiled[cw] = compile_train_step(
+          self.graphdef, optimizer, LossSettings(completion_len=cw), "sft", self.state_shardings
+        )
       tokens, mask = pack(prompts, answers, pw, cw, self.tokenizer.pad_id)
       batch = self._to_batch(tokens, mask, np.ones(len(examples), np.float32))
       params, opt_state, m = compiled[cw](self.params, opt_state, batch)
@@ -272,18 +349,34 @@ class Trainer:
   # ---------------------------------------------------------------------------------------- eval
   def eval_sampled(self, step: int) -> dict[str, float]:
     s = self.cfg.sampling
-    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                            top_p=s.top_p, n=1, seed=self.prompt_seed(step, 10 ** 6))
-    r = evaluate(self.engine, self.test_data[:self.cfg.eval.batch], self.encode, params)
-    return {"eval/accuracy": r["accuracy"], "eval/format": r["format"], "time/eval/step_s": r["seconds"]}
+    params = SamplingParams(
+      max_new_tokens=s.max_new_tokens,
+      temperature=s.temperature,
+      top_k=s.top_k,
+      top_p=s.top_p,
+      n=1,
+      seed=self.prompt_seed(step, 10**6),
+    )
+    r = evaluate(self.engine, self.test_data[: self.cfg.eval.batch], self.encode, params)
+    return {
+      "eval/accuracy": r["accuracy"],
+      "eval/format": r["format"],
+      "time/eval/step_s": r["seconds"],
+    }
 
   def eval_full(self, progress: bool = False) -> dict[str, float]:
     """The whole test split (or data.eval_limit examples), greedy, one completion each: pass@1."""
     params = SamplingParams(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0, n=1)
-    r = evaluate(self.engine, self.test_data, self.encode, params, progress=progress, desc="eval_full")
-    return {"eval_full/accuracy": r["accuracy"], "eval_full/format": r["format"],
-            "eval_full/completion_length": r["completion_length"], "eval_full/examples": r["examples"],
-            "time/eval_full/step_s": r["seconds"]}
+    r = evaluate(
+      self.engine, self.test_data, self.encode, params, progress=progress, desc="eval_full"
+    )
+    return {
+      "eval_full/accuracy": r["accuracy"],
+      "eval_full/format": r["format"],
+      "eval_full/completion_length": r["completion_length"],
+      "eval_full/examples": r["examples"],
+      "time/eval_full/step_s": r["seconds"],
+    }
 
   # ---------------------------------------------------------------------------------------- the run
   def state(self) -> dict:
@@ -308,8 +401,13 @@ class Trainer:
       if cfg.eval.full_at_end or cfg.eval.full_every:  # the baseline GRPO starts from
         self.writer.write(0, self.eval_full(progress))
     last: dict[str, float] = {}
-    bar = tqdm(range(start, cfg.train.steps), desc="grpo", disable=not progress, initial=start,
-               total=cfg.train.steps)
+    bar = tqdm(
+      range(start, cfg.train.steps),
+      desc="grpo",
+      disable=not progress,
+      initial=start,
+      total=cfg.train.steps,
+    )
     profile = _profile_window(cfg, start)
     for step in bar:
       with profile(step):
@@ -318,13 +416,16 @@ class Trainer:
       if cfg.eval.every and done % cfg.eval.every == 0:
         metrics.update(self.eval_sampled(step))
       if (cfg.eval.full_every and done % cfg.eval.full_every == 0) or (
-          done == cfg.train.steps and cfg.eval.full_at_end):
+        done == cfg.train.steps and cfg.eval.full_at_end
+      ):
         metrics.update(self.eval_full(progress))
       if done % cfg.run.log_every == 0 or done == cfg.train.steps:
         self.writer.write(done, metrics)
       if self.checkpointer.due(done) or done == cfg.train.steps:
         self.checkpointer.save(done, self.state(), {"step": done})
-      bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", step_s=f"{metrics['time/train/step_s']:.2f}")
+      bar.set_postfix(
+        reward=f"{metrics['reward/total/mean']:.3f}", step_s=f"{metrics['time/train/step_s']:.2f}"
+      )
       last = metrics
     self.writer.flush()
     return last
@@ -340,17 +441,22 @@ def _profile_window(cfg: GRPOConfig, start: int):
   step compiles, so it is left out), viewable in TensorBoard and readable by `python -m bench.trace`."""
   n = cfg.run.profile_steps
   first, last = start + 1, start + n
-  path = cfg.run.profile_dir or os.path.join("profiles", os.path.basename(os.path.normpath(cfg.run.out_dir)))
+  path = cfg.run.profile_dir or os.path.join(
+    "profiles", os.path.basename(os.path.normpath(cfg.run.out_dir))
+  )
 
   @contextlib.contextmanager
   def window(step: int):
     if n and step == first:
-      jax.profiler.start_trace(path, create_perfetto_trace=True, profiler_options=profiler_options())
+      jax.profiler.start_trace(
+        path, create_perfetto_trace=True, profiler_options=profiler_options()
+      )
     try:
       yield
     finally:
       if n and step == min(last, cfg.train.steps - 1):
         jax.profiler.stop_trace()
+
   return window
 
 
@@ -361,8 +467,12 @@ def _log(enabled: bool, msg: str) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> GRPOConfig:
   ap = argparse.ArgumentParser(prog="python -m rl.train", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits")
-  ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir")
+  ap.add_argument(
+    "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
+  )
+  ap.add_argument(
+    "--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir"
+  )
   ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
   args = ap.parse_intermixed_args(argv)
   cfg = configlib.load(GRPOConfig, args.config, args.overrides)
@@ -374,16 +484,24 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOConfig:
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   cfg = parse_args(argv)  # every config error surfaces here, before jax starts
   d = cfg.dist
-  sharding.initialize_distributed(d.initialize, d.coordinator_address, d.num_processes, d.process_id,
-                                  d.cpu_collectives, cfg.run.host_devices)
+  sharding.initialize_distributed(
+    d.initialize,
+    d.coordinator_address,
+    d.num_processes,
+    d.process_id,
+    d.cpu_collectives,
+    cfg.run.host_devices,
+  )
   trainer = Trainer(cfg)
   try:
     metrics = trainer.run()
   finally:
     trainer.close()
   if trainer.is_main and "eval_full/accuracy" in metrics:
-    print(f"eval_full/accuracy = {metrics['eval_full/accuracy']:.4f} "
-          f"({int(metrics['eval_full/examples'])} examples)")
+    print(
+      f"eval_full/accuracy = {metrics['eval_full/accuracy']:.4f} "
+      f"({int(metrics['eval_full/examples'])} examples)"
+    )
   return metrics
 
 

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-
 from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
@@ -73,10 +72,12 @@ def split_completion(tokens, attention_mask, c: int):  # [M, T] each -> ids [M, 
 def completion_hidden(model: nnx.Module, tokens, attention_mask, c: int):  # [M, T] -> [M, C, H]
   """Hidden states that score the last C tokens (the one before each completion token)."""
   hidden = model(tokens, attention_mask)
-  return hidden[:, -c - 1:-1]
+  return hidden[:, -c - 1 : -1]
 
 
-def token_logps(model: nnx.Module, tokens, attention_mask, c: int, temperature: float):  # -> [M, C] f32
+def token_logps(
+  model: nnx.Module, tokens, attention_mask, c: int, temperature: float
+):  # -> [M, C] f32
   """log pi(completion token) under softmax(logits / temperature); 0 on padding. Used for old / ref."""
   ids, mask = split_completion(tokens, attention_mask, c)
   logits = model.logits(completion_hidden(model, tokens, attention_mask, c))
@@ -93,30 +94,56 @@ def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objecti
     logits = model.logits(hidden)
     logp, entropy = token_logps_and_entropy(logits, jnp.where(mask, ids, 0), 1.0)
     nll = -jnp.sum(jnp.where(mask, logp, 0.0))
-    return nll / num_tokens, {"loss": nll / num_tokens, "entropy": jnp.sum(jnp.where(mask, entropy, 0.0))}
+    return nll / num_tokens, {
+      "loss": nll / num_tokens,
+      "entropy": jnp.sum(jnp.where(mask, entropy, 0.0)),
+    }
   # Scale factors that make the K micro-batch losses sum to the global-batch loss.
   kernel_type, scale, items = {
-      "grpo": ("grpo", m / num_seqs, None),  # mean over sequences of per-sequence means
-      "dr_grpo": ("dr_grpo", m / num_seqs, None),  # sum / (N * C)
-      "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
-      "dapo": ("dapo", 1.0, num_tokens),
+    "grpo": ("grpo", m / num_seqs, None),  # mean over sequences of per-sequence means
+    "dr_grpo": ("dr_grpo", m / num_seqs, None),  # sum / (N * C)
+    "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
+    "dapo": ("dapo", 1.0, num_tokens),
   }[s.loss_type]
-  kw = dict(old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=s.beta, epsilon_low=s.epsilon_low,
-            epsilon_high=s.epsilon_high, temperature=s.temperature, loss_type=kernel_type,
-            max_completion_length=s.completion_len, num_items_in_batch=items, impl=s.impl)
+  kw = dict(
+    old_logps=mb.old_logps,
+    ref_logps=mb.ref_logps,
+    beta=s.beta,
+    epsilon_low=s.epsilon_low,
+    epsilon_high=s.epsilon_high,
+    temperature=s.temperature,
+    loss_type=kernel_type,
+    max_completion_length=s.completion_len,
+    num_items_in_batch=items,
+    impl=s.impl,
+  )
   if s.fused_lm_head:
     weight = model.lm_head_weight()
-    loss, aux = kernels.fused_linear_grpo_loss(hidden.astype(weight.dtype), weight, ids, mask, mb.advantages,
-                                               mesh=s.mesh, vocab_axis=s.vocab_axis, **kw)
+    loss, aux = kernels.fused_linear_grpo_loss(
+      hidden.astype(weight.dtype),
+      weight,
+      ids,
+      mask,
+      mb.advantages,
+      mesh=s.mesh,
+      vocab_axis=s.vocab_axis,
+      **kw,
+    )
   else:
     loss, aux = kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
   loss = loss * scale
-  sums = {"loss": loss, "entropy": jnp.sum(aux.entropy), "kl": jnp.sum(aux.per_token_kl),
-          "clip_fraction": jnp.sum(aux.is_clipped.astype(jnp.float32))}
+  sums = {
+    "loss": loss,
+    "entropy": jnp.sum(aux.entropy),
+    "kl": jnp.sum(aux.per_token_kl),
+    "clip_fraction": jnp.sum(aux.is_clipped.astype(jnp.float32)),
+  }
   return loss, sums
 
 
-def batch_loss_and_grads(graphdef, params, batch: Batch, s: LossSettings, objective: Objective = "grpo"):
+def batch_loss_and_grads(
+  graphdef, params, batch: Batch, s: LossSettings, objective: Objective = "grpo"
+):
   """Sum over the K micro-batches (a scan) of each one's scaled loss and gradient.
 
   Returns (grads like params, metrics): metrics are global-batch means per completion token (entropy,
@@ -130,6 +157,7 @@ def batch_loss_and_grads(graphdef, params, batch: Batch, s: LossSettings, object
     def loss_fn(p):
       model = nnx.merge(graphdef, p)
       return _micro_loss(model, mb, s, num_seqs, num_tokens, objective)
+
     (_, sums), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return jax.tree.map(jnp.add, grads, g), sums
 
@@ -144,7 +172,11 @@ def batch_loss_and_grads(graphdef, params, batch: Batch, s: LossSettings, object
 
 def _global_norm(tree):
   tree_ns = getattr(optax, "tree", None)  # optax >= 0.2.5 moved it; global_norm warns since
-  return tree_ns.norm(tree) if tree_ns is not None and hasattr(tree_ns, "norm") else optax.global_norm(tree)
+  return (
+    tree_ns.norm(tree)
+    if tree_ns is not None and hasattr(tree_ns, "norm")
+    else optax.global_norm(tree)
+  )
 
 
 class Optimizer(NamedTuple):
@@ -154,8 +186,15 @@ class Optimizer(NamedTuple):
   step: Any
 
 
-def make_optimizer(name: str, learning_rate: float, weight_decay: float, max_grad_norm: float, fused: bool,
-                   mesh=None, partition_specs=None) -> Optimizer:
+def make_optimizer(
+  name: str,
+  learning_rate: float,
+  weight_decay: float,
+  max_grad_norm: float,
+  fused: bool,
+  mesh=None,
+  partition_specs=None,
+) -> Optimizer:
   """AdamW or Lion after global-norm clipping; `fused` uses kernels.optim's one-pass kernels (each
   device updating its own shard when `mesh` and `partition_specs` are given), else optax."""
   if name not in ("adamw", "lion"):
@@ -163,7 +202,9 @@ def make_optimizer(name: str, learning_rate: float, weight_decay: float, max_gra
   clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm > 0 else optax.identity()
   if fused:
     make = kernels.optim.fused_adamw_step if name == "adamw" else kernels.optim.fused_lion_step
-    tx, fused_step = make(learning_rate, weight_decay=weight_decay, mesh=mesh, partition_specs=partition_specs)
+    tx, fused_step = make(
+      learning_rate, weight_decay=weight_decay, mesh=mesh, partition_specs=partition_specs
+    )
 
     def init(params):
       return clip.init(params), tx.init(params)
@@ -172,19 +213,31 @@ def make_optimizer(name: str, learning_rate: float, weight_decay: float, max_gra
       grads, clip_state = clip.update(grads, state[0])
       params, opt_state = fused_step(params, grads, state[1])
       return params, (clip_state, opt_state)
+
     return Optimizer(init, step)
-  base = optax.adamw(learning_rate, weight_decay=weight_decay) if name == "adamw" else optax.lion(
-      learning_rate, weight_decay=weight_decay)
+  base = (
+    optax.adamw(learning_rate, weight_decay=weight_decay)
+    if name == "adamw"
+    else optax.lion(learning_rate, weight_decay=weight_decay)
+  )
   tx = optax.chain(clip, base)
 
   def step(params, grads, state):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return Optimizer(tx.init, step)
 
 
-def train_step(graphdef, optimizer: Optimizer, s: LossSettings, objective: Objective,
-               params, opt_state, batch: Batch):
+def train_step(
+  graphdef,
+  optimizer: Optimizer,
+  s: LossSettings,
+  objective: Objective,
+  params,
+  opt_state,
+  batch: Batch,
+):
   """One optimizer step on the global batch: (params, opt_state, metrics). Jit with the first four
   arguments bound (see `compile_train_step`) and params / opt_state donated."""
   # The scopes name the step's phases in the compiled ops (bench.trace splits a profile by them).
@@ -197,13 +250,21 @@ def train_step(graphdef, optimizer: Optimizer, s: LossSettings, objective: Objec
   return params, opt_state, metrics
 
 
-def compile_train_step(graphdef, optimizer: Optimizer, s: LossSettings, objective: Objective = "grpo",
-                       state_shardings=None):
+def compile_train_step(
+  graphdef,
+  optimizer: Optimizer,
+  s: LossSettings,
+  objective: Objective = "grpo",
+  state_shardings=None,
+):
   """The jitted `train_step(params, opt_state, batch)`. `state_shardings` = (params', opt_state's
   shardings) pins the outputs to the inputs' layout, so step 2 reuses step 1's executable."""
   out = None if state_shardings is None else (*state_shardings, None)
-  return jax.jit(functools.partial(train_step, graphdef, optimizer, s, objective), donate_argnums=(0, 1),
-                 out_shardings=out)
+  return jax.jit(
+    functools.partial(train_step, graphdef, optimizer, s, objective),
+    donate_argnums=(0, 1),
+    out_shardings=out,
+  )
 
 
 def shardings_of(tree):
@@ -221,15 +282,21 @@ def init_optimizer_state(optimizer: Optimizer, params, mesh):
       if name == pname or name.endswith("." + pname):
         return sharding
     return NamedSharding(mesh, PartitionSpec())
+
   shapes = jax.eval_shape(optimizer.init, params)
-  return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(place, shapes))(params)
+  return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(place, shapes))(
+    params
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def batch_token_logps(graphdef, params, batch: Batch, c: int, temperature: float):  # -> [K, M, C] f32
+def batch_token_logps(
+  graphdef, params, batch: Batch, c: int, temperature: float
+):  # -> [K, M, C] f32
   """Per-token log-probs of every completion (old policy / reference model), micro-batch by micro-batch."""
   model = nnx.merge(graphdef, params)
 
   def one(_, mb):
     return None, token_logps(model, mb[0], mb[1], c, temperature)
+
   return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask))[1]

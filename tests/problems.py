@@ -7,7 +7,7 @@ import numpy as np
 def policy_kwargs(rng, logp, options: dict, *, off_policy: bool, beta: float) -> dict:
   """The loss keywords: `options`, `beta`, and old / reference log-probs near the current `logp` [B, T]
   (a realistic off-policy gap), drawn from `rng` only when asked for."""
-  near = lambda: jnp.asarray(logp + rng.normal(scale=0.25, size=logp.shape), jnp.float32)  # noqa: E731
+  near = lambda: jnp.asarray(logp + rng.normal(scale=0.25, size=logp.shape), jnp.float32)
   kw = dict(options, beta=beta)
   if off_policy:
     kw["old_logps"] = near()

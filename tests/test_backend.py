@@ -26,7 +26,9 @@ def test_targets_and_families():
 
 def test_compiler_params_per_backend():
   assert backend.compiler_params(backend.Target("cpu", True)) is None
-  tpu = backend.compiler_params(backend.Target("tpu"), dimension_semantics=("parallel", "arbitrary"))
+  tpu = backend.compiler_params(
+    backend.Target("tpu"), dimension_semantics=("parallel", "arbitrary")
+  )
   assert tuple(tpu.dimension_semantics) == ("parallel", "arbitrary")
   gpu = backend.compiler_params(backend.Target("gpu"), num_warps=4, num_stages=2)
   assert (gpu.num_warps, gpu.num_stages) == (4, 2)

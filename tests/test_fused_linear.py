@@ -22,8 +22,8 @@ from tests.problems import loss_scale, policy_kwargs
 # kernels (TPU family) and its rowloop kernels (the Triton family) in the interpreter.
 PATHS = [("pallas", "cpu"), ("chunked", "cpu"), ("chunked", "gpu")]
 OPTIONS = {
-    "on_policy": dict(),
-    "off_policy_kl_temp": dict(off_policy=True, beta=0.04, temperature=0.8, epsilon_high=0.28),
+  "on_policy": dict(),
+  "off_policy_kl_temp": dict(off_policy=True, beta=0.04, temperature=0.8, epsilon_high=0.28),
 }
 
 
@@ -34,7 +34,11 @@ def make_problem(b, t, hd, v, dtype, *, off_policy=False, beta=0.0, seed=None, *
   ids = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
   mask = rng.random((b, t)) < 0.8
   mask[rng.integers(b)] = False  # an empty row
-  logits = np.asarray(hidden, np.float32) @ np.asarray(lm_head, np.float32) / options.get("temperature", 1.0)
+  logits = (
+    np.asarray(hidden, np.float32)
+    @ np.asarray(lm_head, np.float32)
+    / options.get("temperature", 1.0)
+  )
   logp = np.take_along_axis(jax.nn.log_softmax(logits), np.asarray(ids)[..., None], -1)[..., 0]
   kw = policy_kwargs(rng, logp, options, off_policy=off_policy, beta=beta)
   return (hidden, lm_head, ids, jnp.asarray(mask), jnp.asarray(rng.normal(size=b), jnp.float32)), kw
@@ -59,8 +63,16 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
   (b, t, hd), v = hidden.shape, lm_head.shape[1]
   dtype = hidden.dtype
   for loss_type in loss_types:
-    value, aux, (dh, dw) = value_and_grads(kernels.fused_linear_grpo_loss, args, kw, loss_type=loss_type,
-                                           impl=impl, platform=platform, interpret=True, **call_kw)
+    value, aux, (dh, dw) = value_and_grads(
+      kernels.fused_linear_grpo_loss,
+      args,
+      kw,
+      loss_type=loss_type,
+      impl=impl,
+      platform=platform,
+      interpret=True,
+      **call_kw,
+    )
     r_value, r_aux, (r_dh, r_dw) = reference(args, kw, loss_type=loss_type)
     msg = f"{impl}/{platform} {loss_type} {dtype.name}"
     assert dh.dtype == dtype and dw.dtype == dtype
@@ -68,25 +80,55 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
     scale = max(loss_scale(r_aux, args[3], args[4], kw), float(abs(r_value)))
     assert_close(value, r_value, "value", jnp.float32, hd + v, err_msg=msg, scale=scale)
     for name in ("per_token_logps", "entropy"):
-      assert_close(getattr(aux, name), getattr(r_aux, name), "value", jnp.float32, hd + v, err_msg=f"{msg} {name}")
+      assert_close(
+        getattr(aux, name),
+        getattr(r_aux, name),
+        "value",
+        jnp.float32,
+        hd + v,
+        err_msg=f"{msg} {name}",
+      )
     # KL = exp(d) - d - 1 with d = ref - logp cancels: its rounding is logp's, times |dKL/dlogp| = |e^d - 1|.
     r_logp = np.asarray(r_aux.per_token_logps, np.float64)
-    d = np.asarray(kw["ref_logps"], np.float64) - r_logp if kw.get("ref_logps") is not None else 0.0 * r_logp
-    kl_scale = max(float(np.max(np.abs(r_logp)) * np.max(np.abs(np.expm1(d)))),
-                   float(np.max(np.abs(r_aux.per_token_kl))))
-    assert_close(aux.per_token_kl, r_aux.per_token_kl, "value", jnp.float32, hd + v, err_msg=f"{msg} kl",
-                 scale=kl_scale)
+    d = (
+      np.asarray(kw["ref_logps"], np.float64) - r_logp
+      if kw.get("ref_logps") is not None
+      else 0.0 * r_logp
+    )
+    kl_scale = max(
+      float(np.max(np.abs(r_logp)) * np.max(np.abs(np.expm1(d)))),
+      float(np.max(np.abs(r_aux.per_token_kl))),
+    )
+    assert_close(
+      aux.per_token_kl,
+      r_aux.per_token_kl,
+      "value",
+      jnp.float32,
+      hd + v,
+      err_msg=f"{msg} kl",
+      scale=kl_scale,
+    )
     np.testing.assert_array_equal(aux.is_clipped, r_aux.is_clipped)
     # dlogits = C (p - onehot) per token (C: the loss's weight on that token's log-prob), and p_y - 1
     # cancels when p_y ~ 1: dh = dlogits @ W^T and dW = h^T @ dlogits round relative to C, not to their
     # own (possibly cancelled) size. C = sum |dlogits| / (2 (1 - p_y)), from the reference in float64.
     h32, w32 = np.asarray(hidden, np.float32), np.asarray(lm_head, np.float32)
-    g = np.abs(np.asarray(jax.grad(lambda x: kernels.grpo_loss(x, *args[2:], loss_type=loss_type, impl="xla",
-                                                                **kw)[0])(jnp.asarray(h32 @ w32)), np.float64))
+    g = np.abs(
+      np.asarray(
+        jax.grad(
+          lambda x: kernels.grpo_loss(x, *args[2:], loss_type=loss_type, impl="xla", **kw)[0]  # noqa: B023 (called at once)
+        )(jnp.asarray(h32 @ w32)),
+        np.float64,
+      )
+    )
     p_y = np.exp(np.asarray(r_aux.per_token_logps, np.float64))
-    c = g.sum(-1) / (2.0 * np.maximum(1.0 - p_y, np.finfo(np.float32).eps))  # [B, T]; p_y rounds to 1 below eps
+    c = g.sum(-1) / (
+      2.0 * np.maximum(1.0 - p_y, np.finfo(np.float32).eps)
+    )  # [B, T]; p_y rounds to 1 below eps
     dh_scale = max(float(np.max(c)) * 2.0 * float(np.max(np.abs(w32))), float(np.max(np.abs(r_dh))))
-    dw_scale = max(2.0 * float(np.max(c.reshape(-1) @ np.abs(h32.reshape(-1, hd)))), float(np.max(np.abs(r_dw))))
+    dw_scale = max(
+      2.0 * float(np.max(c.reshape(-1) @ np.abs(h32.reshape(-1, hd)))), float(np.max(np.abs(r_dw)))
+    )
     assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden", scale=dh_scale)
     assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head", scale=dw_scale)
 
@@ -94,13 +136,17 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
 # ------------------------------------------------------------------------------------- reference
 def test_vocab_stats_reference_by_hand():
   # one token, H = 1, z = [1, 2, 3] (hidden 1, lm_head [[1, 2, 3]]), chosen id 2
-  lse, chosen, found, ez = vocab_stats_reference(jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([2]))
+  lse, chosen, found, ez = vocab_stats_reference(
+    jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([2])
+  )
   p = np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum()
   np.testing.assert_allclose(lse, [np.log(np.exp([1, 2, 3]).sum())], rtol=1e-6)
   np.testing.assert_allclose(chosen, [3.0])
   np.testing.assert_allclose(found, [1.0])
   np.testing.assert_allclose(ez, [(p * [1, 2, 3]).sum()], rtol=1e-6)
-  _, chosen, found, _ = vocab_stats_reference(jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([5]))
+  _, chosen, found, _ = vocab_stats_reference(
+    jnp.ones((1, 1)), jnp.array([[1.0, 2.0, 3.0]]), jnp.array([5])
+  )
   assert float(chosen[0]) == 0.0 and float(found[0]) == 0.0  # not in this shard
 
 
@@ -112,18 +158,39 @@ def test_parity(impl, platform, option, dtype):
   s = LINEAR_LOSS_SHAPES["tiny"]
   args, kw = make_problem(s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(dtype), **OPTIONS[option])
   blocks = LinearBlocks(8, 256, 32) if impl == "pallas" else None  # several tiles on every axis
-  assert_parity(args, kw, impl, platform, loss_types=LOSS_TYPES if option == "on_policy" else ("grpo",),
-                blocks=blocks, chunk_size=4)
+  assert_parity(
+    args,
+    kw,
+    impl,
+    platform,
+    loss_types=LOSS_TYPES if option == "on_policy" else ("grpo",),
+    blocks=blocks,
+    chunk_size=4,
+  )
 
 
-@given(b=st.integers(1, 3), t=st.integers(1, 9), hd=st.sampled_from([16, 48, 64]), v=st.integers(2, 700),
-       bn=st.sampled_from([8, 16]), bv=st.sampled_from([128, 256]), chunk=st.integers(1, 16),
-       dtype=st.sampled_from(["float32", "bfloat16"]), path=st.sampled_from(PATHS), seed=st.integers(0, 2**31))
+@given(
+  b=st.integers(1, 3),
+  t=st.integers(1, 9),
+  hd=st.sampled_from([16, 48, 64]),
+  v=st.integers(2, 700),
+  bn=st.sampled_from([8, 16]),
+  bv=st.sampled_from([128, 256]),
+  chunk=st.integers(1, 16),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  path=st.sampled_from(PATHS),
+  seed=st.integers(0, 2**31),
+)
 def test_parity_hypothesis(b, t, hd, v, bn, bv, chunk, dtype, path, seed):
   args, kw = make_problem(b, t, hd, v, jnp.dtype(dtype), off_policy=True, beta=0.04, seed=seed)
   bh = 16 if hd % 32 else 32  # several hidden tiles when H allows
-  assert_parity(args, kw, *path, blocks=LinearBlocks(bn, bv, bh) if path[0] == "pallas" else None,
-                chunk_size=chunk)
+  assert_parity(
+    args,
+    kw,
+    *path,
+    blocks=LinearBlocks(bn, bv, bh) if path[0] == "pallas" else None,
+    chunk_size=chunk,
+  )
 
 
 def test_default_blocks_and_chunk_at_cpu_size():
@@ -141,21 +208,35 @@ def test_matches_grpo_loss_on_materialised_logits():
   for impl in ("chunked", "pallas"):  # undifferentiated: the statistics-only pass
     fused, aux = kernels.fused_linear_grpo_loss(*args, **kw, impl=impl, interpret=True)
     assert_close(fused, plain, "value", jnp.float32, 32 + 300, err_msg=impl)
-    assert_close(aux.per_token_logps, plain_aux.per_token_logps, "value", jnp.float32, 32 + 300, err_msg=impl)
+    assert_close(
+      aux.per_token_logps, plain_aux.per_token_logps, "value", jnp.float32, 32 + 300, err_msg=impl
+    )
 
 
 # ------------------------------------------------------------------------------ tensor parallel
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("impl,platform", PATHS)
 def test_vocab_sharded_equals_unsharded(tp, impl, platform):
-  args, kw = make_problem(2, 6, 32, 512, jnp.float32, off_policy=True, beta=0.04, temperature=0.9, seed=tp)
+  args, kw = make_problem(
+    2, 6, 32, 512, jnp.float32, off_policy=True, beta=0.04, temperature=0.9, seed=tp
+  )
   mesh = make_mesh(dp=1, fsdp=8 // tp, tp=tp)
   blocks = LinearBlocks(8, 128, 32) if impl == "pallas" else None
 
   @jax.jit
   def sharded(h, w):
-    return value_and_grads(kernels.fused_linear_grpo_loss, (h, w) + args[2:], kw, impl=impl, platform=platform,
-                           interpret=True, blocks=blocks, chunk_size=4, mesh=mesh, vocab_axis="tp")
+    return value_and_grads(
+      kernels.fused_linear_grpo_loss,
+      (h, w) + args[2:],
+      kw,
+      impl=impl,
+      platform=platform,
+      interpret=True,
+      blocks=blocks,
+      chunk_size=4,
+      mesh=mesh,
+      vocab_axis="tp",
+    )
 
   value, aux, (dh, dw) = sharded(*args[:2])
   assert dw.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
@@ -170,14 +251,21 @@ def test_vocab_sharded_equals_unsharded(tp, impl, platform):
 # ----------------------------------------------------------------------------------------- memory
 def _temp_bytes(impl, shape, **call_kw):
   s = shape
-  specs = (jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.dtype(s.dtype)),
-           jax.ShapeDtypeStruct((s.hidden, s.vocab), jnp.dtype(s.dtype)),
-           jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32), jax.ShapeDtypeStruct((s.batch, s.seq), jnp.bool_),
-           jax.ShapeDtypeStruct((s.batch,), jnp.float32))
+  specs = (
+    jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.dtype(s.dtype)),
+    jax.ShapeDtypeStruct((s.hidden, s.vocab), jnp.dtype(s.dtype)),
+    jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32),
+    jax.ShapeDtypeStruct((s.batch, s.seq), jnp.bool_),
+    jax.ShapeDtypeStruct((s.batch,), jnp.float32),
+  )
 
   def step(h, w, ids, mask, adv):
-    return jax.value_and_grad(lambda h, w: kernels.fused_linear_grpo_loss(
-        h, w, ids, mask, adv, impl=impl, interpret=True, **call_kw)[0], argnums=(0, 1))(h, w)
+    return jax.value_and_grad(
+      lambda h, w: kernels.fused_linear_grpo_loss(
+        h, w, ids, mask, adv, impl=impl, interpret=True, **call_kw
+      )[0],
+      argnums=(0, 1),
+    )(h, w)
 
   return jax.jit(step).trace(*specs).lower().compile().memory_analysis().temp_size_in_bytes
 
@@ -192,7 +280,9 @@ def test_pallas_temporaries_do_not_scale_with_tokens_times_vocab():
   assert growth < shape.tokens * shape.vocab * 4 / 8, f"temporaries grew {growth} B with N"
   # The chunked path holds one [chunk, V] f32 buffer, whatever N.
   chunked = _temp_bytes("chunked", shape, chunk_size=256)
-  assert _temp_bytes("chunked", doubled, chunk_size=256) - chunked < shape.tokens * shape.vocab * 4 / 8
+  assert (
+    _temp_bytes("chunked", doubled, chunk_size=256) - chunked < shape.tokens * shape.vocab * 4 / 8
+  )
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -210,17 +300,27 @@ def test_bad_input_raises_clearly():
   with pytest.raises(ValueError, match="together"):
     kernels.fused_linear_grpo_loss(*args, vocab_axis="tp")
   with pytest.raises(ValueError, match="divisible"):
-    kernels.fused_linear_grpo_loss(*args, impl="chunked", mesh=make_mesh(fsdp=1, tp=8), vocab_axis="tp")
+    kernels.fused_linear_grpo_loss(
+      *args, impl="chunked", mesh=make_mesh(fsdp=1, tp=8), vocab_axis="tp"
+    )
   with pytest.raises(ValueError, match="outside"):
     kernels.fused_linear_grpo_loss(h, w, args[2].at[0, 0].set(100), jnp.ones((2, 3), bool), args[4])
   with pytest.raises(ValueError, match="block_h"):
-    kernels.fused_linear_grpo_loss(*args, impl="pallas", interpret=True, blocks=LinearBlocks(8, 128, 12))
+    kernels.fused_linear_grpo_loss(
+      *args, impl="pallas", interpret=True, blocks=LinearBlocks(8, 128, 12)
+    )
 
 
 def test_no_recompile_across_calls():
-  args, kw = make_problem(2, 4, 16, 200, jnp.float32, off_policy=True)
-  step = jax.jit(lambda h, w, old: jax.grad(lambda h, w: kernels.fused_linear_grpo_loss(
-      h, w, *args[2:], old_logps=old, impl="chunked", interpret=True)[0], argnums=(0, 1))(h, w))
+  args, _kw = make_problem(2, 4, 16, 200, jnp.float32, off_policy=True)
+  step = jax.jit(
+    lambda h, w, old: jax.grad(
+      lambda h, w: kernels.fused_linear_grpo_loss(
+        h, w, *args[2:], old_logps=old, impl="chunked", interpret=True
+      )[0],
+      argnums=(0, 1),
+    )(h, w)
+  )
   for seed in range(3):
     fresh, fresh_kw = make_problem(2, 4, 16, 200, jnp.float32, off_policy=True, seed=seed)
     jax.block_until_ready(step(fresh[0], fresh[1], fresh_kw["old_logps"]))

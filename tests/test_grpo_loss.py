@@ -10,25 +10,27 @@ import pytest
 from hypothesis import given
 
 import kernels
+from bench.tolerances import assert_close
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss.reference import LOSS_TYPES, token_logps_and_entropy
-from bench.tolerances import assert_close
 from tests.problems import loss_scale, policy_kwargs
 
 # (platform, blocks maker): the tiled family as the CPU interpreter runs it, and the GPU rowloop family
 # run through the interpreter, so the Triton kernel's arithmetic is checked without a GPU.
 FAMILIES = {
-    "tiled": ("cpu", lambda bn, bv: LossBlocks(bn, bv)),
-    "rowloop": ("gpu", lambda bn, bv: LossBlocks(1, 1 << max(bv - 1, 1).bit_length())),
+  "tiled": ("cpu", lambda bn, bv: LossBlocks(bn, bv)),
+  "rowloop": ("gpu", lambda bn, bv: LossBlocks(1, 1 << max(bv - 1, 1).bit_length())),
 }
 OPTIONS = {
-    "on_policy": dict(),
-    "off_policy_temp": dict(off_policy=True, temperature=0.7, epsilon_high=0.28),
-    "kl": dict(off_policy=True, beta=0.04, temperature=1.3),
+  "on_policy": dict(),
+  "off_policy_temp": dict(off_policy=True, temperature=0.7, epsilon_high=0.28),
+  "kl": dict(off_policy=True, beta=0.04, temperature=1.3),
 }
 
 
-def make_problem(b, t, v, dtype, *, off_policy=False, beta=0.0, seed=None, empty_row=True, **options):
+def make_problem(
+  b, t, v, dtype, *, off_policy=False, beta=0.0, seed=None, empty_row=True, **options
+):
   rng = np.random.default_rng(seed)
   logits = jnp.asarray(rng.normal(size=(b, t, v)) * 2.0, dtype)
   ids = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
@@ -51,8 +53,9 @@ def loss_and_grad(args, kw, **call_kw):
 def assert_parity(args, kw, *, platform, blocks, loss_types=LOSS_TYPES):
   v = args[0].shape[-1]
   for loss_type in loss_types:
-    ours = loss_and_grad(args, kw, loss_type=loss_type, impl="pallas", platform=platform, interpret=True,
-                         blocks=blocks)
+    ours = loss_and_grad(
+      args, kw, loss_type=loss_type, impl="pallas", platform=platform, interpret=True, blocks=blocks
+    )
     ref = loss_and_grad(args, kw, loss_type=loss_type, impl="xla")
     msg = f"{loss_type} {platform} {blocks}"
     scale = max(loss_scale(ref[1], args[2], args[3], kw), float(abs(ref[0])))
@@ -75,10 +78,17 @@ def test_parity_every_loss_type(family, dtype, option):
   assert_parity(args, kw, platform=platform, blocks=blocks(8, 128))
 
 
-@given(b=st.integers(1, 4), t=st.integers(1, 9), v=st.integers(1, 700), bn=st.integers(1, 16),
-       bv=st.integers(1, 300), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-       family=st.sampled_from(sorted(FAMILIES)), option=st.sampled_from(sorted(OPTIONS)),
-       loss_type=st.sampled_from(LOSS_TYPES))
+@given(
+  b=st.integers(1, 4),
+  t=st.integers(1, 9),
+  v=st.integers(1, 700),
+  bn=st.integers(1, 16),
+  bv=st.integers(1, 300),
+  dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+  family=st.sampled_from(sorted(FAMILIES)),
+  option=st.sampled_from(sorted(OPTIONS)),
+  loss_type=st.sampled_from(LOSS_TYPES),
+)
 def test_parity_ragged_shapes(b, t, v, bn, bv, dtype, family, option, loss_type):
   platform, blocks = FAMILIES[family]
   args, kw = make_problem(b, t, v, dtype, **OPTIONS[option])
@@ -103,16 +113,18 @@ def test_reuse_logits_buffer_same_gradient():
 
 
 def test_masked_positions_ignore_invalid_ids_and_unmasked_ones_poison_under_jit():
-  args, kw = make_problem(2, 4, 50, jnp.float32, empty_row=False)
+  args, _kw = make_problem(2, 4, 50, jnp.float32, empty_row=False)
   logits, ids, mask, adv = args
   mask = mask.at[0, 0].set(False)
   padded = ids.at[0, 0].set(-100)
   for impl in ("pallas", "xla"):
     call = functools.partial(kernels.grpo_loss, impl=impl, platform="cpu")
-    np.testing.assert_allclose(call(logits, padded, mask, adv)[0], call(logits, ids, mask, adv)[0], rtol=1e-6)
+    np.testing.assert_allclose(
+      call(logits, padded, mask, adv)[0], call(logits, ids, mask, adv)[0], rtol=1e-6
+    )
     # jit hides the values from the argument check: an unmasked bad id must surface as NaN, not a number
     bad = ids.at[1, 0].set(50)
-    loss = jax.jit(lambda i: call(logits, i, mask.at[1, 0].set(True), adv)[0])(bad)
+    loss = jax.jit(lambda i: call(logits, i, mask.at[1, 0].set(True), adv)[0])(bad)  # noqa: B023
     assert np.isnan(loss), impl
 
 
@@ -124,7 +136,9 @@ def test_jit_does_not_recompile_for_new_values():
   assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(logits=jnp.zeros((2, 3))), r"logits must be \[B, T, V\]"),
     (dict(logits=jnp.zeros((2, 3, 5), jnp.int32)), "floating point"),
     (dict(completion_ids=jnp.zeros((2, 4), jnp.int32)), "completion_ids must have shape"),
@@ -140,10 +154,15 @@ def test_jit_does_not_recompile_for_new_values():
     (dict(epsilon_low=-0.1), "epsilons must be >= 0"),
     (dict(impl="triton"), "impl must be one of"),
     (dict(max_completion_length=0), "max_completion_length"),
-])
+  ],
+)
 def test_bad_input_raises_value_error(kwargs, match):
-  args = dict(logits=jnp.zeros((2, 3, 5)), completion_ids=jnp.zeros((2, 3), jnp.int32),
-              completion_mask=jnp.ones((2, 3)), advantages=jnp.ones((2,)))
+  args = dict(
+    logits=jnp.zeros((2, 3, 5)),
+    completion_ids=jnp.zeros((2, 3), jnp.int32),
+    completion_mask=jnp.ones((2, 3)),
+    advantages=jnp.ones((2,)),
+  )
   args.update(kwargs)
   positional = [args.pop(k) for k in ("logits", "completion_ids", "completion_mask", "advantages")]
   with pytest.raises(ValueError, match=match):
@@ -151,7 +170,7 @@ def test_bad_input_raises_value_error(kwargs, match):
 
 
 def test_illegal_blocks_rejected_before_lowering():
-  args, kw = make_problem(2, 8, 1000, jnp.bfloat16)
+  args, _kw = make_problem(2, 8, 1000, jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     kernels.grpo_loss(*args, platform="tpu", blocks=LossBlocks(16, 100))
   with pytest.raises(ValueError, match="powers of two"):

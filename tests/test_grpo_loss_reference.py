@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.grpo_loss.reference import grpo_loss_reference, reduce_loss
 from bench.tolerances import assert_close
+from kernels.grpo_loss.reference import grpo_loss_reference, reduce_loss
 from tests.problems import loss_scale
 
 
@@ -30,7 +30,9 @@ def test_hand_computed_two_token_vocab():
   loss, aux = grpo_loss_reference(logits, ids, mask, jnp.array([2.0]), old_logps=old)
   assert float(loss) == pytest.approx(-2.4, rel=1e-6)
   assert bool(aux.is_clipped[0, 0])
-  grad = jax.grad(lambda x: grpo_loss_reference(x, ids, mask, jnp.array([2.0]), old_logps=old)[0])(logits)
+  grad = jax.grad(lambda x: grpo_loss_reference(x, ids, mask, jnp.array([2.0]), old_logps=old)[0])(
+    logits
+  )
   np.testing.assert_array_equal(grad, 0.0)
   # k3 KL with ref = logp - ln 2: exp(-ln 2) + ln 2 - 1
   ref = aux.per_token_logps - math.log(2.0)
@@ -43,12 +45,18 @@ def test_hand_computed_two_token_vocab():
 def test_reductions_by_hand():
   per_token = jnp.array([[1.0, 2.0, 3.0], [4.0, jnp.nan, jnp.nan], [jnp.nan, jnp.nan, jnp.nan]])
   mask = jnp.array([[1, 1, 1], [1, 0, 0], [0, 0, 0]], bool)
-  assert float(reduce_loss(per_token, mask, loss_type="grpo")) == pytest.approx((2.0 + 4.0 + 0.0) / 3)
+  assert float(reduce_loss(per_token, mask, loss_type="grpo")) == pytest.approx(
+    (2.0 + 4.0 + 0.0) / 3
+  )
   assert float(reduce_loss(per_token, mask, loss_type="bnpo")) == pytest.approx(10.0 / 4)
   assert float(reduce_loss(per_token, mask, loss_type="dr_grpo")) == pytest.approx(10.0 / 9)
-  assert float(reduce_loss(per_token, mask, loss_type="dr_grpo", max_completion_length=5)) == pytest.approx(10 / 15)
+  assert float(
+    reduce_loss(per_token, mask, loss_type="dr_grpo", max_completion_length=5)
+  ) == pytest.approx(10 / 15)
   assert float(reduce_loss(per_token, mask, loss_type="dapo")) == pytest.approx(10.0 / 4)
-  assert float(reduce_loss(per_token, mask, loss_type="dapo", num_items_in_batch=20.0)) == pytest.approx(0.5)
+  assert float(
+    reduce_loss(per_token, mask, loss_type="dapo", num_items_in_batch=20.0)
+  ) == pytest.approx(0.5)
   # all masked: zero, not NaN
   assert float(reduce_loss(per_token, jnp.zeros_like(mask), loss_type="grpo")) == 0.0
 
@@ -67,14 +75,20 @@ def _numpy_f64(logits, ids, mask, adv, old, ref, beta, el, eh, temp, loss_type):
     kl = np.exp(ref - logp) - (ref - logp) - 1
     per_token += beta * kl
   m = mask.astype(np.float64)
-  s = (per_token * m)
-  loss = {"grpo": (s.sum(-1) / np.maximum(m.sum(-1), 1)).mean(), "bnpo": s.sum() / max(m.sum(), 1),
-          "dr_grpo": s.sum() / m.size, "dapo": s.sum() / max(m.sum(), 1)}[loss_type]
+  s = per_token * m
+  loss = {
+    "grpo": (s.sum(-1) / np.maximum(m.sum(-1), 1)).mean(),
+    "bnpo": s.sum() / max(m.sum(), 1),
+    "dr_grpo": s.sum() / m.size,
+    "dapo": s.sum() / max(m.sum(), 1),
+  }[loss_type]
   return loss, logp * m, entropy * m, kl * m
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("off_policy,beta,temp", [(False, 0.0, 1.0), (True, 0.0, 0.7), (True, 0.04, 1.3)])
+@pytest.mark.parametrize(
+  "off_policy,beta,temp", [(False, 0.0, 1.0), (True, 0.0, 0.7), (True, 0.04, 1.3)]
+)
 def test_reference_matches_float64_numpy(loss_type, off_policy, beta, temp):
   rng = np.random.default_rng()
   b, t, v = 4, 6, 257
@@ -84,16 +98,29 @@ def test_reference_matches_float64_numpy(loss_type, off_policy, beta, temp):
   mask[0] = False
   adv = rng.normal(size=b).astype(np.float32)
   z = logits / temp
-  true_logp = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), ids[..., None], -1)[..., 0]
+  true_logp = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), ids[..., None], -1)[
+    ..., 0
+  ]
   old = (true_logp + rng.normal(scale=0.3, size=(b, t))).astype(np.float32) if off_policy else None
   ref = (true_logp + rng.normal(scale=0.3, size=(b, t))).astype(np.float32) if beta else None
-  loss, aux = grpo_loss_reference(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(adv),
-                                  old_logps=None if old is None else jnp.asarray(old),
-                                  ref_logps=None if ref is None else jnp.asarray(ref), beta=beta,
-                                  temperature=temp, loss_type=loss_type)
-  e_loss, e_logp, e_ent, e_kl = _numpy_f64(logits, ids, mask, adv, old, ref, beta, 0.2, 0.2, temp, loss_type)
+  loss, aux = grpo_loss_reference(
+    jnp.asarray(logits),
+    jnp.asarray(ids),
+    jnp.asarray(mask),
+    jnp.asarray(adv),
+    old_logps=None if old is None else jnp.asarray(old),
+    ref_logps=None if ref is None else jnp.asarray(ref),
+    beta=beta,
+    temperature=temp,
+    loss_type=loss_type,
+  )
+  e_loss, e_logp, e_ent, e_kl = _numpy_f64(
+    logits, ids, mask, adv, old, ref, beta, 0.2, 0.2, temp, loss_type
+  )
   kw = dict(old_logps=old, beta=beta)
-  assert_close(loss, e_loss, "f64_check", np.float32, v, scale=max(loss_scale(aux, mask, adv, kw), abs(e_loss)))
+  assert_close(
+    loss, e_loss, "f64_check", np.float32, v, scale=max(loss_scale(aux, mask, adv, kw), abs(e_loss))
+  )
   assert_close(aux.per_token_logps, e_logp, "f64_check", np.float32, v)
   assert_close(aux.entropy, e_ent, "f64_check", np.float32, v)
   assert_close(aux.per_token_kl, e_kl, "f64_check", np.float32, v)

@@ -16,13 +16,27 @@ from kernels.grpo_loss import LossBlocks
 
 def lower_loss(platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04):
   b, t, v = shape.batch, shape.seq, shape.vocab
-  specs = [jax.ShapeDtypeStruct((b, t, v), jnp.dtype(shape.dtype)), jax.ShapeDtypeStruct((b, t), jnp.int32),
-           jax.ShapeDtypeStruct((b, t), jnp.bool_), jax.ShapeDtypeStruct((b,), jnp.float32),
-           jax.ShapeDtypeStruct((b, t), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.float32)]
+  specs = [
+    jax.ShapeDtypeStruct((b, t, v), jnp.dtype(shape.dtype)),
+    jax.ShapeDtypeStruct((b, t), jnp.int32),
+    jax.ShapeDtypeStruct((b, t), jnp.bool_),
+    jax.ShapeDtypeStruct((b,), jnp.float32),
+    jax.ShapeDtypeStruct((b, t), jnp.float32),
+    jax.ShapeDtypeStruct((b, t), jnp.float32),
+  ]
 
   def loss(logits, ids, mask, adv, old, ref):
-    return kernels.grpo_loss(logits, ids, mask, adv, old_logps=old if off_policy else None,
-                             ref_logps=ref, beta=beta, impl="pallas", blocks=blocks)[0]
+    return kernels.grpo_loss(
+      logits,
+      ids,
+      mask,
+      adv,
+      old_logps=old if off_policy else None,
+      ref_logps=ref,
+      beta=beta,
+      impl="pallas",
+      blocks=blocks,
+    )[0]
 
   fn = jax.grad(loss) if grad else loss
   target = backend.make_target(platform, interpret=False)
@@ -37,7 +51,9 @@ def test_lowers_real_kernel_at_production_shape(platform, shape_name, grad):
   text = lower_loss(platform, LOSS_SHAPES[shape_name], grad=grad)
   marker = backend.LOWERED_KERNEL_MARKERS[platform]
   # forward kernel, plus the backward kernel when differentiating
-  assert text.count(marker) == (2 if grad else 1), f"expected the {platform} kernel, not the interpreter"
+  assert text.count(marker) == (2 if grad else 1), (
+    f"expected the {platform} kernel, not the interpreter"
+  )
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
@@ -58,9 +74,14 @@ def test_mosaic_itself_rejects_what_our_check_rejects():
 def lower_fused_linear(platform, shape, impl, *, grad: bool):
   b, t, hd, v = shape.batch, shape.seq, shape.hidden, shape.vocab
   dtype = jnp.dtype(shape.dtype)
-  specs = [jax.ShapeDtypeStruct((b, t, hd), dtype), jax.ShapeDtypeStruct((hd, v), dtype),
-           jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.bool_),
-           jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.float32)]
+  specs = [
+    jax.ShapeDtypeStruct((b, t, hd), dtype),
+    jax.ShapeDtypeStruct((hd, v), dtype),
+    jax.ShapeDtypeStruct((b, t), jnp.int32),
+    jax.ShapeDtypeStruct((b, t), jnp.bool_),
+    jax.ShapeDtypeStruct((b,), jnp.float32),
+    jax.ShapeDtypeStruct((b, t), jnp.float32),
+  ]
 
   def loss(h, w, ids, mask, adv, old):
     return kernels.fused_linear_grpo_loss(h, w, ids, mask, adv, old_logps=old, impl=impl)[0]
@@ -71,8 +92,9 @@ def lower_fused_linear(platform, shape, impl, *, grad: bool):
     return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
 
 
-@pytest.mark.parametrize("platform,impl,grad_kernels",
-                         [("tpu", "pallas", 3), ("tpu", "chunked", 2), ("gpu", "chunked", 2)])
+@pytest.mark.parametrize(
+  "platform,impl,grad_kernels", [("tpu", "pallas", 3), ("tpu", "chunked", 2), ("gpu", "chunked", 2)]
+)
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
 def test_fused_linear_lowers_at_production_shape(platform, impl, grad_kernels, grad):
   """N = 8192, H = 2048, V = 151936 (Qwen2.5-3B's head). The loss alone runs only the statistics
@@ -89,11 +111,13 @@ def test_paged_attention_lowers_at_production_shape(platform, shape_name):
   s = PAGED_SHAPES[shape_name]
   dtype = jnp.dtype(s.dtype)
   pool = s.batch * s.pages_per_seq
-  specs = [jax.ShapeDtypeStruct((s.batch, s.q_heads, s.head_dim), dtype),
-           jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
-           jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
-           jax.ShapeDtypeStruct((s.batch,), jnp.int32),
-           jax.ShapeDtypeStruct((s.batch, s.pages_per_seq), jnp.int32)]
+  specs = [
+    jax.ShapeDtypeStruct((s.batch, s.q_heads, s.head_dim), dtype),
+    jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
+    jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype),
+    jax.ShapeDtypeStruct((s.batch,), jnp.int32),
+    jax.ShapeDtypeStruct((s.batch, s.pages_per_seq), jnp.int32),
+  ]
   target = backend.make_target(platform, interpret=False)
   fn = lambda *a: kernels.paged_attention(*a, impl="pallas", platform=platform, interpret=False)
   text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()

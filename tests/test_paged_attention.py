@@ -15,7 +15,10 @@ from bench.tolerances import assert_close
 from kernels.paged_attention import PagedBlocks, default_blocks
 from kernels.paged_attention.reference import combine_splits
 
-FAMILIES = {"tiled": "cpu", "rowloop": "gpu"}  # platform whose kernel family runs in the interpreter
+FAMILIES = {
+  "tiled": "cpu",
+  "rowloop": "gpu",
+}  # platform whose kernel family runs in the interpreter
 
 
 def test_reference_by_hand():
@@ -24,13 +27,18 @@ def test_reference_by_hand():
   k_pages = jnp.array([[[[np.log(3.0)]], [[9.0]], [[0.0]]]])  # [Hkv=1, P=3, 1, 1]; page 1 is unused
   v_pages = jnp.array([[[[8.0]], [[100.0]], [[4.0]]]])
   page_indices = jnp.array([[2, 0]], jnp.int32)
-  out = kernels.paged_attention_reference(q, k_pages, v_pages, jnp.array([2], jnp.int32), page_indices,
-                                          scale=1.0)
+  out = kernels.paged_attention_reference(
+    q, k_pages, v_pages, jnp.array([2], jnp.int32), page_indices, scale=1.0
+  )
   np.testing.assert_allclose(out, [[[0.25 * 4.0 + 0.75 * 8.0]]], rtol=1e-6)
   # length 1: only the first page's token; length 0: zeros, not NaN
-  one = kernels.paged_attention_reference(q, k_pages, v_pages, jnp.array([1], jnp.int32), page_indices)
+  one = kernels.paged_attention_reference(
+    q, k_pages, v_pages, jnp.array([1], jnp.int32), page_indices
+  )
   np.testing.assert_allclose(one, [[[4.0]]])
-  zero = kernels.paged_attention_reference(q, k_pages, v_pages, jnp.array([0], jnp.int32), page_indices)
+  zero = kernels.paged_attention_reference(
+    q, k_pages, v_pages, jnp.array([0], jnp.int32), page_indices
+  )
   np.testing.assert_array_equal(zero, [[[0.0]]])
 
 
@@ -43,7 +51,10 @@ def test_combine_splits_is_exact():
   for sl in (slice(0, 4), slice(4, 6)):
     parts.append(jax.nn.softmax(s[:, sl], -1) @ v[sl])
     lses.append(jax.nn.logsumexp(s[:, sl], -1))
-  empty_o, empty_lse = jnp.zeros_like(parts[0]), jnp.full_like(lses[0], -jnp.inf)  # a split past the end
+  empty_o, empty_lse = (
+    jnp.zeros_like(parts[0]),
+    jnp.full_like(lses[0], -jnp.inf),
+  )  # a split past the end
   o = jnp.stack(parts + [empty_o])[:, None, None]  # [S, B=1, Hkv=1, G=2, D]
   lse = jnp.stack(lses + [empty_lse])[:, None, None]
   np.testing.assert_allclose(combine_splits(o, lse)[0, 0], full, rtol=1e-6, atol=1e-6)
@@ -54,18 +65,25 @@ def _draw(rng, b, hq, hkv, d, page_size, pps, lengths, dtype, spare_pages=3):
   q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32).astype(dtype)
   k = jnp.asarray(rng.standard_normal((hkv, pool, page_size, d)), jnp.float32).astype(dtype)
   v = jnp.asarray(rng.standard_normal((hkv, pool, page_size, d)), jnp.float32).astype(dtype)
-  pages = jnp.asarray(rng.permutation(pool)[:b * pps].reshape(b, pps), jnp.int32)
+  pages = jnp.asarray(rng.permutation(pool)[: b * pps].reshape(b, pps), jnp.int32)
   return q, k, v, jnp.asarray(lengths, jnp.int32), pages
 
 
 def _check(family, args, blocks=None, dtype=jnp.float32, ctx=None):
   ref = kernels.paged_attention(*args, impl="xla")
-  out = kernels.paged_attention(*args, impl="pallas", platform=FAMILIES[family], interpret=True,
-                                blocks=blocks)
+  out = kernels.paged_attention(
+    *args, impl="pallas", platform=FAMILIES[family], interpret=True, blocks=blocks
+  )
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
-  assert_close(out, ref, "attention", dtype, ctx or args[4].shape[1] * args[1].shape[2],
-               err_msg=f"{family} {blocks}")
+  assert_close(
+    out,
+    ref,
+    "attention",
+    dtype,
+    ctx or args[4].shape[1] * args[1].shape[2],
+    err_msg=f"{family} {blocks}",
+  )
   return out
 
 
@@ -75,17 +93,30 @@ def test_parity_tiny_shape(family, dtype):
   s = PAGED_SHAPES["tiny"]
   rng = np.random.default_rng(1)
   lengths = [0, 1, s.ctx]  # an idle slot, a single token, a full context
-  args = _draw(rng, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_seq, lengths, dtype)
+  args = _draw(
+    rng, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_seq, lengths, dtype
+  )
   out = _check(family, args, dtype=dtype)
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0 -> zeros
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@given(data=st.data(), b=st.integers(1, 4), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3, 4]),
-       d=st.sampled_from([16, 32]), page_size=st.sampled_from([4, 8, 16]), pps=st.integers(1, 6),
-       ppb=st.sampled_from([1, 2, 4]), splits=st.sampled_from([1, 2, 3]),
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**31 - 1))
-def test_parity_hypothesis(family, data, b, hkv, group, d, page_size, pps, ppb, splits, dtype, seed):
+@given(
+  data=st.data(),
+  b=st.integers(1, 4),
+  hkv=st.sampled_from([1, 2]),
+  group=st.sampled_from([1, 2, 3, 4]),
+  d=st.sampled_from([16, 32]),
+  page_size=st.sampled_from([4, 8, 16]),
+  pps=st.integers(1, 6),
+  ppb=st.sampled_from([1, 2, 4]),
+  splits=st.sampled_from([1, 2, 3]),
+  dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_parity_hypothesis(
+  family, data, b, hkv, group, d, page_size, pps, ppb, splits, dtype, seed
+):
   if family == "rowloop" and ppb * page_size < 16:
     ppb = 16 // page_size  # Triton's dot minimum; blocks.check rejects smaller tiles (tested below)
   cap = pps * page_size
@@ -98,8 +129,17 @@ def test_parity_hypothesis(family, data, b, hkv, group, d, page_size, pps, ppb, 
 def test_split_k_and_default_blocks_agree(family):
   s = PAGED_SHAPES["tiny"]
   rng = np.random.default_rng(2)
-  args = _draw(rng, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_seq,
-               [7, 33, 17], jnp.float32)
+  args = _draw(
+    rng,
+    s.batch,
+    s.q_heads,
+    s.kv_heads,
+    s.head_dim,
+    s.page_size,
+    s.pages_per_seq,
+    [7, 33, 17],
+    jnp.float32,
+  )
   ppb = 2
   one = _check(family, args, PagedBlocks(ppb, 1))
   many = _check(family, args, PagedBlocks(ppb, 3))
@@ -109,14 +149,26 @@ def test_split_k_and_default_blocks_agree(family):
 
 def test_lengths_past_the_page_table_attend_to_its_capacity():
   s = PAGED_SHAPES["tiny"]
-  args = _draw(np.random.default_rng(3), s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size,
-               s.pages_per_seq, [s.ctx + 5, 3, 1000], jnp.float32)
+  args = _draw(
+    np.random.default_rng(3),
+    s.batch,
+    s.q_heads,
+    s.kv_heads,
+    s.head_dim,
+    s.page_size,
+    s.pages_per_seq,
+    [s.ctx + 5, 3, 1000],
+    jnp.float32,
+  )
   cap = s.pages_per_seq * s.page_size
   clamped = (*args[:3], jnp.minimum(args[3], cap), args[4])
   for family in FAMILIES:
     np.testing.assert_allclose(
-        kernels.paged_attention(*args, impl="pallas", platform=FAMILIES[family], interpret=True),
-        kernels.paged_attention_reference(*clamped), rtol=1e-5, atol=1e-6)
+      kernels.paged_attention(*args, impl="pallas", platform=FAMILIES[family], interpret=True),
+      kernels.paged_attention_reference(*clamped),
+      rtol=1e-5,
+      atol=1e-6,
+    )
 
 
 def test_bench_inputs_match_at_cpu_size():
@@ -130,12 +182,18 @@ def test_reference_agrees_with_jax_shipped_gpu_op():
   from bench.cases.paged_attention import _jax_shipped
 
   args = _draw(np.random.default_rng(4), 2, 4, 2, 16, 16, 8, [37, 128], jnp.float32)
-  assert_close(_jax_shipped("gpu", *args, interpret=True), kernels.paged_attention_reference(*args),
-               "attention", jnp.float32, 128)
+  assert_close(
+    _jax_shipped("gpu", *args, interpret=True),
+    kernels.paged_attention_reference(*args),
+    "attention",
+    jnp.float32,
+    128,
+  )
 
 
 def test_default_blocks():
   from kernels.backend import Target
+
   gpu = default_blocks(Target("gpu"), batch=64, num_kv_heads=2, pages_per_seq=256, page_size=16)
   assert gpu.pages_per_block * 16 == 128 and 64 * 2 * gpu.num_splits >= 256
   long = default_blocks(Target("gpu"), batch=1, num_kv_heads=1, pages_per_seq=8, page_size=16)
@@ -144,7 +202,9 @@ def test_default_blocks():
   assert tpu == PagedBlocks(32, 1)
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     (dict(q=jnp.zeros((2, 4))), r"\[B, Hq, D\]"),
     (dict(v_pages=jnp.zeros((2, 5, 8, 16))), "k_pages and v_pages"),
     (dict(q=jnp.zeros((2, 3, 16))), "multiple of Hkv"),
@@ -153,10 +213,16 @@ def test_default_blocks():
     (dict(lengths=jnp.zeros((2,), jnp.float32)), "lengths"),
     (dict(page_indices=jnp.zeros((2,), jnp.int32)), "page_indices"),
     (dict(impl="triton"), "impl"),
-])
+  ],
+)
 def test_bad_input_is_a_clear_error(bad, match):
-  args = dict(q=jnp.zeros((2, 4, 16)), k_pages=jnp.zeros((2, 6, 8, 16)), v_pages=jnp.zeros((2, 6, 8, 16)),
-              lengths=jnp.zeros((2,), jnp.int32), page_indices=jnp.zeros((2, 3), jnp.int32))
+  args = dict(
+    q=jnp.zeros((2, 4, 16)),
+    k_pages=jnp.zeros((2, 6, 8, 16)),
+    v_pages=jnp.zeros((2, 6, 8, 16)),
+    lengths=jnp.zeros((2,), jnp.int32),
+    page_indices=jnp.zeros((2, 3), jnp.int32),
+  )
   args.update(bad)
   impl = args.pop("impl", "xla")
   with pytest.raises(ValueError, match=match):
@@ -166,11 +232,21 @@ def test_bad_input_is_a_clear_error(bad, match):
 def test_illegal_blocks_are_rejected():
   args = _draw(np.random.default_rng(0), 1, 2, 1, 16, 4, 2, [5], jnp.float32)
   with pytest.raises(ValueError, match="Triton"):
-    kernels.paged_attention(*args, impl="pallas", platform="gpu", interpret=True, blocks=PagedBlocks(2, 1))
+    kernels.paged_attention(
+      *args, impl="pallas", platform="gpu", interpret=True, blocks=PagedBlocks(2, 1)
+    )
   with pytest.raises(ValueError, match="power of two"):
-    kernels.paged_attention(*args, impl="pallas", platform="gpu", interpret=True, blocks=PagedBlocks(3, 1))
+    kernels.paged_attention(
+      *args, impl="pallas", platform="gpu", interpret=True, blocks=PagedBlocks(3, 1)
+    )
   with pytest.raises(ValueError, match="page_size"):  # TPU bf16 pages need 16-row pages
-    jax.jit(lambda *a: kernels.paged_attention(*a, impl="pallas", platform="tpu", interpret=False)).trace(
-        *[jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == jnp.float32 else x.dtype) for x in args])
+    jax.jit(
+      lambda *a: kernels.paged_attention(*a, impl="pallas", platform="tpu", interpret=False)
+    ).trace(
+      *[
+        jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == jnp.float32 else x.dtype)
+        for x in args
+      ]
+    )
   with pytest.raises(ValueError, match="positive"):
     PagedBlocks(0, 1)

@@ -7,9 +7,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
-SIZES = ("tiny", "small", "large")  # tiny: the harness's own smoke test; small: CPU; large: real shapes
+SIZES = (
+  "tiny",
+  "small",
+  "large",
+)  # tiny: the harness's own smoke test; small: CPU; large: real shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +52,12 @@ def all_cases(size: str, platform: str, suites: tuple[str, ...] | None = None) -
   """Every selected suite's cases at ``size`` for kernels targeting ``platform``."""
   from bench.cases import fused_linear, grpo_loss, optim, paged_attention
 
-  registry = {"grpo_loss": grpo_loss.cases, "fused_linear": fused_linear.cases,
-              "paged_attention": paged_attention.cases, "optim": optim.cases}
+  registry = {
+    "grpo_loss": grpo_loss.cases,
+    "fused_linear": fused_linear.cases,
+    "paged_attention": paged_attention.cases,
+    "optim": optim.cases,
+  }
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
   unknown = sorted(set(suites or ()) - set(registry))

@@ -12,7 +12,11 @@ import kernels
 from bench.cases import Case, Check
 from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
 
-SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small", "cpu-mid"), "large": PRODUCTION_LINEAR_LOSS_SHAPES}
+SHAPES_BY_SIZE = {
+  "tiny": ("tiny",),
+  "small": ("cpu-small", "cpu-mid"),
+  "large": PRODUCTION_LINEAR_LOSS_SHAPES,
+}
 
 
 def make_inputs(shape: LinearLossShape, seed: int):
@@ -20,7 +24,7 @@ def make_inputs(shape: LinearLossShape, seed: int):
   k = jax.random.split(jax.random.key(seed), 5)
   b, t, hd, v = shape.batch, shape.seq, shape.hidden, shape.vocab
   hidden = jax.random.normal(k[0], (b, t, hd), jnp.float32).astype(shape.dtype)
-  lm_head = (jax.random.normal(k[1], (hd, v), jnp.float32) * 2.0 / hd ** 0.5).astype(shape.dtype)
+  lm_head = (jax.random.normal(k[1], (hd, v), jnp.float32) * 2.0 / hd**0.5).astype(shape.dtype)
   ids = jax.random.randint(k[2], (b, t), 0, v, jnp.int32)
   mask = jax.random.bernoulli(k[3], 0.9, (b, t))
   adv = jax.random.normal(k[4], (b,), jnp.float32)
@@ -28,12 +32,16 @@ def make_inputs(shape: LinearLossShape, seed: int):
 
 
 def _fwd(impl, platform, hidden, lm_head, ids, mask, adv):
-  loss, aux = kernels.fused_linear_grpo_loss(hidden, lm_head, ids, mask, adv, impl=impl, platform=platform)
+  loss, aux = kernels.fused_linear_grpo_loss(
+    hidden, lm_head, ids, mask, adv, impl=impl, platform=platform
+  )
   return loss, aux.per_token_logps
 
 
 def _fwd_bwd(impl, platform, hidden, lm_head, ids, mask, adv):
-  f = lambda h, w: kernels.fused_linear_grpo_loss(h, w, ids, mask, adv, impl=impl, platform=platform)[0]
+  f = lambda h, w: kernels.fused_linear_grpo_loss(
+    h, w, ids, mask, adv, impl=impl, platform=platform
+  )[0]
   return jax.value_and_grad(f, argnums=(0, 1))(hidden, lm_head)
 
 
@@ -57,10 +65,32 @@ def cases(size: str, platform: str) -> list[Case]:
     io = (n * hd + hd * v) * item
     for impl in impls_for(platform):
       op = f"fused_linear/{impl}"
-      out.append(Case(op, name, "fwd", inputs, functools.partial(_fwd, impl, platform),
-                      functools.partial(_fwd, "xla", platform), io, 2 * n * hd * v, (value, logps),
-                      {**params, "impl": impl}))
-      out.append(Case(op, name, "fwd+bwd", inputs, functools.partial(_fwd_bwd, impl, platform),
-                      functools.partial(_fwd_bwd, "xla", platform), 2 * io, 6 * n * hd * v, (value, dh, dw),
-                      {**params, "impl": impl}))
+      out.append(
+        Case(
+          op,
+          name,
+          "fwd",
+          inputs,
+          functools.partial(_fwd, impl, platform),
+          functools.partial(_fwd, "xla", platform),
+          io,
+          2 * n * hd * v,
+          (value, logps),
+          {**params, "impl": impl},
+        )
+      )
+      out.append(
+        Case(
+          op,
+          name,
+          "fwd+bwd",
+          inputs,
+          functools.partial(_fwd_bwd, impl, platform),
+          functools.partial(_fwd_bwd, "xla", platform),
+          2 * io,
+          6 * n * hd * v,
+          (value, dh, dw),
+          {**params, "impl": impl},
+        )
+      )
   return out

@@ -11,7 +11,11 @@ import kernels
 from bench.cases import Case, Check
 from bench.shapes import LOSS_SHAPES, PRODUCTION_LOSS_SHAPES, LossShape
 
-SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small", "cpu-medium"), "large": PRODUCTION_LOSS_SHAPES}
+SHAPES_BY_SIZE = {
+  "tiny": ("tiny",),
+  "small": ("cpu-small", "cpu-medium"),
+  "large": PRODUCTION_LOSS_SHAPES,
+}
 
 
 def make_inputs(shape: LossShape, seed: int):
@@ -47,9 +51,32 @@ def cases(size: str, platform: str) -> list[Case]:
     params = dict(batch=shape.batch, seq=shape.seq, vocab=v, tokens=n, dtype=shape.dtype)
     inputs = functools.partial(make_inputs, shape)
     # ideal traffic: one read of the logits forward; one more read plus one write of dlogits backward
-    out.append(Case("grpo_loss", name, "fwd", inputs, functools.partial(_fwd, "pallas", platform),
-                    functools.partial(_fwd, "xla", platform), n * v * itemsize, None, (value, logps), params))
-    out.append(Case("grpo_loss", name, "fwd+bwd", inputs, functools.partial(_fwd_bwd, "pallas", platform),
-                    functools.partial(_fwd_bwd, "xla", platform), 3 * n * v * itemsize, None, (value, grad),
-                    params))
+    out.append(
+      Case(
+        "grpo_loss",
+        name,
+        "fwd",
+        inputs,
+        functools.partial(_fwd, "pallas", platform),
+        functools.partial(_fwd, "xla", platform),
+        n * v * itemsize,
+        None,
+        (value, logps),
+        params,
+      )
+    )
+    out.append(
+      Case(
+        "grpo_loss",
+        name,
+        "fwd+bwd",
+        inputs,
+        functools.partial(_fwd_bwd, "pallas", platform),
+        functools.partial(_fwd_bwd, "xla", platform),
+        3 * n * v * itemsize,
+        None,
+        (value, grad),
+        params,
+      )
+    )
   return out

@@ -19,10 +19,17 @@ from bench.cases import Case, Check
 from bench.shapes import decoder_param_shapes
 from kernels import optim
 
-SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small",), "large": ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+SHAPES_BY_SIZE = {
+  "tiny": ("tiny",),
+  "small": ("cpu-small",),
+  "large": ("qwen2.5-0.5b", "qwen2.5-1.5b"),
+}
 # bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes p, mu
 BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4}
-HYPER = {"adamw": dict(learning_rate=1e-3, weight_decay=0.1), "lion": dict(learning_rate=1e-4, weight_decay=0.1)}
+HYPER = {
+  "adamw": dict(learning_rate=1e-3, weight_decay=0.1),
+  "lion": dict(learning_rate=1e-4, weight_decay=0.1),
+}
 
 
 def make_inputs(shapes: dict[str, tuple[int, ...]], which: str, seed: int):
@@ -80,6 +87,18 @@ def cases(size: str, platform: str) -> list[Case]:
       ref = functools.partial(_reference, which)
       info = dict(model=name, params=n_params, leaves=n_leaves, dtype="float32")
       for variant, fn in (("inplace", _inplace), ("optax-api", _optax_api)):
-        out.append(Case(f"optim/{which}-{variant}", name, "step", inputs, functools.partial(fn, which, platform),
-                        ref, BYTES_PER_PARAM[which] * n_params, None, (params_check,), info))
+        out.append(
+          Case(
+            f"optim/{which}-{variant}",
+            name,
+            "step",
+            inputs,
+            functools.partial(fn, which, platform),
+            ref,
+            BYTES_PER_PARAM[which] * n_params,
+            None,
+            (params_check,),
+            info,
+          )
+        )
   return out

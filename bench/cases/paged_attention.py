@@ -20,7 +20,13 @@ SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small",), "large": PRODUCTIO
 def make_inputs(shape: PagedShape, seed: int):
   """q and a shuffled page pool (every sequence's pages scattered, as after many allocations)."""
   k = jax.random.split(jax.random.key(seed), 4)
-  b, hkv, d, ps, pps = shape.batch, shape.kv_heads, shape.head_dim, shape.page_size, shape.pages_per_seq
+  b, hkv, d, ps, pps = (
+    shape.batch,
+    shape.kv_heads,
+    shape.head_dim,
+    shape.page_size,
+    shape.pages_per_seq,
+  )
   pool = b * pps
   q = jax.random.normal(k[0], (b, shape.q_heads, d), jnp.float32).astype(shape.dtype)
   k_pages = jax.random.normal(k[1], (hkv, pool, ps, d), jnp.float32).astype(shape.dtype)
@@ -31,7 +37,9 @@ def make_inputs(shape: PagedShape, seed: int):
 
 
 def _ours(impl, platform, q, k_pages, v_pages, lengths, page_indices):
-  return kernels.paged_attention(q, k_pages, v_pages, lengths, page_indices, impl=impl, platform=platform)
+  return kernels.paged_attention(
+    q, k_pages, v_pages, lengths, page_indices, impl=impl, platform=platform
+  )
 
 
 def _jax_shipped(platform, q, k_pages, v_pages, lengths, page_indices, interpret=False):
@@ -43,12 +51,22 @@ def _jax_shipped(platform, q, k_pages, v_pages, lengths, page_indices, interpret
 
     splits = next(c for c in (16, 8, 4, 2, 1) if page_indices.shape[1] % c == 0)
     ppcb = next(c for c in (8, 4, 2, 1) if page_indices.shape[1] // splits % c == 0)
-    return gpu_op.paged_attention(q, k_pages, v_pages, page_indices, lengths, k_splits=splits,
-                                  pages_per_compute_block=ppcb, interpret=interpret)
+    return gpu_op.paged_attention(
+      q,
+      k_pages,
+      v_pages,
+      page_indices,
+      lengths,
+      k_splits=splits,
+      pages_per_compute_block=ppcb,
+      interpret=interpret,
+    )
   from jax.experimental.pallas.ops.tpu import paged_attention as tpu_op
 
   ppcb = next(c for c in (8, 4, 2, 1) if page_indices.shape[1] % c == 0)
-  return tpu_op.paged_attention(q, k_pages, v_pages, lengths, page_indices, pages_per_compute_block=ppcb)
+  return tpu_op.paged_attention(
+    q, k_pages, v_pages, lengths, page_indices, pages_per_compute_block=ppcb
+  )
 
 
 def cases(size: str, platform: str) -> list[Case]:
@@ -59,14 +77,44 @@ def cases(size: str, platform: str) -> list[Case]:
     io = s.kv_bytes() + 2 * s.batch * s.q_heads * s.head_dim * item  # + q in, out
     flops = 4 * sum(s.lengths()) * s.q_heads * s.head_dim  # QK^T and PV
     check = (Check(0, "attention", s.dtype, s.ctx, "out"),)
-    params = dict(batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim, ctx=s.ctx,
-                  page_size=s.page_size, dtype=s.dtype)
+    params = dict(
+      batch=s.batch,
+      q_heads=s.q_heads,
+      kv_heads=s.kv_heads,
+      head_dim=s.head_dim,
+      ctx=s.ctx,
+      page_size=s.page_size,
+      dtype=s.dtype,
+    )
     inputs = functools.partial(make_inputs, s)
     reference = functools.partial(_ours, "xla", platform)
-    out.append(Case("paged_attention/pallas", name, "fwd", inputs, functools.partial(_ours, "pallas", platform),
-                    reference, io, flops, check, {**params, "impl": "pallas"}))
+    out.append(
+      Case(
+        "paged_attention/pallas",
+        name,
+        "fwd",
+        inputs,
+        functools.partial(_ours, "pallas", platform),
+        reference,
+        io,
+        flops,
+        check,
+        {**params, "impl": "pallas"},
+      )
+    )
     if platform in ("gpu", "tpu"):
-      out.append(Case("paged_attention/jax-shipped", name, "fwd", inputs,
-                      functools.partial(_jax_shipped, platform), reference, io, flops, check,
-                      {**params, "impl": f"jax.experimental.pallas.ops.{platform}"}))
+      out.append(
+        Case(
+          "paged_attention/jax-shipped",
+          name,
+          "fwd",
+          inputs,
+          functools.partial(_jax_shipped, platform),
+          reference,
+          io,
+          flops,
+          check,
+          {**params, "impl": f"jax.experimental.pallas.ops.{platform}"},
+        )
+      )
   return out

@@ -8,20 +8,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kernels import backend
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
-from kernels.grpo_loss import validate_loss_args
 from kernels.grpo_loss import blocks as loss_blocks
+from kernels.grpo_loss import validate_loss_args
 from kernels.grpo_loss.pallas import LossConfig, token_terms
 from kernels.grpo_loss.reference import GRPOAux, make_aux, reduce_loss
 
-__all__ = ["fused_linear_grpo_loss", "fused_linear_grpo_loss_reference", "vocab_stats_reference",
-           "LinearBlocks", "default_blocks", "default_chunk", "IMPLS"]
+__all__ = [
+  "IMPLS",
+  "LinearBlocks",
+  "default_blocks",
+  "default_chunk",
+  "fused_linear_grpo_loss",
+  "fused_linear_grpo_loss_reference",
+  "vocab_stats_reference",
+]
 
 IMPLS = ("auto", "pallas", "chunked", "xla")
 
@@ -43,28 +51,28 @@ class _Spec:
 
 
 def fused_linear_grpo_loss(
-    hidden,  # [B, T, H] bf16/f32: final-norm hidden states at the positions scoring completion_ids
-    lm_head,  # [H, V], same dtype as hidden
-    completion_ids,  # [B, T] int
-    completion_mask,  # [B, T] 0/1
-    advantages,  # [B] f32
-    *,
-    old_logps=None,  # [B, T] f32 or None (on-policy)
-    ref_logps=None,  # [B, T] f32, required when beta != 0
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
-    max_completion_length: int | None = None,
-    num_items_in_batch=None,
-    impl: str = "auto",
-    platform: backend.Platform | None = None,
-    interpret: bool | None = None,
-    blocks: LinearBlocks | None = None,
-    chunk_size: int | None = None,
-    mesh: Mesh | None = None,
-    vocab_axis: str | None = None,
+  hidden,  # [B, T, H] bf16/f32: final-norm hidden states at the positions scoring completion_ids
+  lm_head,  # [H, V], same dtype as hidden
+  completion_ids,  # [B, T] int
+  completion_mask,  # [B, T] 0/1
+  advantages,  # [B] f32
+  *,
+  old_logps=None,  # [B, T] f32 or None (on-policy)
+  ref_logps=None,  # [B, T] f32, required when beta != 0
+  beta: float = 0.0,
+  epsilon_low: float = 0.2,
+  epsilon_high: float = 0.2,
+  temperature: float = 1.0,
+  loss_type: str = "grpo",
+  max_completion_length: int | None = None,
+  num_items_in_batch=None,
+  impl: str = "auto",
+  platform: backend.Platform | None = None,
+  interpret: bool | None = None,
+  blocks: LinearBlocks | None = None,
+  chunk_size: int | None = None,
+  mesh: Mesh | None = None,
+  vocab_axis: str | None = None,
 ) -> tuple[jax.Array, GRPOAux]:
   """``kernels.grpo_loss(hidden @ lm_head, ...)`` without the [B, T, V] logits; differentiable w.r.t.
   ``hidden`` and ``lm_head``.
@@ -95,18 +103,36 @@ def fused_linear_grpo_loss(
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if getattr(hidden, "ndim", None) != 3 or getattr(lm_head, "ndim", None) != 2:
-    raise ValueError(f"hidden must be [B, T, H] and lm_head [H, V]; got {jnp.shape(hidden)} and "
-                     f"{jnp.shape(lm_head)}")
+    raise ValueError(
+      f"hidden must be [B, T, H] and lm_head [H, V]; got {jnp.shape(hidden)} and "
+      f"{jnp.shape(lm_head)}"
+    )
   b, t, hd = hidden.shape
   if lm_head.shape[0] != hd:
-    raise ValueError(f"hidden size mismatch: hidden is [B, T, {hd}] but lm_head is {lm_head.shape} (expected "
-                     f"[{hd}, V]; a [V, H] embedding matrix must be transposed)")
+    raise ValueError(
+      f"hidden size mismatch: hidden is [B, T, {hd}] but lm_head is {lm_head.shape} (expected "
+      f"[{hd}, V]; a [V, H] embedding matrix must be transposed)"
+    )
   if hidden.dtype != lm_head.dtype:
-    raise ValueError(f"hidden ({hidden.dtype}) and lm_head ({lm_head.dtype}) must have the same dtype")
+    raise ValueError(
+      f"hidden ({hidden.dtype}) and lm_head ({lm_head.dtype}) must have the same dtype"
+    )
   v = lm_head.shape[1]
-  validate_loss_args(jax.ShapeDtypeStruct((b, t, v), hidden.dtype), completion_ids, completion_mask, advantages,
-            old_logps, ref_logps, beta, epsilon_low, epsilon_high, temperature, loss_type,
-            max_completion_length, "auto")
+  validate_loss_args(
+    jax.ShapeDtypeStruct((b, t, v), hidden.dtype),
+    completion_ids,
+    completion_mask,
+    advantages,
+    old_logps,
+    ref_logps,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    temperature,
+    loss_type,
+    max_completion_length,
+    "auto",
+  )
   if (mesh is None) != (vocab_axis is None):
     raise ValueError("pass mesh and vocab_axis together (or neither)")
   tp = 1
@@ -120,17 +146,33 @@ def fused_linear_grpo_loss(
   target = backend.resolve(platform, interpret)
   mask = completion_mask if completion_mask.dtype == jnp.bool_ else completion_mask != 0
   ids = jnp.where(mask, completion_ids.astype(jnp.int32), 0)
-  reduce_kw = dict(loss_type=loss_type, max_completion_length=max_completion_length,
-                   num_items_in_batch=num_items_in_batch)
+  reduce_kw = dict(
+    loss_type=loss_type,
+    max_completion_length=max_completion_length,
+    num_items_in_batch=num_items_in_batch,
+  )
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "chunked"
   if impl == "xla":
-    return fused_linear_grpo_loss_reference(hidden, lm_head, ids, mask, advantages, old_logps=old_logps,
-                                            ref_logps=ref_logps, beta=beta, epsilon_low=epsilon_low,
-                                            epsilon_high=epsilon_high, temperature=temperature, **reduce_kw)
+    return fused_linear_grpo_loss_reference(
+      hidden,
+      lm_head,
+      ids,
+      mask,
+      advantages,
+      old_logps=old_logps,
+      ref_logps=ref_logps,
+      beta=beta,
+      epsilon_low=epsilon_low,
+      epsilon_high=epsilon_high,
+      temperature=temperature,
+      **reduce_kw,
+    )
   if impl == "pallas" and target.family == "rowloop":
-    raise ValueError("impl='pallas' (the fully fused kernels) needs grid-axis accumulation, which GPU "
-                     "programs lack; use impl='chunked' on GPU")
+    raise ValueError(
+      "impl='pallas' (the fully fused kernels) needs grid-axis accumulation, which GPU "
+      "programs lack; use impl='chunked' on GPU"
+    )
 
   n, vs = b * t, v // tp
   fused = None
@@ -141,17 +183,33 @@ def fused_linear_grpo_loss(
   chunk = default_chunk(n, vs) if chunk_size is None else int(chunk_size)
   if chunk <= 0:
     raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-  loss_cfg = LossConfig(target=target, blocks=loss_blocks.default_blocks(target, chunk, vs), vocab=vs,
-                        on_policy=old_logps is None, beta=float(beta), epsilon_low=float(epsilon_low),
-                        epsilon_high=float(epsilon_high), temperature=float(temperature))
-  spec = _Spec(impl, fused, loss_cfg, chunk, mesh, vocab_axis, b, t, loss_type, max_completion_length)
+  loss_cfg = LossConfig(
+    target=target,
+    blocks=loss_blocks.default_blocks(target, chunk, vs),
+    vocab=vs,
+    on_policy=old_logps is None,
+    beta=float(beta),
+    epsilon_low=float(epsilon_low),
+    epsilon_high=float(epsilon_high),
+    temperature=float(temperature),
+  )
+  spec = _Spec(
+    impl, fused, loss_cfg, chunk, mesh, vocab_axis, b, t, loss_type, max_completion_length
+  )
   flat = lambda a: jax.lax.stop_gradient(jnp.asarray(a, jnp.float32)).reshape(n)
   zeros = jnp.zeros((n,), jnp.float32)
   adv = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], (b, t))
   loss, (kl, logp, entropy, clipped) = _loss(
-      spec, hidden.reshape(n, hd), lm_head, ids.reshape(n), mask,
-      zeros if old_logps is None else flat(old_logps), zeros if ref_logps is None else flat(ref_logps),
-      flat(adv), num_items_in_batch)
+    spec,
+    hidden.reshape(n, hd),
+    lm_head,
+    ids.reshape(n),
+    mask,
+    zeros if old_logps is None else flat(old_logps),
+    zeros if ref_logps is None else flat(ref_logps),
+    flat(adv),
+    num_items_in_batch,
+  )
   shaped = lambda a: jax.lax.stop_gradient(a).reshape(b, t)
   return loss, make_aux(mask, shaped(logp), shaped(entropy), shaped(clipped) > 0, shaped(kl))
 
@@ -177,19 +235,29 @@ _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
 def _compute(spec, h, w, ids, mask, old, ref, adv, num_items, *, with_grads: bool):
-  reduce = functools.partial(reduce_loss, mask=mask, loss_type=spec.loss_type,
-                             max_completion_length=spec.max_completion_length, num_items_in_batch=num_items)
+  reduce = functools.partial(
+    reduce_loss,
+    mask=mask,
+    loss_type=spec.loss_type,
+    max_completion_length=spec.max_completion_length,
+    num_items_in_batch=num_items,
+  )
   # The reduction is linear in the per-token loss: its gradient is each token's weight in the loss.
-  weights = jax.grad(lambda pt: reduce(pt))(jnp.zeros((spec.batch, spec.seq), jnp.float32)).reshape(-1)
+  weights = jax.grad(lambda pt: reduce(pt))(jnp.zeros((spec.batch, spec.seq), jnp.float32)).reshape(
+    -1
+  )
   local = functools.partial(_local, spec, with_grads)
   if spec.mesh is None:
     outs, dh, dw = local(h, w, ids, weights, old, ref, adv)
   else:
     rep, by_vocab = P(), P(None, spec.axis)
     outs, dh, dw = jax.shard_map(
-        local, mesh=spec.mesh, in_specs=(rep, by_vocab, rep, rep, rep, rep, rep),
-        out_specs=((rep,) * 5, rep if with_grads else P(), by_vocab if with_grads else P()),
-        check_vma=False)(h, w, ids, weights, old, ref, adv)
+      local,
+      mesh=spec.mesh,
+      in_specs=(rep, by_vocab, rep, rep, rep, rep, rep),
+      out_specs=((rep,) * 5, rep if with_grads else P(), by_vocab if with_grads else P()),
+      check_vma=False,
+    )(h, w, ids, weights, old, ref, adv)
   per_token, kl, logp, entropy, clipped = outs
   loss = reduce(per_token.reshape(spec.batch, spec.seq))
   residuals = (dh.astype(h.dtype), dw.astype(w.dtype)) if with_grads else None
@@ -229,7 +297,9 @@ def _local(spec: _Spec, with_grads: bool, h, w, ids, weights, old, ref, adv):
     if not with_grads:
       return outs, empty, empty
     # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
-    dh, dw = _pallas.grads(spec.fused, h, w, ids_local, lse, g, jnp.float32 if axis else h.dtype, w.dtype)
+    dh, dw = _pallas.grads(
+      spec.fused, h, w, ids_local, lse, g, jnp.float32 if axis else h.dtype, w.dtype
+    )
   if not with_grads:
     return outs, empty, empty
   if axis is not None:

@@ -36,9 +36,13 @@ class LinearBlocks:
       if self.block_n % 8 and self.block_n != n:
         raise ValueError(f"TPU block_n must be a multiple of 8 or equal N={n}, got {self.block_n}")
       if self.block_v % 128 and self.block_v != v:
-        raise ValueError(f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}")
+        raise ValueError(
+          f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}"
+        )
       if self.block_h % 128 and self.block_h != h:
-        raise ValueError(f"TPU block_h must be a multiple of 128 or equal H={h}, got {self.block_h}")
+        raise ValueError(
+          f"TPU block_h must be a multiple of 128 or equal H={h}, got {self.block_h}"
+        )
 
 
 def default_blocks(target: Target, n: int, h: int, v: int) -> LinearBlocks:
@@ -53,7 +57,9 @@ def default_blocks(target: Target, n: int, h: int, v: int) -> LinearBlocks:
   """
   block_h = next((b for b in (2048, 1024, 512, 256, 128) if h % b == 0), h)
   if target.platform == "tpu" and not target.interpret:
-    return LinearBlocks(block_n=n if n <= 256 else 256, block_v=v if v <= 512 else 512, block_h=block_h)
+    return LinearBlocks(
+      block_n=n if n <= 256 else 256, block_v=v if v <= 512 else 512, block_h=block_h
+    )
   return LinearBlocks(block_n=min(n, 256), block_v=min(v, 2048), block_h=h)
 
 

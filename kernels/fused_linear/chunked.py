@@ -38,22 +38,35 @@ def chunk_pass(loss_cfg: loss_pallas.LossConfig, h, w, ids, finish, with_grads: 
   return outputs, dh, dw
 
 
-def run(loss_cfg: loss_pallas.LossConfig, chunk: int, h, w, ids, per_token, finish, with_grads: bool = True):
+def run(
+  loss_cfg: loss_pallas.LossConfig,
+  chunk: int,
+  h,
+  w,
+  ids,
+  per_token,
+  finish,
+  with_grads: bool = True,
+):
   """All tokens in chunks of ``chunk`` (zero-padded at the end; padded rows must get g = 0).
 
   per_token: a tuple of [N] arrays handed to ``finish`` chunk by chunk, as its fifth argument.
   Returns (outputs [N], dh [N, H] f32, dw [H, V] f32); without ``with_grads``, (outputs, None, None).
   """
-  n, hd = h.shape
+  n, _hd = h.shape
   pad = -n % chunk
-  padded = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+  padded = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
+    -1, chunk, *a.shape[1:]
+  )
   xs = (padded(h), padded(ids), tuple(padded(a) for a in per_token))
 
   unpad = lambda a: a.reshape(-1, *a.shape[2:])[:n]
 
   def body(dw_acc, x):
     h_c, ids_c, tok_c = x
-    outputs, dh_c, dw_c = chunk_pass(loss_cfg, h_c, w, ids_c, lambda *stats: finish(*stats, tok_c), with_grads)
+    outputs, dh_c, dw_c = chunk_pass(
+      loss_cfg, h_c, w, ids_c, lambda *stats: finish(*stats, tok_c), with_grads
+    )
     if not with_grads:
       return dw_acc, outputs
     return dw_acc + dw_c, (outputs, dh_c)

@@ -45,8 +45,23 @@ def _cols(j, shape, cfg):
   return col, col < cfg.vocab
 
 
-def _stats_kernel(h_ref, w_ref, ids_ref, lse_ref, chosen_ref, found_ref, ez_ref,
-                  acc, m_sc, l_sc, s_sc, c_sc, f_sc, *, cfg: FusedConfig):
+def _stats_kernel(
+  h_ref,
+  w_ref,
+  ids_ref,
+  lse_ref,
+  chosen_ref,
+  found_ref,
+  ez_ref,
+  acc,
+  m_sc,
+  l_sc,
+  s_sc,
+  c_sc,
+  f_sc,
+  *,
+  cfg: FusedConfig,
+):
   j, k = pl.program_id(1), pl.program_id(2)
 
   @pl.when((j == 0) & (k == 0))
@@ -65,8 +80,9 @@ def _stats_kernel(h_ref, w_ref, ids_ref, lse_ref, chosen_ref, found_ref, ez_ref,
   def _fold():
     col, valid = _cols(j, acc.shape, cfg)
     z = jnp.where(valid, acc[...] * (1.0 / cfg.temperature), -jnp.inf)
-    m, l, s, c, f = _online_update(z, col == ids_ref[...], valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...],
-                                   f_sc[...], axis=1)
+    m, l, s, c, f = _online_update(
+      z, col == ids_ref[...], valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...], axis=1
+    )
     m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...] = m, l, s, c, f
 
     @pl.when(j == pl.num_programs(1) - 1)
@@ -87,16 +103,22 @@ def stats(cfg: FusedConfig, h, w, ids):
   bn, bv, bh = cfg.blocks.block_n, cfg.blocks.block_v, cfg.blocks.block_h
   row = pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0))
   outs = pl.pallas_call(
-      functools.partial(_stats_kernel, cfg=cfg),
-      grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), hd // bh),
-      in_specs=[pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)), pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
-                row],
-      out_specs=[row] * 4,
-      out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
-      scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)] + [backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
-      compiler_params=backend.compiler_params(cfg.target, dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-      interpret=cfg.target.interpret,
-      name="fused_linear_grpo_stats",
+    functools.partial(_stats_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), hd // bh),
+    in_specs=[
+      pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)),
+      pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
+      row,
+    ],
+    out_specs=[row] * 4,
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
+    scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)]
+    + [backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "arbitrary", "arbitrary")
+    ),
+    interpret=cfg.target.interpret,
+    name="fused_linear_grpo_stats",
   )(h, w, ids.reshape(n, 1))
   return tuple(o.reshape(n) for o in outs)
 
@@ -158,26 +180,38 @@ def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
   per_token = [col1(ids), col1(lse), col1(g)]
   row = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
   dh = pl.pallas_call(
-      functools.partial(_dh_kernel, cfg=cfg),
-      grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-      in_specs=[pl.BlockSpec((bn, hd), lambda i, j: (i, 0)), pl.BlockSpec((hd, bv), lambda i, j: (0, j))] + [row] * 3,
-      out_specs=pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct((n, hd), dh_dtype),
-      scratch_shapes=[backend.scratch_vmem((bn, hd), jnp.float32)],
-      compiler_params=backend.compiler_params(cfg.target, dimension_semantics=("parallel", "arbitrary")),
-      interpret=cfg.target.interpret,
-      name="fused_linear_grpo_dhidden",
+    functools.partial(_dh_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+    in_specs=[
+      pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
+      pl.BlockSpec((hd, bv), lambda i, j: (0, j)),
+    ]
+    + [row] * 3,
+    out_specs=pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
+    out_shape=jax.ShapeDtypeStruct((n, hd), dh_dtype),
+    scratch_shapes=[backend.scratch_vmem((bn, hd), jnp.float32)],
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "arbitrary")
+    ),
+    interpret=cfg.target.interpret,
+    name="fused_linear_grpo_dhidden",
   )(h, w, *per_token)
   row_t = pl.BlockSpec((bn, 1), lambda j, i: (i, 0))
   dw = pl.pallas_call(
-      functools.partial(_dw_kernel, cfg=cfg, n=n),
-      grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
-      in_specs=[pl.BlockSpec((bn, hd), lambda j, i: (i, 0)), pl.BlockSpec((hd, bv), lambda j, i: (0, j))] + [row_t] * 3,
-      out_specs=pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
-      out_shape=jax.ShapeDtypeStruct((hd, v), dw_dtype),
-      scratch_shapes=[backend.scratch_vmem((hd, bv), jnp.float32)],
-      compiler_params=backend.compiler_params(cfg.target, dimension_semantics=("parallel", "arbitrary")),
-      interpret=cfg.target.interpret,
-      name="fused_linear_grpo_dweight",
+    functools.partial(_dw_kernel, cfg=cfg, n=n),
+    grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
+    in_specs=[
+      pl.BlockSpec((bn, hd), lambda j, i: (i, 0)),
+      pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
+    ]
+    + [row_t] * 3,
+    out_specs=pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
+    out_shape=jax.ShapeDtypeStruct((hd, v), dw_dtype),
+    scratch_shapes=[backend.scratch_vmem((hd, bv), jnp.float32)],
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "arbitrary")
+    ),
+    interpret=cfg.target.interpret,
+    name="fused_linear_grpo_dweight",
   )(h, w, *per_token)
   return dh, dw

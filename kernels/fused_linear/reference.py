@@ -7,27 +7,33 @@ import jax.numpy as jnp
 from kernels.grpo_loss.reference import grpo_loss_reference
 
 
-def linear_logits(hidden,  # [..., H]
-                  lm_head,  # [H, V]
-                  ):  # -> [..., V] f32
+def linear_logits(
+  hidden,  # [..., H]
+  lm_head,  # [H, V]
+):  # -> [..., V] f32
   return jnp.einsum("...h,hv->...v", hidden, lm_head, preferred_element_type=jnp.float32)
 
 
-def fused_linear_grpo_loss_reference(hidden,  # [B, T, H]
-                                     lm_head,  # [H, V]
-                                     completion_ids,  # [B, T] int
-                                     completion_mask,  # [B, T]
-                                     advantages,  # [B]
-                                     **kwargs):
+def fused_linear_grpo_loss_reference(
+  hidden,  # [B, T, H]
+  lm_head,  # [H, V]
+  completion_ids,  # [B, T] int
+  completion_mask,  # [B, T]
+  advantages,  # [B]
+  **kwargs,
+):
   """`grpo_loss_reference(hidden @ lm_head, ...)`: materialises the [B, T, V] f32 logits."""
-  return grpo_loss_reference(linear_logits(hidden, lm_head), completion_ids, completion_mask, advantages,
-                             **kwargs)
+  return grpo_loss_reference(
+    linear_logits(hidden, lm_head), completion_ids, completion_mask, advantages, **kwargs
+  )
 
 
-def vocab_stats_reference(hidden,  # [N, H]
-                          lm_head,  # [H, V] one vocabulary shard
-                          ids,  # [N] int32 shard-local; outside [0, V) = not in this shard
-                          temperature: float = 1.0):
+def vocab_stats_reference(
+  hidden,  # [N, H]
+  lm_head,  # [H, V] one vocabulary shard
+  ids,  # [N] int32 shard-local; outside [0, V) = not in this shard
+  temperature: float = 1.0,
+):
   """Per-row (lse, chosen z, found, E_softmax[z]) of z = hidden @ lm_head / temperature, all f32 [N].
 
   The statistics a vocabulary shard contributes; shards combine them exactly (see `combine_stats`).

@@ -35,7 +35,9 @@ class LossBlocks:
     """Raise ValueError unless these blocks are legal for ``target`` at an [n, v] problem."""
     if target.family == "rowloop":
       if self.block_n != 1:
-        raise ValueError(f"the GPU (rowloop) kernel runs one row per program: block_n must be 1, got {self.block_n}")
+        raise ValueError(
+          f"the GPU (rowloop) kernel runs one row per program: block_n must be 1, got {self.block_n}"
+        )
       if not _is_pow2(self.block_v):
         raise ValueError(f"Triton tiles must be powers of two: block_v={self.block_v}")
       return
@@ -44,7 +46,9 @@ class LossBlocks:
       if self.block_n % 8 and self.block_n != n:
         raise ValueError(f"TPU block_n must be a multiple of 8 or equal N={n}, got {self.block_n}")
       if self.block_v % 128 and self.block_v != v:
-        raise ValueError(f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}")
+        raise ValueError(
+          f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}"
+        )
 
 
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:

@@ -96,9 +96,28 @@ def _online_update(z, hit, valid, m, l, s, chosen, found, axis):
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_fwd_kernel(x_ref, ids_ref, old_ref, ref_ref, adv_ref,  # in
-                      pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref,  # out
-                      m_sc, l_sc, s_sc, c_sc, f_sc, *, cfg: LossConfig):
+def _tiled_fwd_kernel(
+  x_ref,
+  ids_ref,
+  old_ref,
+  ref_ref,
+  adv_ref,  # in
+  pt_ref,
+  kl_ref,
+  logp_ref,
+  ent_ref,
+  clip_ref,
+  lse_ref,
+  dpt_ref,
+  dkl_ref,  # out
+  m_sc,
+  l_sc,
+  s_sc,
+  c_sc,
+  f_sc,
+  *,
+  cfg: LossConfig,
+):
   j = pl.program_id(1)
   bv = cfg.blocks.block_v
 
@@ -113,14 +132,17 @@ def _tiled_fwd_kernel(x_ref, ids_ref, old_ref, ref_ref, adv_ref,  # in
   valid = col < cfg.vocab
   z = jnp.where(valid, x * (1.0 / cfg.temperature), -jnp.inf)
   hit = col == ids_ref[...]  # [bn, bv] vs [bn, 1]
-  m, l, s, c, f = _online_update(z, hit, valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...],
-                                 axis=1)
+  m, l, s, c, f = _online_update(
+    z, hit, valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...], axis=1
+  )
   m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...] = m, l, s, c, f
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _finish():
     outs = _finalize(m, l, s, c, f, old_ref[...], ref_ref[...], adv_ref[...], cfg)
-    for ref, val in zip((pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref), outs):
+    for ref, val in zip(
+      (pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref), outs
+    ):
       ref[...] = val
 
 
@@ -139,15 +161,17 @@ def _tiled_fwd(cfg: LossConfig, x, ids, old, ref, adv):
   col = lambda a: a.reshape(n, 1)
   row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
   outs = pl.pallas_call(
-      functools.partial(_tiled_fwd_kernel, cfg=cfg),
-      grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-      in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j))] + [row_spec] * 4,
-      out_specs=[row_spec] * 8,
-      out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 8,
-      scratch_shapes=[backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
-      compiler_params=backend.compiler_params(cfg.target, dimension_semantics=("parallel", "arbitrary")),
-      interpret=cfg.target.interpret,
-      name="grpo_loss_fwd",
+    functools.partial(_tiled_fwd_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+    in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j))] + [row_spec] * 4,
+    out_specs=[row_spec] * 8,
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 8,
+    scratch_shapes=[backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "arbitrary")
+    ),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_fwd",
   )(x, col(ids), col(old), col(ref), col(adv))
   return tuple(o.reshape(n) for o in outs)
 
@@ -158,22 +182,38 @@ def _tiled_bwd(cfg: LossConfig, x, ids, lse, g):
   tile = pl.BlockSpec((bn, bv), lambda i, j: (i, j))
   row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
   return pl.pallas_call(
-      functools.partial(_tiled_bwd_kernel, cfg=cfg),
-      grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-      in_specs=[tile, row_spec, row_spec, row_spec],
-      out_specs=tile,
-      out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
-      input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
-      compiler_params=backend.compiler_params(cfg.target, dimension_semantics=("parallel", "parallel")),
-      interpret=cfg.target.interpret,
-      name="grpo_loss_bwd",
+    functools.partial(_tiled_bwd_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+    in_specs=[tile, row_spec, row_spec, row_spec],
+    out_specs=tile,
+    out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
+    input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "parallel")
+    ),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_bwd",
   )(x, ids.reshape(n, 1), lse.reshape(n, 1), g.reshape(n, 1))
 
 
 # ---------------------------------------------------------------------------------- rowloop family
-def _rowloop_fwd_kernel(x_ref, ids_ref, old_ref, ref_ref, adv_ref,
-                        pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref,
-                        *, cfg: LossConfig):
+def _rowloop_fwd_kernel(
+  x_ref,
+  ids_ref,
+  old_ref,
+  ref_ref,
+  adv_ref,
+  pt_ref,
+  kl_ref,
+  logp_ref,
+  ent_ref,
+  clip_ref,
+  lse_ref,
+  dpt_ref,
+  dkl_ref,
+  *,
+  cfg: LossConfig,
+):
   bv, vocab = cfg.blocks.block_v, cfg.vocab
   token = ids_ref[...]
 
@@ -185,9 +225,13 @@ def _rowloop_fwd_kernel(x_ref, ids_ref, old_ref, ref_ref, adv_ref,
     return _online_update(z, cols == token, valid, *carry, axis=None)
 
   zero = jnp.float32(0.0)
-  m, l, s, c, f = jax.lax.fori_loop(0, pl.cdiv(vocab, bv), body, (jnp.float32(_NEG_BIG), zero, zero, zero, zero))
+  m, l, s, c, f = jax.lax.fori_loop(
+    0, pl.cdiv(vocab, bv), body, (jnp.float32(_NEG_BIG), zero, zero, zero, zero)
+  )
   outs = _finalize(m, l, s, c, f, old_ref[...], ref_ref[...], adv_ref[...], cfg)
-  for ref, val in zip((pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref), outs):
+  for ref, val in zip(
+    (pt_ref, kl_ref, logp_ref, ent_ref, clip_ref, lse_ref, dpt_ref, dkl_ref), outs
+  ):
     ref[...] = val
 
 
@@ -206,13 +250,16 @@ def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, g_ref, dx_ref, *, cfg: LossConf
 
 
 def _rowloop_params(cfg: LossConfig):
-  return backend.compiler_params(cfg.target, num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages)
+  return backend.compiler_params(
+    cfg.target, num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages
+  )
 
 
 def _rowloop_fwd(cfg: LossConfig, x, ids, old, ref, adv):
   n, v = x.shape
   scalar = pl.BlockSpec((None,), lambda i: (i,))
-  return tuple(pl.pallas_call(
+  return tuple(
+    pl.pallas_call(
       functools.partial(_rowloop_fwd_kernel, cfg=cfg),
       grid=(n,),
       in_specs=[pl.BlockSpec((None, v), lambda i: (i, 0))] + [scalar] * 4,
@@ -221,7 +268,8 @@ def _rowloop_fwd(cfg: LossConfig, x, ids, old, ref, adv):
       compiler_params=_rowloop_params(cfg),
       interpret=cfg.target.interpret,
       name="grpo_loss_fwd",
-  )(x, ids, old, ref, adv))
+    )(x, ids, old, ref, adv)
+  )
 
 
 def _rowloop_bwd(cfg: LossConfig, x, ids, lse, g):
@@ -229,15 +277,15 @@ def _rowloop_bwd(cfg: LossConfig, x, ids, lse, g):
   scalar = pl.BlockSpec((None,), lambda i: (i,))
   row = pl.BlockSpec((None, v), lambda i: (i, 0))
   return pl.pallas_call(
-      functools.partial(_rowloop_bwd_kernel, cfg=cfg),
-      grid=(n,),
-      in_specs=[row, scalar, scalar, scalar],
-      out_specs=row,
-      out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
-      input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
-      compiler_params=_rowloop_params(cfg),
-      interpret=cfg.target.interpret,
-      name="grpo_loss_bwd",
+    functools.partial(_rowloop_bwd_kernel, cfg=cfg),
+    grid=(n,),
+    in_specs=[row, scalar, scalar, scalar],
+    out_specs=row,
+    out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
+    input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
+    compiler_params=_rowloop_params(cfg),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_bwd",
   )(x, ids, lse, g)
 
 

@@ -31,8 +31,9 @@ def token_logps_and_entropy(logits, ids, temperature):
   """
   z = logits.astype(jnp.float32) / temperature
   logsm = jax.nn.log_softmax(z, axis=-1)
-  logp = jnp.take_along_axis(logsm, ids[..., None].astype(jnp.int32), axis=-1, mode="fill",
-                             fill_value=jnp.nan)[..., 0]
+  logp = jnp.take_along_axis(
+    logsm, ids[..., None].astype(jnp.int32), axis=-1, mode="fill", fill_value=jnp.nan
+  )[..., 0]
   entropy = -jnp.sum(jnp.exp(logsm) * logsm, axis=-1)
   return logp, jax.lax.stop_gradient(entropy)
 
@@ -47,7 +48,9 @@ def per_token_objective(logp, old_logps, ref_logps, adv, *, beta, epsilon_low, e
   ratio = jnp.exp(logp - old)
   clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
   per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  is_clipped = ((adv > 0) & (ratio > 1.0 + epsilon_high)) | ((adv < 0) & (ratio < 1.0 - epsilon_low))
+  is_clipped = ((adv > 0) & (ratio > 1.0 + epsilon_high)) | (
+    (adv < 0) & (ratio < 1.0 - epsilon_low)
+  )
   if beta != 0.0:
     d = ref_logps - logp
     kl = jnp.exp(d) - d - 1.0
@@ -86,9 +89,22 @@ def make_aux(mask, logp, entropy, is_clipped, kl) -> GRPOAux:
   return GRPOAux(zero(logp), zero(entropy), zero(is_clipped), zero(kl))
 
 
-def grpo_loss_reference(logits, completion_ids, completion_mask, advantages, *, old_logps=None,
-                        ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
-                        loss_type="grpo", max_completion_length=None, num_items_in_batch=None):
+def grpo_loss_reference(
+  logits,
+  completion_ids,
+  completion_mask,
+  advantages,
+  *,
+  old_logps=None,
+  ref_logps=None,
+  beta=0.0,
+  epsilon_low=0.2,
+  epsilon_high=0.2,
+  temperature=1.0,
+  loss_type="grpo",
+  max_completion_length=None,
+  num_items_in_batch=None,
+):
   """Reference GRPO loss; same contract as :func:`kernels.grpo_loss` (inputs assumed validated).
 
   logits: [B, T, V]; completion_ids: [B, T] int; completion_mask: [B, T] bool; advantages: [B];
@@ -99,7 +115,13 @@ def grpo_loss_reference(logits, completion_ids, completion_mask, advantages, *, 
   adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
   logp, entropy = token_logps_and_entropy(logits, completion_ids, temperature)
   per_token, kl, is_clipped = per_token_objective(
-      logp, old_logps, ref_logps, adv, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-  loss = reduce_loss(per_token, completion_mask, loss_type=loss_type,
-                     max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch)
+    logp, old_logps, ref_logps, adv, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high
+  )
+  loss = reduce_loss(
+    per_token,
+    completion_mask,
+    loss_type=loss_type,
+    max_completion_length=max_completion_length,
+    num_items_in_batch=num_items_in_batch,
+  )
   return loss, make_aux(completion_mask, logp, entropy, is_clipped, kl)

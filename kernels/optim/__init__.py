@@ -21,8 +21,20 @@ from kernels import backend
 from kernels.optim import reference
 from kernels.optim.pallas import ElementwiseBlocks, elementwise_call
 
-__all__ = ["adamw_update", "lion_update", "fused_adamw", "fused_lion", "fused_adamw_step", "fused_lion_step", "AdamWUpdate", "LionUpdate",
-           "FusedAdamWState", "FusedLionState", "ElementwiseBlocks", "partition_specs_of"]
+__all__ = [
+  "AdamWUpdate",
+  "ElementwiseBlocks",
+  "FusedAdamWState",
+  "FusedLionState",
+  "LionUpdate",
+  "adamw_update",
+  "fused_adamw",
+  "fused_adamw_step",
+  "fused_lion",
+  "fused_lion_step",
+  "lion_update",
+  "partition_specs_of",
+]
 
 
 class AdamWUpdate(NamedTuple):
@@ -69,8 +81,22 @@ def _check_hyper(**hyper):
     raise ValueError("eps and weight_decay must be >= 0")
 
 
-def _apply(delta_fn, n_state, param, grad, states, master, scalars, *, delta_only, impl, platform,
-           interpret, blocks, name):
+def _apply(
+  delta_fn,
+  n_state,
+  param,
+  grad,
+  states,
+  master,
+  scalars,
+  *,
+  delta_only,
+  impl,
+  platform,
+  interpret,
+  blocks,
+  name,
+):
   """Shared driver: ``delta_fn(p, g, *states, *scalars) -> (delta, *new_states)`` in f32."""
   target = backend.resolve(platform, interpret)
   source = param if master is None else master
@@ -82,26 +108,56 @@ def _apply(delta_fn, n_state, param, grad, states, master, scalars, *, delta_onl
     new = p + delta
     return (new, *new_states) + (() if master is None else (new,))
 
-  out_dtypes = ([param.dtype] + [jnp.float32] * n_state + ([] if master is None or delta_only else [jnp.float32]))
+  out_dtypes = (
+    [param.dtype]
+    + [jnp.float32] * n_state
+    + ([] if master is None or delta_only else [jnp.float32])
+  )
   if _use_kernel(impl, target):
     aliases = {} if delta_only else {2 + i: 1 + i for i in range(n_state)}
     if not delta_only and master is None:
       aliases[0] = 0
     if not delta_only and master is not None:
       aliases[0] = n_state + 1
-    outs = elementwise_call(body, [source, grad, *states], out_dtypes, jnp.stack(scalars).astype(jnp.float32),
-                            target=target, blocks=blocks, aliases=aliases, name=name)
+    outs = elementwise_call(
+      body,
+      [source, grad, *states],
+      out_dtypes,
+      jnp.stack(scalars).astype(jnp.float32),
+      target=target,
+      blocks=blocks,
+      aliases=aliases,
+      name=name,
+    )
   else:
     outs = body(scalars, *(jnp.asarray(a).astype(jnp.float32) for a in (source, grad, *states)))
     outs = tuple(o.astype(d) for o, d in zip(outs, out_dtypes))
-  param_out = outs[0]  # the new param in its own dtype (the kernel writes the cast beside the master)
+  param_out = outs[
+    0
+  ]  # the new param in its own dtype (the kernel writes the cast beside the master)
   new_master = None if master is None or delta_only else outs[-1]
-  return param_out, outs[1:1 + n_state], new_master
+  return param_out, outs[1 : 1 + n_state], new_master
 
 
-def adamw_update(param, grad, mu, nu, count, *, lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 1e-4, master=None, impl: str = "auto", platform=None, interpret=None,
-                 blocks: ElementwiseBlocks | None = None, _delta_only: bool = False) -> AdamWUpdate:
+def adamw_update(
+  param,
+  grad,
+  mu,
+  nu,
+  count,
+  *,
+  lr,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 1e-4,
+  master=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+  blocks: ElementwiseBlocks | None = None,
+  _delta_only: bool = False,
+) -> AdamWUpdate:
   """One AdamW step on one array, exactly as ``optax.adamw`` then ``optax.apply_updates``.
 
   param: [...] bf16/f32; grad: [...] float; mu, nu: [...] f32 moments; count: int scalar, the
@@ -114,10 +170,21 @@ def adamw_update(param, grad, mu, nu, count, *, lr, b1: float = 0.9, b2: float =
   _check_hyper(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
   bc1, bc2 = reference.bias_corrections(jnp.asarray(count), b1, b2)
   fn = functools.partial(_adamw_body, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-  new, (mu, nu), new_master = _apply(fn, 2, param, grad, (mu, nu), master,
-                                     (jnp.asarray(lr, jnp.float32), bc1, bc2), delta_only=_delta_only,
-                                     impl=impl, platform=platform, interpret=interpret, blocks=blocks,
-                                     name="adamw_update")
+  new, (mu, nu), new_master = _apply(
+    fn,
+    2,
+    param,
+    grad,
+    (mu, nu),
+    master,
+    (jnp.asarray(lr, jnp.float32), bc1, bc2),
+    delta_only=_delta_only,
+    impl=impl,
+    platform=platform,
+    interpret=interpret,
+    blocks=blocks,
+    name="adamw_update",
+  )
   return AdamWUpdate(new, mu, nu, new_master)
 
 
@@ -125,9 +192,22 @@ def _adamw_body(p, g, mu, nu, lr, bc1, bc2, **hyper):
   return reference.adamw_delta(p, g, mu, nu, lr, bc1, bc2, **hyper)
 
 
-def lion_update(param, grad, mu, *, lr, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
-                master=None, impl: str = "auto", platform=None, interpret=None,
-                blocks: ElementwiseBlocks | None = None, _delta_only: bool = False) -> LionUpdate:
+def lion_update(
+  param,
+  grad,
+  mu,
+  *,
+  lr,
+  b1: float = 0.9,
+  b2: float = 0.99,
+  weight_decay: float = 1e-3,
+  master=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+  blocks: ElementwiseBlocks | None = None,
+  _delta_only: bool = False,
+) -> LionUpdate:
   """One Lion step on one array, exactly as ``optax.lion`` then ``optax.apply_updates``.
 
   param: [...] bf16/f32; grad: [...] float; mu: [...] f32; lr: scalar. See :func:`adamw_update`.
@@ -135,9 +215,21 @@ def lion_update(param, grad, mu, *, lr, b1: float = 0.9, b2: float = 0.99, weigh
   _check_arrays(param, grad, dict(mu=mu), master)
   _check_hyper(b1=b1, b2=b2, weight_decay=weight_decay)
   fn = functools.partial(_lion_body, b1=b1, b2=b2, weight_decay=weight_decay)
-  new, (mu,), new_master = _apply(fn, 1, param, grad, (mu,), master, (jnp.asarray(lr, jnp.float32),),
-                                  delta_only=_delta_only, impl=impl, platform=platform, interpret=interpret,
-                                  blocks=blocks, name="lion_update")
+  new, (mu,), new_master = _apply(
+    fn,
+    1,
+    param,
+    grad,
+    (mu,),
+    master,
+    (jnp.asarray(lr, jnp.float32),),
+    delta_only=_delta_only,
+    impl=impl,
+    platform=platform,
+    interpret=interpret,
+    blocks=blocks,
+    name="lion_update",
+  )
   return LionUpdate(new, mu, new_master)
 
 
@@ -159,16 +251,20 @@ class FusedLionState(NamedTuple):
 
 def partition_specs_of(tree):
   """The PartitionSpec of every (concrete, NamedSharding-placed) array in ``tree``."""
+
   def spec(x):
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
-      raise ValueError(f"expected arrays placed with a NamedSharding, got {type(sharding).__name__}")
+      raise ValueError(
+        f"expected arrays placed with a NamedSharding, got {type(sharding).__name__}"
+      )
     return sharding.spec
+
   return jax.tree.map(spec, tree)
 
 
 def _increment(count):
-  inc = getattr(optax, "safe_increment", None) or getattr(optax, "safe_int32_increment")
+  inc = getattr(optax, "safe_increment", None) or optax.safe_int32_increment
   return inc(count)
 
 
@@ -191,7 +287,9 @@ def _per_leaf(leaf_fn, n_out, mesh, specs, params, *trees):
     others.append(leaves)
   spec_leaves = [None] * len(p_leaves)
   if specs is not None:
-    spec_leaves, td = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    spec_leaves, td = jax.tree.flatten(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
     if len(spec_leaves) != len(p_leaves):
       raise ValueError("partition_specs must have one PartitionSpec per parameter")
   outs = []
@@ -200,12 +298,16 @@ def _per_leaf(leaf_fn, n_out, mesh, specs, params, *trees):
     fn = leaf_fn[i]
     if spec_leaves[i] is not None:
       s = spec_leaves[i]
-      fn = jax.shard_map(fn, mesh=mesh, in_specs=(s,) * len(args), out_specs=(s,) * n_out, check_vma=False)
+      fn = jax.shard_map(
+        fn, mesh=mesh, in_specs=(s,) * len(args), out_specs=(s,) * n_out, check_vma=False
+      )
     outs.append(fn(*args))
   return [jax.tree.unflatten(treedef, [o[k] for o in outs]) for k in range(n_out)]
 
 
-def _adamw_tree(learning_rate, hyper, mask, mesh, partition_specs, kw, params, grads, state, delta_only):
+def _adamw_tree(
+  learning_rate, hyper, mask, mesh, partition_specs, kw, params, grads, state, delta_only
+):
   lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
   wds = [hyper["weight_decay"] if m else 0.0 for m in jax.tree.leaves(_mask_tree(mask, params))]
   leaf_kw = dict(kw, b1=hyper["b1"], b2=hyper["b2"], eps=hyper["eps"], _delta_only=delta_only)
@@ -219,7 +321,9 @@ def _adamw_leaf(count, lr, wd, kw, p, g, mu, nu):
   return out.param, out.mu, out.nu
 
 
-def _lion_tree(learning_rate, hyper, mask, mesh, partition_specs, kw, params, grads, state, delta_only):
+def _lion_tree(
+  learning_rate, hyper, mask, mesh, partition_specs, kw, params, grads, state, delta_only
+):
   lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
   wds = [hyper["weight_decay"] if m else 0.0 for m in jax.tree.leaves(_mask_tree(mask, params))]
   leaf_kw = dict(kw, b1=hyper["b1"], b2=hyper["b2"], _delta_only=delta_only)
@@ -244,7 +348,9 @@ def _make(tree_fn, init, learning_rate, hyper, mask, mesh, partition_specs, kw):
 
   def update(grads, state, params=None):
     if params is None:
-      raise ValueError("the fused optimizers' update needs params (weight decay and the fused update read them)")
+      raise ValueError(
+        "the fused optimizers' update needs params (weight decay and the fused update read them)"
+      )
     return run(params, grads, state, True)
 
   def step(params, grads, state):
@@ -269,42 +375,130 @@ _DOC_COMMON = """
 """
 
 
-def fused_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-                *, mask=None, mesh=None, partition_specs=None, impl: str = "auto", platform=None,
-                interpret=None) -> optax.GradientTransformation:
-  return fused_adamw_step(learning_rate, b1, b2, eps, weight_decay, mask=mask, mesh=mesh,
-                          partition_specs=partition_specs, impl=impl, platform=platform, interpret=interpret)[0]
+def fused_adamw(
+  learning_rate,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 1e-4,
+  *,
+  mask=None,
+  mesh=None,
+  partition_specs=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+) -> optax.GradientTransformation:
+  return fused_adamw_step(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    mask=mask,
+    mesh=mesh,
+    partition_specs=partition_specs,
+    impl=impl,
+    platform=platform,
+    interpret=interpret,
+  )[0]
 
 
-def fused_adamw_step(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                     weight_decay: float = 1e-4, *, mask=None, mesh=None, partition_specs=None, impl: str = "auto",
-                     platform=None, interpret=None):
-  return _make(_adamw_tree, _adamw_init, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
-               mask, mesh, partition_specs, dict(impl=impl, platform=platform, interpret=interpret))
+def fused_adamw_step(
+  learning_rate,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 1e-4,
+  *,
+  mask=None,
+  mesh=None,
+  partition_specs=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+):
+  return _make(
+    _adamw_tree,
+    _adamw_init,
+    learning_rate,
+    dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+    mask,
+    mesh,
+    partition_specs,
+    dict(impl=impl, platform=platform, interpret=interpret),
+  )
 
 
-def fused_lion(learning_rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, *, mask=None,
-               mesh=None, partition_specs=None, impl: str = "auto", platform=None,
-               interpret=None) -> optax.GradientTransformation:
-  return fused_lion_step(learning_rate, b1, b2, weight_decay, mask=mask, mesh=mesh, partition_specs=partition_specs,
-                         impl=impl, platform=platform, interpret=interpret)[0]
+def fused_lion(
+  learning_rate,
+  b1: float = 0.9,
+  b2: float = 0.99,
+  weight_decay: float = 1e-3,
+  *,
+  mask=None,
+  mesh=None,
+  partition_specs=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+) -> optax.GradientTransformation:
+  return fused_lion_step(
+    learning_rate,
+    b1,
+    b2,
+    weight_decay,
+    mask=mask,
+    mesh=mesh,
+    partition_specs=partition_specs,
+    impl=impl,
+    platform=platform,
+    interpret=interpret,
+  )[0]
 
 
-def fused_lion_step(learning_rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, *, mask=None,
-                    mesh=None, partition_specs=None, impl: str = "auto", platform=None, interpret=None):
-  return _make(_lion_tree, _lion_init, learning_rate, dict(b1=b1, b2=b2, weight_decay=weight_decay), mask, mesh,
-               partition_specs, dict(impl=impl, platform=platform, interpret=interpret))
+def fused_lion_step(
+  learning_rate,
+  b1: float = 0.9,
+  b2: float = 0.99,
+  weight_decay: float = 1e-3,
+  *,
+  mask=None,
+  mesh=None,
+  partition_specs=None,
+  impl: str = "auto",
+  platform=None,
+  interpret=None,
+):
+  return _make(
+    _lion_tree,
+    _lion_init,
+    learning_rate,
+    dict(b1=b1, b2=b2, weight_decay=weight_decay),
+    mask,
+    mesh,
+    partition_specs,
+    dict(impl=impl, platform=platform, interpret=interpret),
+  )
 
 
-fused_adamw.__doc__ = """``optax.adamw`` as one fused kernel per parameter; ``update`` needs ``params``.
+fused_adamw.__doc__ = (
+  """``optax.adamw`` as one fused kernel per parameter; ``update`` needs ``params``.
 
   Through the optax API the kernel returns the update delta, which ``optax.apply_updates`` adds:
   10 x 4 bytes per f32 parameter. :func:`fused_adamw_step` writes the parameters in place instead
   (7 x 4 bytes, the minimum).
-""" + _DOC_COMMON
-fused_adamw_step.__doc__ = """``(tx, step)``: the optax transformation of :func:`fused_adamw` and an in-place
+"""
+  + _DOC_COMMON
+)
+fused_adamw_step.__doc__ = (
+  """``(tx, step)``: the optax transformation of :func:`fused_adamw` and an in-place
   ``step(params, grads, state) -> (new_params, new_state)`` that writes parameters directly (donate
   params and state to ``jax.jit`` so the aliased buffers are reused).
-""" + _DOC_COMMON
-fused_lion.__doc__ = """``optax.lion`` as one fused kernel per parameter; see :func:`fused_adamw`.""" + _DOC_COMMON
+"""
+  + _DOC_COMMON
+)
+fused_lion.__doc__ = (
+  """``optax.lion`` as one fused kernel per parameter; see :func:`fused_adamw`.""" + _DOC_COMMON
+)
 fused_lion_step.__doc__ = """``(tx, step)`` for Lion; see :func:`fused_adamw_step`.""" + _DOC_COMMON

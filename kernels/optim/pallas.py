@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +73,17 @@ def _check(blocks: ElementwiseBlocks, target: Target, rows: int, cols: int):
       raise ValueError(f"TPU block_cols must be a multiple of 128 or equal {cols}")
 
 
-def elementwise_call(body: Callable, arrays, out_dtypes, scalars, *, target: Target,
-                     blocks: ElementwiseBlocks | None = None, aliases: dict[int, int] | None = None,
-                     name: str = "elementwise"):
+def elementwise_call(
+  body: Callable,
+  arrays,
+  out_dtypes,
+  scalars,
+  *,
+  target: Target,
+  blocks: ElementwiseBlocks | None = None,
+  aliases: dict[int, int] | None = None,
+  name: str = "elementwise",
+):
   """Apply ``body(scalars, *f32 tiles) -> f32 tiles`` over same-shaped ``arrays`` in one pass.
 
   arrays: sequence of arrays of one shape; out_dtypes: dtype of each output; scalars: f32 [k];
@@ -91,15 +99,21 @@ def elementwise_call(body: Callable, arrays, out_dtypes, scalars, *, target: Tar
     _check(blocks, target, rows, cols)
     bm, bc = blocks.block_rows, blocks.block_cols
     spec = pl.BlockSpec((bm, bc), lambda i, j: (i, j))
-    scalar_spec = (pl.BlockSpec(memory_space=_smem()) if target.platform == "tpu" and not target.interpret
-                   else pl.BlockSpec(scalars.shape, lambda i, j: (0,)))
+    scalar_spec = (
+      pl.BlockSpec(memory_space=_smem())
+      if target.platform == "tpu" and not target.interpret
+      else pl.BlockSpec(scalars.shape, lambda i, j: (0,))
+    )
     outs = pl.pallas_call(
-        body_fn, grid=(pl.cdiv(rows, bm), pl.cdiv(cols, bc)),
-        in_specs=[scalar_spec] + [spec] * n_in, out_specs=[spec] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((rows, cols), d) for d in out_dtypes],
-        input_output_aliases=aliases,
-        compiler_params=backend.compiler_params(target, dimension_semantics=("parallel", "parallel")),
-        interpret=target.interpret, name=name,
+      body_fn,
+      grid=(pl.cdiv(rows, bm), pl.cdiv(cols, bc)),
+      in_specs=[scalar_spec] + [spec] * n_in,
+      out_specs=[spec] * n_out,
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), d) for d in out_dtypes],
+      input_output_aliases=aliases,
+      compiler_params=backend.compiler_params(target, dimension_semantics=("parallel", "parallel")),
+      interpret=target.interpret,
+      name=name,
     )(scalars, *(a.reshape(rows, cols) for a in arrays))
   else:
     n = math.prod(shape)
@@ -107,12 +121,15 @@ def elementwise_call(body: Callable, arrays, out_dtypes, scalars, *, target: Tar
     _check(blocks, target, 1, n)
     whole = pl.BlockSpec((n,), lambda i: (0,))
     outs = pl.pallas_call(
-        functools.partial(body_fn, n=n, block=blocks.block_cols), grid=(pl.cdiv(n, blocks.block_cols),),
-        in_specs=[pl.BlockSpec(scalars.shape, lambda i: (0,))] + [whole] * n_in, out_specs=[whole] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((n,), d) for d in out_dtypes],
-        input_output_aliases=aliases,
-        compiler_params=backend.compiler_params(target, num_warps=blocks.num_warps, num_stages=1),
-        interpret=target.interpret, name=name,
+      functools.partial(body_fn, n=n, block=blocks.block_cols),
+      grid=(pl.cdiv(n, blocks.block_cols),),
+      in_specs=[pl.BlockSpec(scalars.shape, lambda i: (0,))] + [whole] * n_in,
+      out_specs=[whole] * n_out,
+      out_shape=[jax.ShapeDtypeStruct((n,), d) for d in out_dtypes],
+      input_output_aliases=aliases,
+      compiler_params=backend.compiler_params(target, num_warps=blocks.num_warps, num_stages=1),
+      interpret=target.interpret,
+      name=name,
     )(scalars, *(a.reshape(n) for a in arrays))
   return tuple(o.reshape(shape) for o in outs)
 
@@ -137,7 +154,9 @@ def _flat_body(body, n_in, s_ref, *refs, n, block):
   idx = start + jnp.arange(block, dtype=jnp.int32)
   valid = idx < n
   scalars = tuple(s_ref[i] for i in range(s_ref.shape[0]))
-  vals = [backend.masked_load(r.at[pl.ds(start, block)], mask=valid, other=0.0).astype(jnp.float32)
-          for r in ins]
+  vals = [
+    backend.masked_load(r.at[pl.ds(start, block)], mask=valid, other=0.0).astype(jnp.float32)
+    for r in ins
+  ]
   for ref, val in zip(outs, body(scalars, *vals)):
     backend.masked_store(ref.at[pl.ds(start, block)], val.astype(ref.dtype), mask=valid)

@@ -10,27 +10,40 @@ import jax.numpy as jnp
 from kernels import backend
 from kernels.paged_attention.blocks import PagedBlocks, default_blocks
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
-from kernels.paged_attention.reference import combine_splits, gather_pages, paged_attention_reference
+from kernels.paged_attention.reference import (
+  combine_splits,
+  gather_pages,
+  paged_attention_reference,
+)
 
-__all__ = ["paged_attention", "paged_attention_reference", "gather_pages", "PagedBlocks", "default_blocks",
-           "IMPLS"]
+__all__ = [
+  "IMPLS",
+  "PagedBlocks",
+  "default_blocks",
+  "gather_pages",
+  "paged_attention",
+  "paged_attention_reference",
+]
 
 IMPLS = ("auto", "pallas", "xla")
-GPU_MIN_GROUP = 16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
+GPU_MIN_GROUP = (
+  16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
+)
 
 
-def paged_attention(q,  # [B, Hq, D] one new token per sequence
-                    k_pages,  # [Hkv, P, page_size, D]
-                    v_pages,  # [Hkv, P, page_size, D]
-                    lengths,  # [B] int32 tokens in each sequence's cache, the new one included
-                    page_indices,  # [B, pages_per_seq] int32 page ids into P
-                    *,
-                    scale: float | None = None,
-                    impl: str = "auto",
-                    platform: backend.Platform | None = None,
-                    interpret: bool | None = None,
-                    blocks: PagedBlocks | None = None,
-                    ):  # -> [B, Hq, D] in q's dtype
+def paged_attention(
+  q,  # [B, Hq, D] one new token per sequence
+  k_pages,  # [Hkv, P, page_size, D]
+  v_pages,  # [Hkv, P, page_size, D]
+  lengths,  # [B] int32 tokens in each sequence's cache, the new one included
+  page_indices,  # [B, pages_per_seq] int32 page ids into P
+  *,
+  scale: float | None = None,
+  impl: str = "auto",
+  platform: backend.Platform | None = None,
+  interpret: bool | None = None,
+  blocks: PagedBlocks | None = None,
+):  # -> [B, Hq, D] in q's dtype
   """Grouped-query softmax attention of each sequence's query over its first ``lengths[b]`` tokens.
 
   Token t of sequence b lives in page ``page_indices[b, t // page_size]`` at slot ``t % page_size``.
@@ -46,10 +59,10 @@ def paged_attention(q,  # [B, Hq, D] one new token per sequence
     platform, interpret: the kernel target (see :func:`kernels.backend.resolve`).
     blocks: override the block heuristic (:func:`default_blocks`).
   """
-  b, hq, d, hkv, page_size, pages_per_seq = _validate(q, k_pages, v_pages, lengths, page_indices)
+  b, _hq, d, hkv, page_size, pages_per_seq = _validate(q, k_pages, v_pages, lengths, page_indices)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  scale = float(d ** -0.5 if scale is None else scale)
+  scale = float(d**-0.5 if scale is None else scale)
   target = backend.resolve(platform, interpret)
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "pallas"
@@ -68,7 +81,9 @@ def _pallas(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
   b, hq, d = q.shape
   hkv = k_pages.shape[0]
   g = hq // hkv
-  qg = q.reshape(b, hkv, g, d).astype(k_pages.dtype)  # the MXU / tensor cores take both operands alike
+  qg = q.reshape(b, hkv, g, d).astype(
+    k_pages.dtype
+  )  # the MXU / tensor cores take both operands alike
   gp = g
   if cfg.target.family == "rowloop":
     gp = max(GPU_MIN_GROUP, 1 << (g - 1).bit_length())
@@ -85,8 +100,10 @@ def _validate(q, k_pages, v_pages, lengths, page_indices):
   if q.ndim != 3:
     raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
   if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-    raise ValueError(f"k_pages and v_pages must both be [Hkv, P, page_size, D]; got {k_pages.shape} "
-                     f"and {v_pages.shape}")
+    raise ValueError(
+      f"k_pages and v_pages must both be [Hkv, P, page_size, D]; got {k_pages.shape} "
+      f"and {v_pages.shape}"
+    )
   if k_pages.dtype != v_pages.dtype:
     raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
   b, hq, d = q.shape
@@ -96,11 +113,18 @@ def _validate(q, k_pages, v_pages, lengths, page_indices):
   if hq % hkv:
     raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"lengths must be an integer [B={b}] array, got {lengths.dtype}{list(lengths.shape)}")
-  if page_indices.ndim != 2 or page_indices.shape[0] != b or not jnp.issubdtype(page_indices.dtype,
-                                                                                jnp.integer):
-    raise ValueError(f"page_indices must be an integer [B={b}, pages_per_seq] array, got "
-                     f"{page_indices.dtype}{list(page_indices.shape)}")
+    raise ValueError(
+      f"lengths must be an integer [B={b}] array, got {lengths.dtype}{list(lengths.shape)}"
+    )
+  if (
+    page_indices.ndim != 2
+    or page_indices.shape[0] != b
+    or not jnp.issubdtype(page_indices.dtype, jnp.integer)
+  ):
+    raise ValueError(
+      f"page_indices must be an integer [B={b}, pages_per_seq] array, got "
+      f"{page_indices.dtype}{list(page_indices.shape)}"
+    )
   if page_indices.shape[1] == 0:
     raise ValueError("page_indices has no pages per sequence")
   return b, hq, d, hkv, page_size, page_indices.shape[1]

@@ -34,18 +34,23 @@ class PagedBlocks:
     if target.platform == "gpu" and page_size & (page_size - 1):
       raise ValueError(f"the GPU kernel needs a power-of-two page_size, got {page_size}")
     if target.platform == "gpu" and self.pages_per_block * page_size < 16:
-      raise ValueError("the GPU kernel needs pages_per_block * page_size >= 16 (Triton dot minimum)")
+      raise ValueError(
+        "the GPU kernel needs pages_per_block * page_size >= 16 (Triton dot minimum)"
+      )
     if target.platform == "tpu" and not target.interpret:
       # Mosaic's rule on each [page_size, D] page block: sublanes in units of 32 bits / dtype bytes * 8.
       sublanes = 8 * (4 // dtype_bytes)
       if page_size % sublanes:
-        raise ValueError(f"TPU page_size must be a multiple of {sublanes} for this dtype, got {page_size}")
+        raise ValueError(
+          f"TPU page_size must be a multiple of {sublanes} for this dtype, got {page_size}"
+        )
       if head_dim % 128:
         raise ValueError(f"TPU head_dim must be a multiple of 128, got {head_dim}")
 
 
-def default_blocks(target: Target, batch: int, num_kv_heads: int, pages_per_seq: int,
-                   page_size: int) -> PagedBlocks:
+def default_blocks(
+  target: Target, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int
+) -> PagedBlocks:
   """The heuristic. Why these numbers (not yet tuned on hardware; none was available):
 
   * GPU: a 128-token key tile (pages_per_block * page_size, at least 16 for the Triton dot), and split-K

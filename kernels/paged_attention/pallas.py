@@ -60,8 +60,8 @@ def _finish(m, l, acc):
 # ----------------------------------------------------------------------------- tiled (TPU)
 def _tiled_kernel(lengths_ref, pages_ref, q_ref, *refs, ppb, page_size, blocks_per_split, scale):
   del pages_ref  # used by the index maps only
-  k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * ppb:]
+  k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * ppb :]
   b, s, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   bk = ppb * page_size
   length = lengths_ref[b]
@@ -102,41 +102,65 @@ def _tiled(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
   def page_map(j):
     def index_map(bi, h, s, i, lengths_ref, pages_ref):
       # lax.div, not //: lengths are >= 0, and floor division's sign fix-up has no Mosaic scalar lowering.
-      last = jnp.maximum(lax.div(lengths_ref[bi] + bk - 1, bk) - 1, 0)  # last block with a valid token
+      last = jnp.maximum(
+        lax.div(lengths_ref[bi] + bk - 1, bk) - 1, 0
+      )  # last block with a valid token
       blk = jnp.minimum(s * bps + i, last)
       return h, pages_ref[bi, blk * ppb + j], 0, 0
+
     return index_map
 
   page_spec = [pl.BlockSpec((None, None, page_size, d), page_map(j)) for j in range(ppb)]
   pltpu = backend._tpu_module()
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=(b, hkv, splits, bps),
-      in_specs=[pl.BlockSpec((None, None, g, d), lambda bi, h, s, i, *_: (bi, h, 0, 0))] + page_spec * 2,
-      out_specs=[pl.BlockSpec((None, None, None, g, d), lambda bi, h, s, i, *_: (s, bi, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, g, LANES), lambda bi, h, s, i, *_: (s, bi, h, 0, 0))],
-      scratch_shapes=[backend.scratch_vmem((g, LANES), jnp.float32),
-                      backend.scratch_vmem((g, LANES), jnp.float32),
-                      backend.scratch_vmem((g, d), jnp.float32)],
+    num_scalar_prefetch=2,
+    grid=(b, hkv, splits, bps),
+    in_specs=[pl.BlockSpec((None, None, g, d), lambda bi, h, s, i, *_: (bi, h, 0, 0))]
+    + page_spec * 2,
+    out_specs=[
+      pl.BlockSpec((None, None, None, g, d), lambda bi, h, s, i, *_: (s, bi, h, 0, 0)),
+      pl.BlockSpec((None, None, None, g, LANES), lambda bi, h, s, i, *_: (s, bi, h, 0, 0)),
+    ],
+    scratch_shapes=[
+      backend.scratch_vmem((g, LANES), jnp.float32),
+      backend.scratch_vmem((g, LANES), jnp.float32),
+      backend.scratch_vmem((g, d), jnp.float32),
+    ],
   )
-  kernel = functools.partial(_tiled_kernel, ppb=ppb, page_size=page_size, blocks_per_split=bps,
-                             scale=cfg.scale)
+  kernel = functools.partial(
+    _tiled_kernel, ppb=ppb, page_size=page_size, blocks_per_split=bps, scale=cfg.scale
+  )
   o, lse = pl.pallas_call(
-      kernel,
-      grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, b, hkv, g, LANES), jnp.float32)],
-      compiler_params=backend.compiler_params(
-          cfg.target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=cfg.target.interpret,
-      name="paged_attention_tiled",
+    kernel,
+    grid_spec=grid_spec,
+    out_shape=[
+      jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
+      jax.ShapeDtypeStruct((splits, b, hkv, g, LANES), jnp.float32),
+    ],
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+    ),
+    interpret=cfg.target.interpret,
+    name="paged_attention_tiled",
   )(lengths, page_indices, q, *([k_pages] * ppb), *([v_pages] * ppb))
   return o, lse[..., 0]
 
 
 # ----------------------------------------------------------------------------- rowloop (GPU)
-def _rowloop_kernel(lengths_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, ppb, page_size,
-                    blocks_per_split, scale):
+def _rowloop_kernel(
+  lengths_ref,
+  pages_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  o_ref,
+  lse_ref,
+  *,
+  ppb,
+  page_size,
+  blocks_per_split,
+  scale,
+):
   s = pl.program_id(2)
   bk = ppb * page_size
   length = lengths_ref[0]
@@ -153,8 +177,11 @@ def _rowloop_kernel(lengths_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
     pos = split_start + j * bk + jnp.arange(bk)
     return _online_update(q, k, v, (pos < length)[None, :], m, l, acc, scale)
 
-  init = (jnp.full((g, 1), MASK, jnp.float32), jnp.zeros((g, 1), jnp.float32),
-          jnp.zeros((g, d), jnp.float32))
+  init = (
+    jnp.full((g, 1), MASK, jnp.float32),
+    jnp.zeros((g, 1), jnp.float32),
+    jnp.zeros((g, d), jnp.float32),
+  )
   m, l, acc = lax.fori_loop(0, trips, body, init)
   out, lse = _finish(m, l, acc)
   o_ref[...] = out
@@ -166,31 +193,45 @@ def _rowloop(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
   _, num_pages, page_size, _ = k_pages.shape
   ppb, splits = cfg.blocks.pages_per_block, cfg.blocks.num_splits
   pages_per_split = page_indices.shape[1] // splits
-  kernel = functools.partial(_rowloop_kernel, ppb=ppb, page_size=page_size,
-                             blocks_per_split=pages_per_split // ppb, scale=cfg.scale)
+  kernel = functools.partial(
+    _rowloop_kernel,
+    ppb=ppb,
+    page_size=page_size,
+    blocks_per_split=pages_per_split // ppb,
+    scale=cfg.scale,
+  )
   pages_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
   return pl.pallas_call(
-      kernel,
-      grid=(b, hkv, splits),
-      in_specs=[pl.BlockSpec((None, 1), lambda bi, h, s: (bi, 0)),
-                pl.BlockSpec((None, None, pages_per_split), lambda bi, h, s: (bi, s, 0)),
-                pl.BlockSpec((None, None, g, d), lambda bi, h, s: (bi, h, 0, 0)),
-                pages_spec, pages_spec],
-      out_specs=[pl.BlockSpec((None, None, None, g, d), lambda bi, h, s: (s, bi, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, g), lambda bi, h, s: (s, bi, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, b, hkv, g), jnp.float32)],
-      compiler_params=backend.compiler_params(cfg.target, num_warps=4, num_stages=2),
-      interpret=cfg.target.interpret,
-      name="paged_attention_rowloop",
+    kernel,
+    grid=(b, hkv, splits),
+    in_specs=[
+      pl.BlockSpec((None, 1), lambda bi, h, s: (bi, 0)),
+      pl.BlockSpec((None, None, pages_per_split), lambda bi, h, s: (bi, s, 0)),
+      pl.BlockSpec((None, None, g, d), lambda bi, h, s: (bi, h, 0, 0)),
+      pages_spec,
+      pages_spec,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, g, d), lambda bi, h, s: (s, bi, h, 0, 0)),
+      pl.BlockSpec((None, None, None, g), lambda bi, h, s: (s, bi, h, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
+      jax.ShapeDtypeStruct((splits, b, hkv, g), jnp.float32),
+    ],
+    compiler_params=backend.compiler_params(cfg.target, num_warps=4, num_stages=2),
+    interpret=cfg.target.interpret,
+    name="paged_attention_rowloop",
   )(lengths[:, None], page_indices.reshape(b, splits, pages_per_split), q, k_pages, v_pages)
 
 
-def paged_attention_splits(cfg: PagedConfig,
-                           q,  # [B, Hkv, G, D] (G padded to >= 16 for the GPU family)
-                           k_pages, v_pages,  # [Hkv, P, page_size, D]
-                           lengths,  # [B] int32
-                           page_indices,  # [B, splits * k * pages_per_block] int32
-                           ):  # -> ([S, B, Hkv, G, D] f32, [S, B, Hkv, G] f32)
+def paged_attention_splits(
+  cfg: PagedConfig,
+  q,  # [B, Hkv, G, D] (G padded to >= 16 for the GPU family)
+  k_pages,
+  v_pages,  # [Hkv, P, page_size, D]
+  lengths,  # [B] int32
+  page_indices,  # [B, splits * k * pages_per_block] int32
+):  # -> ([S, B, Hkv, G, D] f32, [S, B, Hkv, G] f32)
   fn = _rowloop if cfg.target.family == "rowloop" else _tiled
   return fn(cfg, q, k_pages, v_pages, lengths, page_indices)

@@ -5,28 +5,32 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def gather_pages(pages,  # [Hkv, P, page_size, D]
-                 page_indices,  # [B, pages_per_seq] int32
-                 ):  # -> [B, Hkv, pages_per_seq * page_size, D]
+def gather_pages(
+  pages,  # [Hkv, P, page_size, D]
+  page_indices,  # [B, pages_per_seq] int32
+):  # -> [B, Hkv, pages_per_seq * page_size, D]
   hkv, _, page_size, d = pages.shape
   b, n = page_indices.shape
   dense = pages[:, page_indices]  # [Hkv, B, n, page_size, D]
   return dense.transpose(1, 0, 2, 3, 4).reshape(b, hkv, n * page_size, d)
 
 
-def paged_attention_reference(q,  # [B, Hq, D]
-                              k_pages,  # [Hkv, P, page_size, D]
-                              v_pages,  # [Hkv, P, page_size, D]
-                              lengths,  # [B] int32
-                              page_indices,  # [B, pages_per_seq] int32
-                              *, scale: float | None = None):  # -> [B, Hq, D] in q's dtype
+def paged_attention_reference(
+  q,  # [B, Hq, D]
+  k_pages,  # [Hkv, P, page_size, D]
+  v_pages,  # [Hkv, P, page_size, D]
+  lengths,  # [B] int32
+  page_indices,  # [B, pages_per_seq] int32
+  *,
+  scale: float | None = None,
+):  # -> [B, Hq, D] in q's dtype
   """Softmax attention of each sequence's one query per head over its first `lengths[b]` cached tokens.
 
   Scores and the softmax are f32; a sequence with length 0 gets zeros (not NaN).
   """
   b, hq, d = q.shape
   hkv = k_pages.shape[0]
-  scale = d ** -0.5 if scale is None else scale
+  scale = d**-0.5 if scale is None else scale
   k = gather_pages(k_pages, page_indices)  # [B, Hkv, S, D]
   v = gather_pages(v_pages, page_indices)
   qg = q.reshape(b, hkv, hq // hkv, d)
@@ -41,9 +45,10 @@ def paged_attention_reference(q,  # [B, Hq, D]
   return out.reshape(b, hq, d).astype(q.dtype)
 
 
-def combine_splits(o,  # [S, B, Hkv, G, D] f32, each split normalised over its own tokens
-                   lse,  # [S, B, Hkv, G] f32, -inf for a split that saw no token
-                   ):  # -> [B, Hkv, G, D] f32
+def combine_splits(
+  o,  # [S, B, Hkv, G, D] f32, each split normalised over its own tokens
+  lse,  # [S, B, Hkv, G] f32, -inf for a split that saw no token
+):  # -> [B, Hkv, G, D] f32
   """Merge split-K partial results exactly: weight each split by its share of the softmax mass."""
   m = jnp.max(lse, axis=0)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -53,4 +58,4 @@ def combine_splits(o,  # [S, B, Hkv, G, D] f32, each split normalised over its o
   return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-__all__ = ["paged_attention_reference", "gather_pages", "combine_splits"]
+__all__ = ["combine_splits", "gather_pages", "paged_attention_reference"]

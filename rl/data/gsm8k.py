@@ -27,7 +27,9 @@ def gold_answer(answer: str) -> str:
   return gold
 
 
-def load_gsm8k(path: str | os.PathLike, split: str | None = None, limit: int | None = None) -> list[Example]:
+def load_gsm8k(
+  path: str | os.PathLike, split: str | None = None, limit: int | None = None
+) -> list[Example]:
   """Reads GSM8K examples.
 
   Args:

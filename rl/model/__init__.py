@@ -7,5 +7,18 @@ from rl.model.partition import param_shardings, shard_model
 from rl.model.presets import PRESETS, preset
 from rl.model.qwen import Qwen, abstract_model, init_model, scale_weights
 
-__all__ = ["DenseKVCache", "KVCache", "ModelConfig", "PRESETS", "Qwen", "abstract_model", "init_model",
-           "load_checkpoint", "param_shardings", "preset", "save_checkpoint", "scale_weights", "shard_model"]
+__all__ = [
+  "PRESETS",
+  "DenseKVCache",
+  "KVCache",
+  "ModelConfig",
+  "Qwen",
+  "abstract_model",
+  "init_model",
+  "load_checkpoint",
+  "param_shardings",
+  "preset",
+  "save_checkpoint",
+  "scale_weights",
+  "shard_model",
+]

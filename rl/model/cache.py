@@ -23,7 +23,9 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 class KVCache(Protocol):
   """What a decoder layer needs from a cache. Implementations are pytrees (they cross `jax.jit`)."""
 
-  def attend(self, layer: int, q: Array, k: Array, v: Array, positions: Array) -> tuple[Array, KVCache]:
+  def attend(
+    self, layer: int, q: Array, k: Array, v: Array, positions: Array
+  ) -> tuple[Array, KVCache]:
     """Stores `k`/`v` of the new tokens and attends `q` to every cached token at or before its position.
 
     Args:
@@ -39,16 +41,17 @@ class KVCache(Protocol):
     ...
 
 
-def attention(q: Array,  # [B, T, Hq, D]
-              k: Array,  # [B, S, Hkv, D]
-              v: Array,  # [B, S, Hkv, D]
-              visible: Array,  # [B, T, S] bool: query t may attend to key s
-              ) -> Array:  # [B, T, Hq, D]
+def attention(
+  q: Array,  # [B, T, Hq, D]
+  k: Array,  # [B, S, Hkv, D]
+  v: Array,  # [B, S, Hkv, D]
+  visible: Array,  # [B, T, S] bool: query t may attend to key s
+) -> Array:  # [B, T, Hq, D]
   """Grouped-query softmax attention with f32 scores; the q heads of one kv head share its keys."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.reshape(b, t, hkv, hq // hkv, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
   scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   # The output is rounded to q's dtype anyway; asking for it directly (accelerators still accumulate
@@ -70,8 +73,15 @@ class DenseKVCache:
   v: Array  # [L, B, S, Hkv, D]
 
   @classmethod
-  def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.bfloat16) -> DenseKVCache:
+  def create(
+    cls,
+    num_layers: int,
+    batch: int,
+    max_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+  ) -> DenseKVCache:
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

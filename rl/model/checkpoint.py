@@ -54,12 +54,16 @@ def _checkpoint_files(directory: str) -> dict[str, str]:
   for file in files:
     path = os.path.join(directory, file)
     with safe_open(path, framework="numpy") as f:
-      where.update({name: path for name in f.keys()})
+      where.update({name: path for name in f})
   return where
 
 
-def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = None,
-                    mesh: Mesh | None = None, **config_overrides: Any) -> Qwen:
+def load_checkpoint(
+  directory: str | os.PathLike,
+  config: ModelConfig | None = None,
+  mesh: Mesh | None = None,
+  **config_overrides: Any,
+) -> Qwen:
   """Loads a Qwen2/2.5/3 checkpoint directory into a `Qwen` model.
 
   Args:
@@ -86,13 +90,17 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
     name = hf_name(partition.path_name(path))[0]
     transpose = hf_name(partition.path_name(path))[1]
     if name not in where:
-      raise ValueError(f"checkpoint {directory} has no tensor {name!r} (for {partition.path_name(path)})")
+      raise ValueError(
+        f"checkpoint {directory} has no tensor {name!r} (for {partition.path_name(path)})"
+      )
     if where[name] not in handles:
       handles[where[name]] = safe_open(where[name], framework="numpy")
     array = handles[where[name]].get_tensor(name)
     array = array.T if transpose else array
     if array.shape != leaf.shape:
-      raise ValueError(f"tensor {name!r} has shape {array.shape} (as ours), the model expects {leaf.shape}")
+      raise ValueError(
+        f"tensor {name!r} has shape {array.shape} (as ours), the model expects {leaf.shape}"
+      )
     used.add(name)
     array = np.asarray(array, dtype=leaf.dtype)
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
@@ -105,8 +113,10 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
   if cfg.tie_word_embeddings and "lm_head.weight" in unused:
     unused.remove("lm_head.weight")  # some tied checkpoints store the (shared) head too
   if unused:
-    raise ValueError(f"checkpoint {directory} holds tensors the model does not use: {unused[:8]}"
-                     f"{' ...' if len(unused) > 8 else ''} (does config.json match the weights?)")
+    raise ValueError(
+      f"checkpoint {directory} holds tensors the model does not use: {unused[:8]}"
+      f"{' ...' if len(unused) > 8 else ''} (does config.json match the weights?)"
+    )
   model = nnx.merge(graphdef, state)
   nnx.update(model, loaded)
   return model
@@ -120,8 +130,13 @@ def _hf_tensors(model: Qwen, dtype) -> Iterator[tuple[str, np.ndarray]]:
     yield name, np.ascontiguousarray(array.astype(dtype if dtype is not None else array.dtype))
 
 
-def save_checkpoint(model: Qwen, directory: str | os.PathLike, *, dtype: str | None = "bfloat16",
-                    max_shard_bytes: int = 4 * 2**30) -> list[str]:
+def save_checkpoint(
+  model: Qwen,
+  directory: str | os.PathLike,
+  *,
+  dtype: str | None = "bfloat16",
+  max_shard_bytes: int = 4 * 2**30,
+) -> list[str]:
   """Writes the model in HF layout (`config.json`, safetensors shards, index when sharded).
 
   `dtype` is the stored dtype (HF Qwen checkpoints are bf16; None keeps the parameter dtype). Returns the
@@ -138,13 +153,18 @@ def save_checkpoint(model: Qwen, directory: str | os.PathLike, *, dtype: str | N
       size = 0
     shards[-1][name] = array
     size += array.nbytes
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  names = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
   for file, tensors in zip(names, shards):
     save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
   if len(shards) > 1:
-    index = {"metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
-             "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
+    index = {
+      "metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
+      "weight_map": {n: f for f, s in zip(names, shards) for n in s},
+    }
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
       json.dump(index, f, indent=2)
   hf = model.cfg.to_hf()

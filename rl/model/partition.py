@@ -11,17 +11,18 @@ import re
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 RULES: tuple[tuple[str, P], ...] = (
-    (r"^embed_tokens\.embedding$", P("tp", "fsdp")),
-    (r"\.self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tp")),
-    (r"\.self_attn\.[qkv]_proj\.bias$", P("tp")),
-    (r"\.self_attn\.o_proj\.kernel$", P("tp", "fsdp")),
-    (r"\.mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tp")),
-    (r"\.mlp\.down_proj\.kernel$", P("tp", "fsdp")),
-    (r"^lm_head\.kernel$", P("fsdp", "tp")),
-    (r"(norm|layernorm)\.scale$", P()),
+  (r"^embed_tokens\.embedding$", P("tp", "fsdp")),
+  (r"\.self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tp")),
+  (r"\.self_attn\.[qkv]_proj\.bias$", P("tp")),
+  (r"\.self_attn\.o_proj\.kernel$", P("tp", "fsdp")),
+  (r"\.mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tp")),
+  (r"\.mlp\.down_proj\.kernel$", P("tp", "fsdp")),
+  (r"^lm_head\.kernel$", P("fsdp", "tp")),
+  (r"(norm|layernorm)\.scale$", P()),
 )
 
 
@@ -40,11 +41,13 @@ def path_name(path: tuple) -> str:
 
 def spec_for(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
   """The rule's spec for parameter `name`, with axes that do not divide their dimension dropped."""
-  for pattern, spec in RULES:
+  for pattern, spec in RULES:  # noqa: B007 (spec is used after the break)
     if re.search(pattern, name):
       break
   else:
-    raise ValueError(f"no partition rule matches parameter {name!r}; add one to rl.model.partition.RULES")
+    raise ValueError(
+      f"no partition rule matches parameter {name!r}; add one to rl.model.partition.RULES"
+    )
   fitted = []
   for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
     fitted.append(axis if axis in mesh.shape and dim % mesh.shape[axis] == 0 else None)
@@ -54,8 +57,9 @@ def spec_for(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
 def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
   """A state of `NamedSharding`s with the structure of the model's parameters."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, spec_for(path_name(path), x.shape, mesh)),
-      nnx.state(model, nnx.Param))
+    lambda path, x: NamedSharding(mesh, spec_for(path_name(path), x.shape, mesh)),
+    nnx.state(model, nnx.Param),
+  )
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

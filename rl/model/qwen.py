@@ -32,9 +32,11 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope(x: Array,  # [B, T, heads, D]
-         positions: Array,  # [B, T] int32
-         theta: float) -> Array:
+def rope(
+  x: Array,  # [B, T, heads, D]
+  positions: Array,  # [B, T] int32
+  theta: float,
+) -> Array:
   """Rotary embedding in HF's rotate-half layout (first half pairs with second half), computed in f32."""
   d = x.shape[-1]
   inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
@@ -47,12 +49,18 @@ def rope(x: Array,  # [B, T, heads, D]
 
 
 def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-  return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                    kernel_init=_init, rngs=rngs)
+  return nnx.Linear(
+    din,
+    dout,
+    use_bias=bias,
+    dtype=cfg.compute_dtype,
+    param_dtype=cfg.weight_dtype,
+    kernel_init=_init,
+    rngs=rngs,
+  )
 
 
 class Attention(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d = cfg.dim_per_head
     self.q_proj = _linear(cfg, cfg.hidden_size, cfg.num_heads * d, cfg.qkv_bias, rngs)
@@ -64,10 +72,14 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype)
     self.cfg = cfg
 
-  def __call__(self, x: Array,  # [B, T, H]
-               positions: Array,  # [B, T]
-               visible: Array | None,  # [B, T, T] (no cache) or None (the cache decides)
-               layer: int, cache: KVCache | None) -> tuple[Array, KVCache | None]:
+  def __call__(
+    self,
+    x: Array,  # [B, T, H]
+    positions: Array,  # [B, T]
+    visible: Array | None,  # [B, T, T] (no cache) or None (the cache decides)
+    layer: int,
+    cache: KVCache | None,
+  ) -> tuple[Array, KVCache | None]:
     cfg = self.cfg
     b, t, _ = x.shape
     d = cfg.dim_per_head
@@ -85,7 +97,6 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
     self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
@@ -96,7 +107,6 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
     self.self_attn = Attention(cfg, rngs)
@@ -114,17 +124,25 @@ class Qwen(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
-                                  param_dtype=cfg.weight_dtype, embedding_init=_init, rngs=rngs)
+    self.embed_tokens = nnx.Embed(
+      cfg.vocab_size,
+      cfg.hidden_size,
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      embedding_init=_init,
+      rngs=rngs,
+    )
     self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
-  def __call__(self, tokens: Array,  # [B, T] int32
-               attention_mask: Array | None = None,  # [B, T] bool/int, 0 = padding (left or right)
-               positions: Array | None = None,  # [B, T] int32; default: count of real tokens before
-               ) -> Array:  # [B, T, H] final-norm hidden states
+  def __call__(
+    self,
+    tokens: Array,  # [B, T] int32
+    attention_mask: Array | None = None,  # [B, T] bool/int, 0 = padding (left or right)
+    positions: Array | None = None,  # [B, T] int32; default: count of real tokens before
+  ) -> Array:  # [B, T, H] final-norm hidden states
     """The training / scoring forward over whole sequences: causal attention that skips padding."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens.shape, jnp.bool_)
@@ -139,9 +157,12 @@ class Qwen(nnx.Module):
       x, _ = layer(x, positions, visible, i, None)
     return self.norm(x)
 
-  def forward_with_cache(self, tokens: Array,  # [B, T] int32 new tokens (a prompt chunk, or one token)
-                         positions: Array,  # [B, T] int32 their absolute positions
-                         cache: KVCache) -> tuple[Array, KVCache]:  # ([B, T, H] hidden, updated cache)
+  def forward_with_cache(
+    self,
+    tokens: Array,  # [B, T] int32 new tokens (a prompt chunk, or one token)
+    positions: Array,  # [B, T] int32 their absolute positions
+    cache: KVCache,
+  ) -> tuple[Array, KVCache]:  # ([B, T, H] hidden, updated cache)
     """Prefill (T > 1) or decode (T = 1) through a cache the caller owns."""
     x = self.embed_tokens(tokens)
     for i, layer in enumerate(self.layers):
@@ -154,8 +175,11 @@ class Qwen(nnx.Module):
     return self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
 
   def logits(self, hidden: Array) -> Array:  # [..., H] -> [..., V] f32
-    return jnp.dot(hidden.astype(self.cfg.compute_dtype), self.lm_head_weight(),
-                   preferred_element_type=jnp.float32)
+    return jnp.dot(
+      hidden.astype(self.cfg.compute_dtype),
+      self.lm_head_weight(),
+      preferred_element_type=jnp.float32,
+    )
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen:
@@ -168,8 +192,12 @@ def scale_weights(model: Qwen, factor: float) -> Qwen:
   model; scaled (x10), its greedy outputs vary and its log-probs are peaked, so token-for-token and
   log-prob comparisons between engines have something to catch."""
   params = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree_util.tree_map_with_path(
-      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else x * factor, params))
+  nnx.update(
+    model,
+    jax.tree_util.tree_map_with_path(
+      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else x * factor, params
+    ),
+  )
   return model
 
 

@@ -15,8 +15,18 @@ from rl.rollout.engine import RolloutEngine
 from rl.rollout.paged import PagedEngine
 from rl.rollout.types import Completion, RolloutResult, RolloutStats, SamplingParams
 
-__all__ = ["make_engine", "EngineConfig", "BACKENDS", "RolloutEngine", "PagedEngine", "DenseEngine",
-           "SamplingParams", "Completion", "RolloutResult", "RolloutStats"]
+__all__ = [
+  "BACKENDS",
+  "Completion",
+  "DenseEngine",
+  "EngineConfig",
+  "PagedEngine",
+  "RolloutEngine",
+  "RolloutResult",
+  "RolloutStats",
+  "SamplingParams",
+  "make_engine",
+]
 
 
 def make_engine(model, config: EngineConfig, tokenizer=None, eos_ids=None) -> RolloutEngine:
@@ -27,5 +37,6 @@ def make_engine(model, config: EngineConfig, tokenizer=None, eos_ids=None) -> Ro
     return DenseEngine(model, config, tokenizer, eos_ids)
   if config.backend == "sglang_jax":
     from rl.rollout.sglang_jax import SglangJaxEngine  # imports sglang-jax only when asked for
+
     return SglangJaxEngine(model, config, tokenizer, eos_ids)
   raise ValueError(f"unknown rollout backend {config.backend!r}")

@@ -45,11 +45,15 @@ class EngineConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.sglang_mem_fraction is not None and not 0.0 < self.sglang_mem_fraction <= 1.0:
-      raise ValueError(f"EngineConfig.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}")
+      raise ValueError(
+        f"EngineConfig.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}"
+      )
     if self.num_pages is not None and self.num_pages - 1 < self.pages_per_seq:
-      raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_seq_len="
-                       f"{self.max_seq_len} ({self.pages_per_seq} pages of {self.page_size} + the reserved "
-                       "page 0)")
+      raise ValueError(
+        f"num_pages={self.num_pages} cannot hold one sequence of max_seq_len="
+        f"{self.max_seq_len} ({self.pages_per_seq} pages of {self.page_size} + the reserved "
+        "page 0)"
+      )
 
   @property
   def pages_per_seq(self) -> int:

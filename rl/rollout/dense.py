@@ -22,15 +22,15 @@ from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
 
 class DenseEngine(RolloutEngine):
-
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-               ) -> RolloutResult:
+  def generate(
+    self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+  ) -> RolloutResult:
     t0 = time.perf_counter()
     groups = self._requests(prompts, params)
     stats = RolloutStats()
     rows = [s for g in groups for s in g]
     for i in range(0, len(rows), self.config.max_slots):
-      self._run_batch(rows[i:i + self.config.max_slots], stats)
+      self._run_batch(rows[i : i + self.config.max_slots], stats)
     return self._result(groups, stats, t0)
 
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/batch")
@@ -40,11 +40,12 @@ class DenseEngine(RolloutEngine):
     n = len(seqs)
     width = bucket(max(len(s.prompt) for s in seqs))
     max_len = max(width, max(len(s.prompt) + s.limit for s in seqs))
-    cache = DenseKVCache.create(cfg.num_layers, n, max_len, cfg.num_kv_heads, cfg.dim_per_head,
-                                self.cache_dtype)
+    cache = DenseKVCache.create(
+      cfg.num_layers, n, max_len, cfg.num_kv_heads, cfg.dim_per_head, self.cache_dtype
+    )
     tokens = np.zeros((n, width), np.int32)
     for i, s in enumerate(seqs):
-      tokens[i, :len(s.prompt)] = s.prompt
+      tokens[i, : len(s.prompt)] = s.prompt
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
     last = jnp.asarray([len(s.prompt) - 1 for s in seqs], jnp.int32)
     t = time.perf_counter()
@@ -55,12 +56,13 @@ class DenseEngine(RolloutEngine):
     stats.prefill_s += time.perf_counter() - t
     stats.prefill_tokens += sum(len(s.prompt) for s in seqs)
     for i, s in enumerate(seqs):
-      self._accept(s, first[i:i + 1], lps[i:i + 1])
+      self._accept(s, first[i : i + 1], lps[i : i + 1])
     t = time.perf_counter()
     while any(s.finish is None for s in seqs):
       live = [s if s.finish is None else None for s in seqs]
-      toks, logps, emitted, cache = steps.decode_chunk(graphdef, state, cache, ecfg.steps_per_sync,
-                                                       **self._slot_arrays(live))
+      toks, logps, emitted, cache = steps.decode_chunk(
+        graphdef, state, cache, ecfg.steps_per_sync, **self._slot_arrays(live)
+      )
       toks, logps, emitted = jax.device_get((toks, logps, emitted))
       stats.decode_steps += ecfg.steps_per_sync
       for i, s in enumerate(live):

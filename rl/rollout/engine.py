@@ -42,10 +42,17 @@ class Seq:
     return len(self.prompt) + len(self.gen) - 1
 
   def completion(self, now: float) -> Completion:
-    return Completion(self.prompt_index, self.sample_index, np.asarray(self.prompt, np.int32),
-                      np.asarray(self.gen, np.int32), np.asarray(self.logps, np.float32), self.finish,
-                      queued_s=(self.admitted or now) - self.submitted, latency_s=now - self.submitted,
-                      preemptions=self.preemptions)
+    return Completion(
+      self.prompt_index,
+      self.sample_index,
+      np.asarray(self.prompt, np.int32),
+      np.asarray(self.gen, np.int32),
+      np.asarray(self.logps, np.float32),
+      self.finish,
+      queued_s=(self.admitted or now) - self.submitted,
+      latency_s=now - self.submitted,
+      preemptions=self.preemptions,
+    )
 
 
 class RolloutEngine:
@@ -55,8 +62,13 @@ class RolloutEngine:
   so an optimizer update between calls is seen without a copy or a restart.
   """
 
-  def __init__(self, model: nnx.Module, config: EngineConfig, tokenizer=None,
-               eos_ids: Sequence[int] | None = None):
+  def __init__(
+    self,
+    model: nnx.Module,
+    config: EngineConfig,
+    tokenizer=None,
+    eos_ids: Sequence[int] | None = None,
+  ):
     self.model = model
     self.config = config
     self.tokenizer = tokenizer
@@ -85,16 +97,22 @@ class RolloutEngine:
       if not prompt:
         raise ValueError(f"prompt {i} is empty")
       if len(prompt) >= limit:
-        raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_seq_len={limit} leaves no room for a "
-                         "completion (raise rollout max_seq_len or shorten the prompt)")
+        raise ValueError(
+          f"prompt {i} has {len(prompt)} tokens; max_seq_len={limit} leaves no room for a "
+          "completion (raise rollout max_seq_len or shorten the prompt)"
+        )
       bad = [t for t in prompt if not 0 <= t < vocab]
       if bad:
         raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
       if p.stop_strings and self.tokenizer is None:
         raise ValueError("stop_strings need the engine to have a tokenizer")
       stop = tuple(self.eos_ids if p.stop_token_ids is None else p.stop_token_ids)
-      groups.append([Seq(i, j, prompt, p, stop, min(p.max_new_tokens, limit - len(prompt)), now)
-                     for j in range(p.n)])
+      groups.append(
+        [
+          Seq(i, j, prompt, p, stop, min(p.max_new_tokens, limit - len(prompt)), now)
+          for j in range(p.n)
+        ]
+      )
     return groups
 
   # ----------------------------------------------------------------------------------- finishing
@@ -111,7 +129,9 @@ class RolloutEngine:
       self._apply_stop_strings(seq, start)
 
   def _apply_stop_strings(self, seq: Seq, start: int) -> None:
-    for end in range(max(start, 1), len(seq.gen) + 1):  # the first token that completes a stop string
+    for end in range(
+      max(start, 1), len(seq.gen) + 1
+    ):  # the first token that completes a stop string
       text = self.tokenizer.decode(seq.gen[:end])
       if any(s in text for s in seq.params.stop_strings):
         del seq.gen[end:], seq.logps[end:]
@@ -132,19 +152,29 @@ class RolloutEngine:
         continue
       tokens[i], positions[i], generated[i] = s.gen[-1], s.cached, len(s.gen)
       budget[i] = s.limit - len(s.gen)
-      stop[i, :len(s.stop_ids)] = s.stop_ids
+      stop[i, : len(s.stop_ids)] = s.stop_ids
       seeds[i], samples[i] = s.params.seed, s.sample_index
       temp[i], topk[i], topp[i] = s.params.temperature, s.params.top_k, s.params.top_p
-    return dict(tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), generated=jnp.asarray(generated),
-                budget=jnp.asarray(budget), stop_ids=jnp.asarray(stop), base_keys=sample_base_keys(seeds, samples),
-                temperature=jnp.asarray(temp), top_k=jnp.asarray(topk), top_p=jnp.asarray(topp))
+    return dict(
+      tokens=jnp.asarray(tokens),
+      positions=jnp.asarray(positions),
+      generated=jnp.asarray(generated),
+      budget=jnp.asarray(budget),
+      stop_ids=jnp.asarray(stop),
+      base_keys=sample_base_keys(seeds, samples),
+      temperature=jnp.asarray(temp),
+      top_k=jnp.asarray(topk),
+      top_p=jnp.asarray(topp),
+    )
 
   @staticmethod
   def _sampling_arrays(seqs: Sequence[Seq]):
-    return (sample_base_keys([s.params.seed for s in seqs], [s.sample_index for s in seqs]),
-            jnp.asarray([s.params.temperature for s in seqs], jnp.float32),
-            jnp.asarray([s.params.top_k for s in seqs], jnp.int32),
-            jnp.asarray([s.params.top_p for s in seqs], jnp.float32))
+    return (
+      sample_base_keys([s.params.seed for s in seqs], [s.sample_index for s in seqs]),
+      jnp.asarray([s.params.temperature for s in seqs], jnp.float32),
+      jnp.asarray([s.params.top_k for s in seqs], jnp.int32),
+      jnp.asarray([s.params.top_p for s in seqs], jnp.float32),
+    )
 
   def _result(self, groups: list[list[Seq]], stats: RolloutStats, t0: float) -> RolloutResult:
     now = time.perf_counter()
@@ -154,8 +184,9 @@ class RolloutEngine:
     stats.total_s = now - t0
     return RolloutResult(comps, stats)
 
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-               ) -> RolloutResult:
+  def generate(
+    self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+  ) -> RolloutResult:
     raise NotImplementedError
 
   def close(self) -> None:

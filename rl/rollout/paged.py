@@ -31,21 +31,30 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class PagedEngine(RolloutEngine):
-
   def __init__(self, model, config, tokenizer=None, eos_ids=None):
     super().__init__(model, config, tokenizer, eos_ids)
     cfg = model.cfg
-    self._cache = PagedKVCache.create(cfg.num_layers, config.pool_pages, config.page_size, cfg.num_kv_heads,
-                                      cfg.dim_per_head, self.cache_dtype, config.attn_impl)
+    self._cache = PagedKVCache.create(
+      cfg.num_layers,
+      config.pool_pages,
+      config.page_size,
+      cfg.num_kv_heads,
+      cfg.dim_per_head,
+      self.cache_dtype,
+      config.attn_impl,
+    )
 
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-               ) -> RolloutResult:
+  def generate(
+    self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+  ) -> RolloutResult:
     t0 = time.perf_counter()
     groups = self._requests(prompts, params)
     too_big = [g[0].prompt_index for g in groups if len(g) > self.config.max_slots]
     if too_big:
-      raise ValueError(f"prompt(s) {too_big[:5]} ask for more samples than max_slots="
-                       f"{self.config.max_slots}: a group is decoded together")
+      raise ValueError(
+        f"prompt(s) {too_big[:5]} ask for more samples than max_slots="
+        f"{self.config.max_slots}: a group is decoded together"
+      )
     self._graph = nnx.split(self.model)  # the live parameters, by reference
     self._pool = PagePool(self.config.pool_pages)
     self._slots: list[Seq | None] = [None] * self.config.max_slots
@@ -56,8 +65,10 @@ class PagedEngine(RolloutEngine):
     while self._waiting or self._resume or any(self._slots):
       self._admit(stats)
       if not any(self._slots):
-        raise RuntimeError("no sequence could be admitted: the page pool is smaller than one request needs "
-                           f"({self._pool.free} pages free); raise rollout num_pages")
+        raise RuntimeError(
+          "no sequence could be admitted: the page pool is smaller than one request needs "
+          f"({self._pool.free} pages free); raise rollout num_pages"
+        )
       self._reserve(stats)
       self._decode(stats)
     return self._result(groups, stats, t0)
@@ -67,7 +78,9 @@ class PagedEngine(RolloutEngine):
     ps, k = self.config.page_size, self.config.steps_per_sync
     free_slots = [i for i, s in enumerate(self._slots) if s is None]
     running = len(self._slots) - len(free_slots)
-    rows: list[tuple[Seq, list[int]]] = []  # (sequence whose pages receive the tokens, tokens to cache)
+    rows: list[
+      tuple[Seq, list[int]]
+    ] = []  # (sequence whose pages receive the tokens, tokens to cache)
     copies: list[tuple[int, int]] = []
     new_groups: list[list[Seq]] = []
 
@@ -117,20 +130,24 @@ class PagedEngine(RolloutEngine):
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/prefill")
   def _prefill(self, rows, copies, new_groups, stats: RolloutStats) -> None:
     t = time.perf_counter()
-    width = min(bucket(max(len(toks) for _, toks in rows)), self.config.pages_per_seq * self.config.page_size)
+    width = min(
+      bucket(max(len(toks) for _, toks in rows)), self.config.pages_per_seq * self.config.page_size
+    )
     n = bucket(len(rows), minimum=1)
     tokens = np.zeros((n, width), np.int32)
     last = np.zeros(n, np.int32)
     table = np.full((n, self.config.pages_per_seq), NULL_PAGE, np.int32)
     lead_row = {}
     for i, (seq, toks) in enumerate(rows):
-      tokens[i, :len(toks)] = toks
+      tokens[i, : len(toks)] = toks
       last[i] = len(toks) - 1
-      table[i, :len(seq.pages)] = seq.pages
+      table[i, : len(seq.pages)] = seq.pages
       lead_row[id(seq)] = i
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
     cache = self._cache.with_table(jnp.asarray(table))
-    logits, cache = steps.prefill(*self._graph, cache, jnp.asarray(tokens), positions, jnp.asarray(last))
+    logits, cache = steps.prefill(
+      *self._graph, cache, jnp.asarray(tokens), positions, jnp.asarray(last)
+    )
     if copies:
       src, dst = zip(*copies)
       cache = steps.copy_pages(cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
@@ -140,7 +157,7 @@ class PagedEngine(RolloutEngine):
       idx = jnp.asarray([lead_row[id(g[0])] for g in new_groups for _ in g], jnp.int32)
       first, lps = jax.device_get(steps.sample_first(logits[idx], *self._sampling_arrays(seqs)))
       for i, s in enumerate(seqs):
-        self._accept(s, first[i:i + 1], lps[i:i + 1])
+        self._accept(s, first[i : i + 1], lps[i : i + 1])
     else:
       jax.block_until_ready(cache.k)
     stats.prefill_s += time.perf_counter() - t
@@ -153,7 +170,10 @@ class PagedEngine(RolloutEngine):
     ps, k = self.config.page_size, self.config.steps_per_sync
     while True:
       running = [s for s in self._slots if s is not None]
-      want = {id(s): _cdiv(min(s.cached + k, len(s.prompt) + s.limit - 1), ps) - len(s.pages) for s in running}
+      want = {
+        id(s): _cdiv(min(s.cached + k, len(s.prompt) + s.limit - 1), ps) - len(s.pages)
+        for s in running
+      }
       short = sum(max(w, 0) for w in want.values()) - self._pool.free
       if short <= 0:
         break
@@ -179,10 +199,11 @@ class PagedEngine(RolloutEngine):
     table = np.full((len(self._slots), self.config.pages_per_seq), NULL_PAGE, np.int32)
     for i, s in enumerate(self._slots):
       if s is not None:
-        table[i, :len(s.pages)] = s.pages
+        table[i, : len(s.pages)] = s.pages
     cache = self._cache.with_table(jnp.asarray(table))
-    toks, logps, emitted, self._cache = steps.decode_chunk(*self._graph, cache, self.config.steps_per_sync,
-                                                           **self._slot_arrays(self._slots))
+    toks, logps, emitted, self._cache = steps.decode_chunk(
+      *self._graph, cache, self.config.steps_per_sync, **self._slot_arrays(self._slots)
+    )
     toks, logps, emitted = jax.device_get((toks, logps, emitted))
     for i, s in enumerate(self._slots):
       if s is not None:

@@ -29,10 +29,20 @@ class PagedKVCache:
   attn_impl: str = "auto"  # kernels.paged_attention impl for decode
 
   @classmethod
-  def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-             dtype, attn_impl: str = "auto") -> PagedKVCache:
+  def create(
+    cls,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    attn_impl: str = "auto",
+  ) -> PagedKVCache:
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32), attn_impl)
+    return cls(
+      jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32), attn_impl
+    )
 
   @property
   def page_size(self) -> int:
@@ -45,7 +55,9 @@ class PagedKVCache:
     """q [B, T, Hq, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, Hq, D], cache)."""
     ps = self.page_size
     capacity = self.page_table.shape[1] * ps
-    slot_page = jnp.take_along_axis(self.page_table, jnp.minimum(positions // ps, capacity // ps - 1), axis=1)
+    slot_page = jnp.take_along_axis(
+      self.page_table, jnp.minimum(positions // ps, capacity // ps - 1), axis=1
+    )
     page = jnp.where(positions < capacity, slot_page, NULL_PAGE)  # [B, T]
     slot = positions % ps
     # Scalar layer and the [B, T] page/slot indices are separated by a slice, so numpy indexing puts
@@ -54,8 +66,14 @@ class PagedKVCache:
     new_v = self.v.at[layer, :, page, slot].set(v.astype(self.v.dtype))
     cache = dataclasses.replace(self, k=new_k, v=new_v)
     if q.shape[1] == 1:
-      out = kernels.paged_attention(q[:, 0], new_k[layer], new_v[layer], positions[:, 0] + 1,
-                                    self.page_table, impl=self.attn_impl)
+      out = kernels.paged_attention(
+        q[:, 0],
+        new_k[layer],
+        new_v[layer],
+        positions[:, 0] + 1,
+        self.page_table,
+        impl=self.attn_impl,
+      )
       return out[:, None].astype(q.dtype), cache
     kd = gather_pages(new_k[layer], self.page_table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
     vd = gather_pages(new_v[layer], self.page_table).transpose(0, 2, 1, 3)
@@ -63,7 +81,9 @@ class PagedKVCache:
     return attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible), cache
 
 
-jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table"], meta_fields=["attn_impl"])
+jax.tree_util.register_dataclass(
+  PagedKVCache, data_fields=["k", "v", "page_table"], meta_fields=["attn_impl"]
+)
 
 
 class PagePool:
@@ -82,7 +102,9 @@ class PagePool:
 
   def alloc(self, n: int) -> list[int]:
     if n > len(self._free):
-      raise RuntimeError(f"page pool exhausted: asked for {n}, {len(self._free)} free")  # callers check
+      raise RuntimeError(
+        f"page pool exhausted: asked for {n}, {len(self._free)} free"
+      )  # callers check
     pages = [self._free.pop() for _ in range(n)]
     self._refs[pages] = 1
     return pages

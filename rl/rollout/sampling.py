@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 
 
-def processed_logprobs(logits,  # [B, V] f32
-                       temperature,  # [B] f32; 0 = greedy (plain softmax)
-                       top_k,  # [B] int32; 0 = off
-                       top_p,  # [B] f32; 1 = off
-                       ):  # -> [B, V] f32 log-probs, -inf outside the kept set
+def processed_logprobs(
+  logits,  # [B, V] f32
+  temperature,  # [B] f32; 0 = greedy (plain softmax)
+  top_k,  # [B] int32; 0 = off
+  top_p,  # [B] f32; 1 = off
+):  # -> [B, V] f32 log-probs, -inf outside the kept set
   """The log-softmax of logits / temperature restricted to the top-k, then the top-p nucleus."""
   v = logits.shape[-1]
   t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -32,12 +33,13 @@ def processed_logprobs(logits,  # [B, V] f32
   return jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
 
 
-def sample(logits,  # [B, V] f32
-           keys,  # [B] typed PRNG keys
-           temperature,  # [B] f32
-           top_k,  # [B] int32
-           top_p,  # [B] f32
-           ):  # -> ([B] int32 tokens, [B] f32 log-probs)
+def sample(
+  logits,  # [B, V] f32
+  keys,  # [B] typed PRNG keys
+  temperature,  # [B] f32
+  top_k,  # [B] int32
+  top_p,  # [B] f32
+):  # -> ([B] int32 tokens, [B] f32 log-probs)
   logp = processed_logprobs(logits, temperature, top_k, top_p)
   drawn = jax.vmap(jax.random.categorical)(keys, logp)
   greedy = jnp.argmax(logits, axis=-1)
@@ -47,12 +49,16 @@ def sample(logits,  # [B, V] f32
   return tokens, jnp.take_along_axis(chosen, tokens[:, None], axis=-1)[:, 0]
 
 
-def token_keys(base_keys,  # [B] typed keys: fold_in(key(seed), sample_index) per row
-               steps,  # [B] int32: index of the token being drawn within the completion
-               ):  # -> [B] typed keys
+def token_keys(
+  base_keys,  # [B] typed keys: fold_in(key(seed), sample_index) per row
+  steps,  # [B] int32: index of the token being drawn within the completion
+):  # -> [B] typed keys
   return jax.vmap(jax.random.fold_in)(base_keys, steps)
 
 
-def sample_base_keys(seeds, sample_indices):  # [B] int, [B] int -> [B] typed keys (host-side inputs)
+def sample_base_keys(
+  seeds, sample_indices
+):  # [B] int, [B] int -> [B] typed keys (host-side inputs)
   return jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(
-      jnp.asarray(seeds, jnp.uint32), jnp.asarray(sample_indices, jnp.int32))
+    jnp.asarray(seeds, jnp.uint32), jnp.asarray(sample_indices, jnp.int32)
+  )

@@ -38,7 +38,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
 from rl.model import partition
@@ -54,8 +53,10 @@ def _import_engine():
   try:
     from sgl_jax.srt.entrypoints.engine import Engine
   except ImportError as e:
-    raise ImportError("rollout.backend=sglang_jax needs sglang-jax (Python >= 3.12): "
-                      "pip install -e '.[sglang]' (see the README's sglang-jax section)") from e
+    raise ImportError(
+      "rollout.backend=sglang_jax needs sglang-jax (Python >= 3.12): "
+      "pip install -e '.[sglang]' (see the README's sglang-jax section)"
+    ) from e
   return Engine
 
 
@@ -70,7 +71,10 @@ def sglang_path(our_name: str) -> tuple[str, bool]:
     return f"{base}.embedding", False
   if base.endswith("norm"):
     return f"{base}.scale", False
-  return f"{base}.{leaf}", False  # linear weight / bias: sglang stores HF's [out, in] as [in, out], as we do
+  return (
+    f"{base}.{leaf}",
+    False,
+  )  # linear weight / bias: sglang stores HF's [out, in] as [in, out], as we do
 
 
 def completion_logprobs(entries: Sequence, tokens: Sequence[int]) -> list:
@@ -86,9 +90,13 @@ def completion_logprobs(entries: Sequence, tokens: Sequence[int]) -> list:
   if extra < 0:
     raise RuntimeError(f"sglang-jax returned {n} tokens but only {len(entries)} log-probs")
   full = list(entries[extra:])
-  if extra and not any(_repeated_prefixes(entries[:extra], full, interval) for interval in range(1, n)):
-    raise RuntimeError(f"sglang-jax returned {n} tokens but {len(entries)} log-probs that are not its "
-                       "repeated-prefix pattern")
+  if extra and not any(
+    _repeated_prefixes(entries[:extra], full, interval) for interval in range(1, n)
+  ):
+    raise RuntimeError(
+      f"sglang-jax returned {n} tokens but {len(entries)} log-probs that are not its "
+      "repeated-prefix pattern"
+    )
   if [int(x[1]) for x in full] != list(tokens):
     raise RuntimeError("sglang-jax's log-probs name other tokens than its output ids")
   return full
@@ -101,7 +109,7 @@ def _repeated_prefixes(head: Sequence, full: list, interval: int) -> bool:
     return False
   start = 0
   for length in lengths:
-    if list(head[start:start + length]) != full[:length]:
+    if list(head[start : start + length]) != full[:length]:
       return False
     start += length
   return True
@@ -114,28 +122,38 @@ class SglangJaxEngine(RolloutEngine):
   engine beside a running one was seen to generate wrong tokens. `close()` one before making another.
   """
 
-  _live: "SglangJaxEngine | None" = None
+  _live: SglangJaxEngine | None = None
 
   def __init__(self, model, config, tokenizer=None, eos_ids=None, *, log_level: str = "error"):
     super().__init__(model, config, tokenizer, eos_ids)
     cfg = model.cfg
     if cfg.model_type not in SUPPORTED_MODELS:
-      raise ValueError(f"sglang_jax backend supports {SUPPORTED_MODELS}, not model_type={cfg.model_type!r}")
+      raise ValueError(
+        f"sglang_jax backend supports {SUPPORTED_MODELS}, not model_type={cfg.model_type!r}"
+      )
     if cfg.dim_per_head % 128 or cfg.num_kv_heads < 2:
       # 0.1.0rc0 pads narrower heads to 128 lanes in attention but not in dummy-loaded weights, and its KV
       # pool mis-shards a single KV head: both fail deep inside its jitted forward.
-      raise ValueError(f"sglang-jax 0.1.0rc0 needs head_dim a multiple of 128 and >= 2 KV heads; this model "
-                       f"has head_dim={cfg.dim_per_head}, num_kv_heads={cfg.num_kv_heads} (e.g. Qwen2.5-1.5B / 3B "
-                       "/ 7B fit, Qwen2.5-0.5B's head_dim 64 does not; the preset tiny-h128 is the small one)")
+      raise ValueError(
+        f"sglang-jax 0.1.0rc0 needs head_dim a multiple of 128 and >= 2 KV heads; this model "
+        f"has head_dim={cfg.dim_per_head}, num_kv_heads={cfg.num_kv_heads} (e.g. Qwen2.5-1.5B / 3B "
+        "/ 7B fit, Qwen2.5-0.5B's head_dim 64 does not; the preset tiny-h128 is the small one)"
+      )
     if jax.process_count() > 1:
-      raise ValueError("the sglang_jax backend runs one engine per process on one device; multi-process "
-                       "runs use the paged backend")
+      raise ValueError(
+        "the sglang_jax backend runs one engine per process on one device; multi-process "
+        "runs use the paged backend"
+      )
     if config.cache_dtype not in (None, cfg.dtype):
-      raise ValueError(f"sglang_jax keeps its KV cache in the model dtype ({cfg.dtype}); cache_dtype="
-                       f"{config.cache_dtype!r} is not supported")
+      raise ValueError(
+        f"sglang_jax keeps its KV cache in the model dtype ({cfg.dtype}); cache_dtype="
+        f"{config.cache_dtype!r} is not supported"
+      )
     if SglangJaxEngine._live is not None:
-      raise RuntimeError("an sglang_jax engine is already running in this process; close() it first "
-                         "(sglang-jax keeps process-global state, two engines interfere)")
+      raise RuntimeError(
+        "an sglang_jax engine is already running in this process; close() it first "
+        "(sglang-jax keeps process-global state, two engines interfere)"
+      )
     Engine = _import_engine()
     platform = jax.default_backend()
     attention, page = _ATTENTION.get(platform, ("native", 1))
@@ -145,17 +163,29 @@ class SglangJaxEngine(RolloutEngine):
     hf = dict(cfg.to_hf(), torch_dtype=cfg.dtype, eos_token_id=None)
     with open(os.path.join(self._config_dir.name, "config.json"), "w") as f:
       json.dump(hf, f)
-    args = dict(model_path=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
-                enable_single_process=True, device=platform, dtype=cfg.dtype, tp_size=1,
-                device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
-                # + 2: sglang-jax clips max_new_tokens to context - 2 - prompt (and to the pool size - 2);
-                # ours allow prompt + new == max_seq_len
-                attention_backend=attention, page_size=page, context_length=config.max_seq_len + 2,
-                max_total_tokens=config.max_slots * (config.max_seq_len + 2), max_running_requests=config.max_slots,
-                grammar_backend="none", disable_precompile=platform == "cpu", log_level=log_level,
-                # With the overlap scheduler on, a loaded machine saw the first engine of a process decode
-                # tokens unrelated to the synced weights (4 of 10 tests, 3 runs); off, 3 loaded runs passed.
-                disable_overlap_schedule=True)
+    args = dict(
+      model_path=self._config_dir.name,
+      load_format="dummy",
+      skip_tokenizer_init=True,
+      enable_single_process=True,
+      device=platform,
+      dtype=cfg.dtype,
+      tp_size=1,
+      device_indexes=[jax.devices()[0].id],  # one device, whatever else this process sees
+      # + 2: sglang-jax clips max_new_tokens to context - 2 - prompt (and to the pool size - 2);
+      # ours allow prompt + new == max_seq_len
+      attention_backend=attention,
+      page_size=page,
+      context_length=config.max_seq_len + 2,
+      max_total_tokens=config.max_slots * (config.max_seq_len + 2),
+      max_running_requests=config.max_slots,
+      grammar_backend="none",
+      disable_precompile=platform == "cpu",
+      log_level=log_level,
+      # With the overlap scheduler on, a loaded machine saw the first engine of a process decode
+      # tokens unrelated to the synced weights (4 of 10 tests, 3 runs); off, 3 loaded runs passed.
+      disable_overlap_schedule=True,
+    )
     if config.sglang_mem_fraction is not None:
       args["mem_fraction_static"] = config.sglang_mem_fraction
     self.engine = Engine(**args)
@@ -174,25 +204,35 @@ class SglangJaxEngine(RolloutEngine):
     for name, x in self._params().items():
       target, transpose = sglang_path(name)
       if target not in index:
-        raise ValueError(f"parameter {name} maps to sglang-jax {target!r}, which its model does not have "
-                         f"(its weights: {sorted(k for k in index if 'layers.1.' not in k)[:12]} ...)")
+        raise ValueError(
+          f"parameter {name} maps to sglang-jax {target!r}, which its model does not have "
+          f"(its weights: {sorted(k for k in index if 'layers.1.' not in k)[:12]} ...)"
+        )
       i, leaf = index[target]
       want = tuple(leaf.shape)
       have = tuple(x.shape[::-1] if transpose else x.shape)
       if want != have:
-        raise ValueError(f"parameter {name} {tuple(x.shape)} does not fit sglang-jax {target} {want} (padded "
-                         "or replicated heads, e.g. tp_size > num_kv_heads, are not supported)")
+        raise ValueError(
+          f"parameter {name} {tuple(x.shape)} does not fit sglang-jax {target} {want} (padded "
+          "or replicated heads, e.g. tp_size > num_kv_heads, are not supported)"
+        )
       plan.append((i, name, transpose))
       used.add(target)
-    missed = [k for k in index if k not in used and k.rsplit(".", 1)[-1] in ("weight", "bias", "scale", "embedding")]
+    missed = [
+      k
+      for k in index
+      if k not in used and k.rsplit(".", 1)[-1] in ("weight", "bias", "scale", "embedding")
+    ]
     if missed:
       raise ValueError(f"sglang-jax weights with no parameter of ours to fill them: {missed[:8]}")
     return plan
 
   def _params(self) -> dict:
     """Our parameter name -> the live model's current array."""
-    return {partition.path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
-        nnx.state(self.model, nnx.Param))}
+    return {
+      partition.path_name(p): x
+      for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(self.model, nnx.Param))
+    }
 
   def sync_weights(self) -> int:
     """Write the model's current parameters into the engine; returns how many leaves were written
@@ -217,27 +257,40 @@ class SglangJaxEngine(RolloutEngine):
     return len(self._plan)
 
   # ----------------------------------------------------------------------------------- generation
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
+  def generate(
+    self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+  ):
     t0 = time.perf_counter()
     groups = self._requests(prompts, params)
     self.sync_weights()
     seqs = [s for g in groups for s in g]
-    outs = self.engine.generate(input_ids=[s.prompt for s in seqs],
-                                sampling_params=[self._sampling(s) for s in seqs], return_logprob=True)
+    outs = self.engine.generate(
+      input_ids=[s.prompt for s in seqs],
+      sampling_params=[self._sampling(s) for s in seqs],
+      return_logprob=True,
+    )
     stats = RolloutStats()
     for s, out in zip(seqs, outs, strict=True):
       self._finish(s, out)
       meta = out["meta_info"]
-      stats.prefill_tokens += int(meta.get("prompt_tokens", len(s.prompt))) - int(meta.get("cached_tokens", 0))
+      stats.prefill_tokens += int(meta.get("prompt_tokens", len(s.prompt))) - int(
+        meta.get("cached_tokens", 0)
+      )
       s.admitted = t0
     return self._result(groups, stats, t0)
 
   @staticmethod
   def _sampling(s: Seq) -> dict:
     p = s.params
-    return dict(max_new_tokens=s.limit, temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else -1,
-                top_p=p.top_p, stop_token_ids=list(s.stop_ids),
-                sampling_seed=(p.seed * 1_000_003 + s.sample_index) % (2**31 - 1), skip_special_tokens=False)
+    return dict(
+      max_new_tokens=s.limit,
+      temperature=p.temperature,
+      top_k=p.top_k if p.top_k > 0 else -1,
+      top_p=p.top_p,
+      stop_token_ids=list(s.stop_ids),
+      sampling_seed=(p.seed * 1_000_003 + s.sample_index) % (2**31 - 1),
+      skip_special_tokens=False,
+    )
 
   def _finish(self, s: Seq, out: dict) -> None:
     tokens = [int(t) for t in out["output_ids"]]
@@ -246,8 +299,10 @@ class SglangJaxEngine(RolloutEngine):
     reason = out["meta_info"]["finish_reason"] or {}
     if s.finish is None:  # sglang stopped without our rules firing: trust its reason, but say which
       if reason.get("type") == "length" and len(tokens) < s.limit:
-        raise RuntimeError(f"sglang-jax cut a completion at {len(tokens)} of its {s.limit} tokens (its context "
-                           "or token-pool limit is below this engine's max_seq_len)")
+        raise RuntimeError(
+          f"sglang-jax cut a completion at {len(tokens)} of its {s.limit} tokens (its context "
+          "or token-pool limit is below this engine's max_seq_len)"
+        )
       s.finish = "length" if reason.get("type") == "length" else "eos"
 
   def close(self) -> None:

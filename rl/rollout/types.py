@@ -27,7 +27,7 @@ class SamplingParams:
   seed: int = 0
   stop_token_ids: tuple[int, ...] | None = None  # None: the engine's EOS ids
   stop_strings: tuple[str, ...] = ()  # needs a tokenizer; the completion ends with the token that
-                                      # completes the string (kept, so its log-prob stays aligned)
+  # completes the string (kept, so its log-prob stays aligned)
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -91,7 +91,11 @@ class RolloutResult:
     if longest > width:
       raise ValueError(f"a completion has {longest} tokens, more than max_len={width}")
     n = len(self.completions)
-    ids, mask, lps = np.zeros((n, width), np.int32), np.zeros((n, width), bool), np.zeros((n, width), np.float32)
+    ids, mask, lps = (
+      np.zeros((n, width), np.int32),
+      np.zeros((n, width), bool),
+      np.zeros((n, width), np.float32),
+    )
     for i, c in enumerate(self.completions):
       k = len(c.token_ids)
       ids[i, :k], mask[i, :k], lps[i, :k] = c.token_ids, True, c.logprobs

@@ -9,14 +9,13 @@ log-probs checked against a teacher-forced forward before it is timed. The defau
 benchmarking run uses the bench's size for the backend (small on CPU, large on an accelerator).
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 
-import functools
-
-from bench import harness
-from bench import rollout
+from bench import harness, rollout
 from bench.cases import all_cases
 from bench.tolerances import parity_error
 from kernels import backend
@@ -31,7 +30,9 @@ def _size(config) -> str:
 
 def pytest_generate_tests(metafunc):
   if "case" in metafunc.fixturenames:
-    metafunc.parametrize("case", all_cases(_size(metafunc.config), _TARGET.platform), ids=lambda c: c.name)
+    metafunc.parametrize(
+      "case", all_cases(_size(metafunc.config), _TARGET.platform), ids=lambda c: c.name
+    )
   if "rollout_size" in metafunc.fixturenames:
     metafunc.parametrize("rollout_size", [_size(metafunc.config)])
 
@@ -44,8 +45,12 @@ def test_bench(benchmark, case, side):
     ref_out = jax.tree.leaves(jax.jit(case.reference)(*args))
     out = jax.tree.leaves(compiled(*args))
     for c in case.checks:
-      err = max(parity_error(np.asarray(out[i]), np.asarray(ref_out[i]), c.quantity, c.dtype, c.reduction_len)
-                for i in (c.index if isinstance(c.index, tuple) else (c.index,)))
+      err = max(
+        parity_error(
+          np.asarray(out[i]), np.asarray(ref_out[i]), c.quantity, c.dtype, c.reduction_len
+        )
+        for i in (c.index if isinstance(c.index, tuple) else (c.index,))
+      )
       assert err <= 1.0, f"{case.name} {c.label}: error {err:.3g}x the tolerance"
   benchmark.group = case.name
   benchmark.extra_info.update(case.params, bytes=case.bytes, interpret=_TARGET.interpret)
@@ -65,9 +70,13 @@ def test_rollout(benchmark, rollout_size, workload, backend):
   prompts, params = rollout.workload(size, workload)
   engine = rollout.bench_engine(model, rollout_size, backend)
   try:
-    result = engine.generate(prompts, params)  # compiles; parity on its own outputs before any timing
+    result = engine.generate(
+      prompts, params
+    )  # compiles; parity on its own outputs before any timing
     err, diff = rollout.teacher_forced_error(model, result, size["prompt_len"], size["new_tokens"])
-    assert err <= 1.0, f"{backend} log-probs off a teacher-forced forward: {err:.3g}x the tolerance ({diff:.3g} nats)"
+    assert err <= 1.0, (
+      f"{backend} log-probs off a teacher-forced forward: {err:.3g}x the tolerance ({diff:.3g} nats)"
+    )
     benchmark.group = f"rollout/{rollout_size}/{workload}"
     benchmark.extra_info.update(size, backend=backend, tokens=result.stats.generated_tokens)
     benchmark.pedantic(lambda: engine.generate(prompts, params), warmup_rounds=0, rounds=3)

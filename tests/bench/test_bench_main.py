@@ -15,9 +15,28 @@ from bench.roofline import DevicePeaks
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
   out = tmp_path_factory.mktemp("report")
-  rc = bench_main.main(["--size", "tiny", "--suite", "grpo_loss", "--suite", "optim", "--suite", "rollout",
-                        "--repeats", "2", "--warmup", "1", "--rollout-repeats", "1", "--out", str(out / "r"),
-                        "--profile", str(out / "prof")])
+  rc = bench_main.main(
+    [
+      "--size",
+      "tiny",
+      "--suite",
+      "grpo_loss",
+      "--suite",
+      "optim",
+      "--suite",
+      "rollout",
+      "--repeats",
+      "2",
+      "--warmup",
+      "1",
+      "--rollout-repeats",
+      "1",
+      "--out",
+      str(out / "r"),
+      "--profile",
+      str(out / "prof"),
+    ]
+  )
   return rc, out
 
 
@@ -26,10 +45,21 @@ def test_report_has_every_field_and_figure(tiny_report):
   assert rc == 0
   payload = json.loads((out / "r" / "results.json").read_text())
   env = payload["environment"]
-  for key in ("date", "device_kind", "jax", "git_commit", "interpret_mode", "peaks", "sizes", "profile"):
+  for key in (
+    "date",
+    "device_kind",
+    "jax",
+    "git_commit",
+    "interpret_mode",
+    "peaks",
+    "sizes",
+    "profile",
+  ):
     assert key in env, key
   names = {c["name"] for c in payload["cases"]}
-  assert {"grpo_loss/tiny/fwd", "grpo_loss/tiny/fwd+bwd"} <= names and any(n.startswith("optim/") for n in names)
+  assert {"grpo_loss/tiny/fwd", "grpo_loss/tiny/fwd+bwd"} <= names and any(
+    n.startswith("optim/") for n in names
+  )
   for c in payload["cases"]:
     assert c["ok"] and c["parity"] and max(c["parity"].values()) <= 1.0
     for side in ("kernel", "reference"):
@@ -37,7 +67,9 @@ def test_report_has_every_field_and_figure(tiny_report):
       assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"] and t["iqr_s"] >= 0 and t["repeats"] == 2
       assert "temp_bytes" in c[side]["memory"] and "roofline_fraction" in c[side]
   (roll,) = payload["rollout"]
-  assert {r["backend"] for r in roll["rows"]} == {"paged", "dense"} and all(r["ok"] for r in roll["rows"])
+  assert {r["backend"] for r in roll["rows"]} == {"paged", "dense"} and all(
+    r["ok"] for r in roll["rows"]
+  )
   summary = (out / "r" / "summary.md").read_text()
   assert "grpo_loss/tiny/fwd" in summary and "Rollout engines" in summary
   for fig in ("roofline.png", "time_vs_size.png", "rollout.png"):
@@ -47,9 +79,12 @@ def test_report_has_every_field_and_figure(tiny_report):
 def test_profile_names_every_timed_case(tiny_report):
   pytest.importorskip("xprof")
   from bench import trace
+
   _, out = tiny_report
   s = trace.summarize(str(out / "prof"))
-  assert {"bench/grpo_loss/tiny/fwd/kernel", "bench/grpo_loss/tiny/fwd/reference"} <= set(s["phases_us"])
+  assert {"bench/grpo_loss/tiny/fwd/kernel", "bench/grpo_loss/tiny/fwd/reference"} <= set(
+    s["phases_us"]
+  )
 
 
 def test_wrong_kernel_is_a_failed_row_however_fast(tmp_path):
@@ -57,7 +92,9 @@ def test_wrong_kernel_is_a_failed_row_however_fast(tmp_path):
   wrong = dataclasses.replace(case, kernel=lambda *a: [x * 1.01 for x in case.reference(*a)])
   result = run.run_case(wrong, DevicePeaks(None, None, "none"), repeats=1, warmup=0)
   assert not result.ok and max(result.parity.values()) > 1.0
-  assert "| no |" not in report.markdown_table([result]) and "| NO |" in report.markdown_table([result])
+  assert "| no |" not in report.markdown_table([result]) and "| NO |" in report.markdown_table(
+    [result]
+  )
 
 
 def test_bad_options_are_clear_errors():

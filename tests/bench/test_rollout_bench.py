@@ -10,10 +10,14 @@ from rl.rollout import EngineConfig, make_engine
 
 def test_rollout_bench_reports_both_backends(tmp_path):
   rows, extra = rollout.run("tiny", repeats=1)
-  assert {(r.backend, r.workload) for r in rows} == {(b, w) for b in ("paged", "dense") for w in ("fixed", "varied")}
+  assert {(r.backend, r.workload) for r in rows} == {
+    (b, w) for b in ("paged", "dense") for w in ("fixed", "varied")
+  }
   by = {(r.backend, r.workload): r for r in rows}
   for w in ("fixed", "varied"):
-    assert by["paged", w].tokens == by["dense", w].tokens > 0  # same work, every request to its length
+    assert (
+      by["paged", w].tokens == by["dense", w].tokens > 0
+    )  # same work, every request to its length
     assert by["paged", w].tokens_per_s > 0
     assert 0.0 <= extra["greedy_agreement"][w]["paged"] <= 1.0
   assert by["paged", "fixed"].tokens == 2 * 2 * 8
@@ -27,7 +31,9 @@ def test_teacher_forced_check_catches_wrong_logprobs():
   model = scale_weights(init_model(preset("tiny"), seed=0), 10.0)
   size = rollout.SIZES["tiny"]
   prompts, params = rollout.workload(size, "fixed")
-  engine = make_engine(model, EngineConfig(backend="paged", max_seq_len=16, max_slots=4, page_size=8), eos_ids=[])
+  engine = make_engine(
+    model, EngineConfig(backend="paged", max_seq_len=16, max_slots=4, page_size=8), eos_ids=[]
+  )
   res = engine.generate(prompts, params)
   err, _ = rollout.teacher_forced_error(model, res, size["prompt_len"], size["new_tokens"])
   assert err <= 1.0

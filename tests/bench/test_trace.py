@@ -12,15 +12,23 @@ pytest.importorskip("xprof")
 
 def test_step_phase_of_hand_written_scope_paths():
   loss, opt = U.LOSS_SCOPE, U.OPTIMIZER_SCOPE
-  assert trace.step_phase(f"jit(train_step)/{loss}/while/body/closed_call/jvp()/dot_general") == "update/loss fwd"
-  assert trace.step_phase(f"jit(train_step)/{loss}/while/body/transpose(jvp())/dot_general") == "update/loss bwd"
+  assert (
+    trace.step_phase(f"jit(train_step)/{loss}/while/body/closed_call/jvp()/dot_general")
+    == "update/loss fwd"
+  )
+  assert (
+    trace.step_phase(f"jit(train_step)/{loss}/while/body/transpose(jvp())/dot_general")
+    == "update/loss bwd"
+  )
   assert trace.step_phase(f"jit(train_step)/{opt}/add") == "update/optimizer"
-  assert trace.step_phase("jit(train_step)/transpose(jvp())/dot_general") is None  # outside the step's scopes
+  assert (
+    trace.step_phase("jit(train_step)/transpose(jvp())/dot_general") is None
+  )  # outside the step's scopes
   assert trace.step_phase(f"jit(f)/{loss}_extra/add") is None  # a scope is a whole path component
 
 
 def test_self_times_subtract_nested_events():
-  ev = lambda ts, dur, tid=1: {"pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": f"{ts}"}  # noqa: E731
+  ev = lambda ts, dur, tid=1: {"pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": f"{ts}"}
   outer, a, b, other = ev(0, 10), ev(1, 3), ev(5, 2), ev(2, 4, tid=2)
   got = {e["name"]: t for e, t in trace._self_times([outer, a, b, other])}
   assert got == {"0": 5, "1": 3, "5": 2, "2": 4}  # the other thread's event is not the loop's child
@@ -28,20 +36,22 @@ def test_self_times_subtract_nested_events():
 
 def test_summary_of_a_captured_trace(tmp_path):
   """A jitted step with the train step's scopes: the summary splits its op time into the three phases."""
+
   def step(w, x):
     def loss(w):
       return jnp.sum(jnp.tanh(x @ w) ** 2)
+
     with jax.named_scope(U.LOSS_SCOPE):
       g = jax.grad(loss)(w)
     with jax.named_scope(U.OPTIMIZER_SCOPE):
       return w - 0.1 * jnp.sign(g) * jnp.sqrt(jnp.abs(g))
+
   f = jax.jit(step)
   w, x = jnp.ones((128, 128)), jnp.ones((64, 128))
   f(w, x).block_until_ready()
-  with trace.capture(str(tmp_path)):
-    with jax.profiler.TraceAnnotation("grpo/update"):
-      for _ in range(3):
-        f(w, x).block_until_ready()
+  with trace.capture(str(tmp_path)), jax.profiler.TraceAnnotation("grpo/update"):
+    for _ in range(3):
+      f(w, x).block_until_ready()
   s = trace.summarize(str(tmp_path))
   assert s["top"] and all(r["total_us"] >= 0 for r in s["top"])
   assert any(r["scope"] and U.LOSS_SCOPE in r["scope"] for r in s["top"])
@@ -54,11 +64,20 @@ def test_summary_of_a_captured_trace(tmp_path):
 
 
 def test_loop_profile_has_the_grpo_phases(tmp_path):
-  from tests.rl.test_train import TINY
   from rl import train
+  from tests.rl.test_train import TINY
+
   profile_dir = tmp_path / "profile"
-  train.main(TINY + [f"run.out_dir={tmp_path / 'run'}", "train.steps=3", "eval.full_at_end=false",
-                     "run.profile_steps=1", f"run.profile_dir={profile_dir}"])
+  train.main(
+    TINY
+    + [
+      f"run.out_dir={tmp_path / 'run'}",
+      "train.steps=3",
+      "eval.full_at_end=false",
+      "run.profile_steps=1",
+      f"run.profile_dir={profile_dir}",
+    ]
+  )
   s = trace.main([str(profile_dir)])
   assert {"rollout", "rollout/prefill", "rollout/decode", "reward", "update"} <= set(s["phases_us"])
   split = s["update_split_us"]

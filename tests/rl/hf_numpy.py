@@ -17,7 +17,7 @@ def _rope(x, theta):  # x: [T, heads, D]
   inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
   ang = np.arange(t)[:, None] * inv  # [T, D/2]
   emb = np.concatenate([ang, ang], -1)[:, None, :]
-  rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+  rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
   return x * np.cos(emb) + rot * np.sin(emb)
 
 
@@ -36,9 +36,16 @@ def forward(sd: dict, hf: dict, tokens) -> np.ndarray:  # tokens [T] -> logits [
       y = h @ sd[p + f"self_attn.{name}.weight"].T
       return y + sd[p + f"self_attn.{name}.bias"] if p + f"self_attn.{name}.bias" in sd else y
 
-    q, k, v = proj("q_proj").reshape(t, nh, d), proj("k_proj").reshape(t, nkv, d), proj("v_proj").reshape(t, nkv, d)
+    q, k, v = (
+      proj("q_proj").reshape(t, nh, d),
+      proj("k_proj").reshape(t, nkv, d),
+      proj("v_proj").reshape(t, nkv, d),
+    )
     if qwen3:
-      q, k = _rms(q, sd[p + "self_attn.q_norm.weight"], eps), _rms(k, sd[p + "self_attn.k_norm.weight"], eps)
+      q, k = (
+        _rms(q, sd[p + "self_attn.q_norm.weight"], eps),
+        _rms(k, sd[p + "self_attn.k_norm.weight"], eps),
+      )
     q, k = _rope(q, theta), _rope(k, theta)
     k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)

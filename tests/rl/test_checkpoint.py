@@ -16,7 +16,10 @@ from rl.sharding import make_mesh
 
 
 def _params(model):
-  return {path_name(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  return {
+    path_name(p): np.asarray(v)
+    for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+  }
 
 
 def test_hf_tensor_names_and_layout(tmp_path):
@@ -29,8 +32,9 @@ def test_hf_tensor_names_and_layout(tmp_path):
   assert sd["model.layers.0.mlp.down_proj.weight"].shape == (cfg.hidden_size, cfg.intermediate_size)
   assert sd["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
   assert "lm_head.weight" not in sd  # tied, as HF writes Qwen2.5-0.5B
-  np.testing.assert_array_equal(sd["model.layers.0.mlp.up_proj.weight"],
-                                np.asarray(model.layers[0].mlp.up_proj.kernel[...]).T)
+  np.testing.assert_array_equal(
+    sd["model.layers.0.mlp.up_proj.weight"], np.asarray(model.layers[0].mlp.up_proj.kernel[...]).T
+  )
   hf = json.loads((tmp_path / "config.json").read_text())
   assert hf["model_type"] == "qwen2" and hf["architectures"] == ["Qwen2ForCausalLM"]
 
@@ -55,7 +59,9 @@ def test_bf16_checkpoint_loads_into_f32_params(tmp_path):
   loaded = load_checkpoint(tmp_path, param_dtype="float32")
   for k, v in _params(loaded).items():
     assert v.dtype == np.float32
-    np.testing.assert_array_equal(v, _params(model)[k].astype(jnp.bfloat16).astype(np.float32), err_msg=k)
+    np.testing.assert_array_equal(
+      v, _params(model)[k].astype(jnp.bfloat16).astype(np.float32), err_msg=k
+    )
 
 
 def test_load_onto_mesh_places_every_parameter_by_the_rules(tmp_path):
@@ -71,13 +77,20 @@ def test_load_onto_mesh_places_every_parameter_by_the_rules(tmp_path):
   fwd = nnx.jit(lambda m, t: m.logits(m(t)))
   # Sharded matmuls reduce in another order: equal up to f32 accumulation.
   cfg = model.cfg
-  assert_close(fwd(loaded, tokens), fwd(model, tokens), "value", jnp.float32,
-               max(cfg.hidden_size, cfg.intermediate_size) * cfg.num_layers)
+  assert_close(
+    fwd(loaded, tokens),
+    fwd(model, tokens),
+    "value",
+    jnp.float32,
+    max(cfg.hidden_size, cfg.intermediate_size) * cfg.num_layers,
+  )
 
 
 def test_partition_rules_drop_axes_that_do_not_divide():
   mesh = make_mesh(dp=1, fsdp=2, tp=4)
-  assert spec_for("layers.0.self_attn.k_proj.kernel", (64, 6), mesh) == jax.sharding.PartitionSpec("fsdp", None)
+  assert spec_for("layers.0.self_attn.k_proj.kernel", (64, 6), mesh) == jax.sharding.PartitionSpec(
+    "fsdp", None
+  )
   with pytest.raises(ValueError, match="no partition rule"):
     spec_for("layers.0.new_thing.kernel", (4, 4), mesh)
 
@@ -91,8 +104,10 @@ def test_load_errors_name_the_problem(tmp_path):
   save_file(missing, str(tmp_path / "model.safetensors"))
   with pytest.raises(ValueError, match="gate_proj"):
     load_checkpoint(tmp_path)
-  save_file({**sd, "model.layers.9.mlp.gate_proj.weight": sd["model.layers.1.mlp.gate_proj.weight"]},
-            str(tmp_path / "model.safetensors"))
+  save_file(
+    {**sd, "model.layers.9.mlp.gate_proj.weight": sd["model.layers.1.mlp.gate_proj.weight"]},
+    str(tmp_path / "model.safetensors"),
+  )
   with pytest.raises(ValueError, match="does not use"):
     load_checkpoint(tmp_path)
   wrong = dict(sd, **{"model.norm.weight": np.ones(3, np.float32)})
@@ -109,8 +124,12 @@ def test_logits_match_transformers_when_installed(tmp_path):
   for name in ["tiny", "tiny-qwen3"]:
     model = init_model(preset(name, dtype="float32"), seed=10)
     save_checkpoint(model, tmp_path / name, dtype="float32")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, torch_dtype=torch.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / name, torch_dtype=torch.float32
+    )
     tokens = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (2, 10))
     with torch.no_grad():
       expected = hf_model(torch.tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(model.logits(model(jnp.asarray(tokens))), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+      model.logits(model(jnp.asarray(tokens))), expected, rtol=1e-4, atol=1e-4
+    )

@@ -9,7 +9,9 @@ from rl.data import generate_synthetic, gold_answer, load_gsm8k
 from rl.rewards import correctness_reward, format_reward
 
 GSM8K = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not at {GSM8K}")
+needs_gsm8k = pytest.mark.skipif(
+  not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not at {GSM8K}"
+)
 
 
 @needs_gsm8k
@@ -29,8 +31,10 @@ def test_gold_normalisation_and_errors(tmp_path):
   with pytest.raises(ValueError, match="####"):
     gold_answer("no final answer")
   bad = tmp_path / "train.jsonl"
-  bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q"}) + "\n")
-  with pytest.raises(ValueError, match="train.jsonl:2"):
+  bad.write_text(
+    json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q"}) + "\n"
+  )
+  with pytest.raises(ValueError, match=r"train\.jsonl:2"):
     load_gsm8k(tmp_path, "train")
   with pytest.raises(ValueError, match="split"):
     load_gsm8k(tmp_path)
@@ -47,7 +51,7 @@ def test_synthetic_is_seeded_correct_and_leveled():
     value = None
     for line in steps:  # every equation line is true arithmetic
       lhs, rhs = line.split(" = ")
-      assert eval(lhs) == int(rhs)  # noqa: S307 - our own generated "a op b"
+      assert eval(lhs) == int(rhs)
       value = int(rhs)
     assert str(value) == ex.gold and int(ex.gold) >= 0
   assert {len(ex.answer.splitlines()) - 1 for ex in generate_synthetic(100, 0, levels=(2,))} == {2}

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from bench.tolerances import assert_close
 from rl.model import DenseKVCache, ModelConfig, init_model, preset, save_checkpoint
 from rl.model.qwen import abstract_model
-from safetensors.numpy import load_file
 from tests.rl import hf_numpy
 
 F32_PRESETS = ["tiny", "tiny-qwen3"]
@@ -35,6 +35,7 @@ def test_logits_match_independent_hf_numpy_forward(name, tmp_path):
   save_checkpoint(model, tmp_path, dtype=None)
   sd = load_file(str(tmp_path / "model.safetensors"))
   import json
+
   hf = json.loads((tmp_path / "config.json").read_text())
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
   expected = hf_numpy.forward(sd, hf, tokens)
@@ -65,7 +66,9 @@ def test_prefill_then_decode_equals_full_forward(name):
   b, prompt, new, max_len = 3, 6, 4, 16
   lengths = np.array([6, 3, 5])  # right-padded prompts of different lengths
   seqs = rng.integers(0, cfg.vocab_size, (b, prompt + new))
-  cache = DenseKVCache.create(cfg.num_layers, b, max_len, cfg.num_kv_heads, cfg.dim_per_head, jnp.float32)
+  cache = DenseKVCache.create(
+    cfg.num_layers, b, max_len, cfg.num_kv_heads, cfg.dim_per_head, jnp.float32
+  )
   prompt_ids = np.where(np.arange(prompt) < lengths[:, None], seqs[:, :prompt], 0)
   positions = jnp.broadcast_to(jnp.arange(prompt), (b, prompt))
   step = nnx.jit(lambda m, t, p, c: m.forward_with_cache(t, p, c))
@@ -77,10 +80,12 @@ def test_prefill_then_decode_equals_full_forward(name):
     hidden, cache = step(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], cache)
     outs.append(hidden[:, 0])
   for r in range(b):
-    full_ids = np.concatenate([seqs[r, : lengths[r]], seqs[r, lengths[r]: lengths[r] + new]])
+    full_ids = np.concatenate([seqs[r, : lengths[r]], seqs[r, lengths[r] : lengths[r] + new]])
     full = model(jnp.asarray(full_ids)[None])[0]
     got = jnp.stack([o[r] for o in outs])
-    assert_close(got, full[lengths[r] - 1:], "value", jnp.float32, _reduction_len(cfg), err_msg=f"row {r}")
+    assert_close(
+      got, full[lengths[r] - 1 :], "value", jnp.float32, _reduction_len(cfg), err_msg=f"row {r}"
+    )
 
 
 def test_bf16_compute_tracks_f32():
@@ -92,33 +97,46 @@ def test_bf16_compute_tracks_f32():
   hi = model32.logits(model32(tokens))
   assert lo.dtype == jnp.float32 and model(tokens).dtype == jnp.bfloat16
   # bf16 activations through 2 layers: each stored activation carries a bf16 rounding (2^-8 relative).
-  assert_close(lo, hi, "value", jnp.bfloat16, _reduction_len(cfg), scale=float(jnp.max(jnp.abs(hi))))
+  assert_close(
+    lo, hi, "value", jnp.bfloat16, _reduction_len(cfg), scale=float(jnp.max(jnp.abs(hi)))
+  )
 
 
 def test_lm_head_weight_tied_and_untied():
   tied = init_model(preset("tiny"))
   assert tied.lm_head_weight().shape == (64, tied.cfg.vocab_size)
-  np.testing.assert_array_equal(tied.lm_head_weight(),
-                                tied.embed_tokens.embedding[...].T.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(
+    tied.lm_head_weight(), tied.embed_tokens.embedding[...].T.astype(jnp.bfloat16)
+  )
   untied = init_model(preset("tiny-qwen3"))
   assert not hasattr(tied, "lm_head") and untied.lm_head.kernel.shape == (64, untied.cfg.vocab_size)
 
 
 # Published parameter counts of the real checkpoints (their HF model cards / safetensors index totals).
-@pytest.mark.parametrize("name,count", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304),
-                                        ("qwen2.5-3b", 3_085_938_688), ("qwen2.5-7b", 7_615_616_512)])
+@pytest.mark.parametrize(
+  "name,count",
+  [
+    ("qwen2.5-0.5b", 494_032_768),
+    ("qwen2.5-1.5b", 1_543_714_304),
+    ("qwen2.5-3b", 3_085_938_688),
+    ("qwen2.5-7b", 7_615_616_512),
+  ],
+)
 def test_presets_have_the_published_parameter_counts(name, count):
   params = nnx.state(abstract_model(preset(name)), nnx.Param)
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) == count
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),
     (dict(hidden_size=60, num_heads=8, num_kv_heads=2), "not divisible"),
     (dict(model_type="llama"), "model_type"),
     (dict(dtype="floaty"), "not a dtype"),
     (dict(vocab_size=0), "vocab_size"),
-])
+  ],
+)
 def test_config_rejects_bad_values(bad, match):
   with pytest.raises(ValueError, match=match):
     preset("tiny", **bad)

@@ -3,25 +3,60 @@
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rl.rewards import correctness_reward, extract_answer, format_reward, normalize_number, parse_number, score
+from rl.rewards import (
+  correctness_reward,
+  extract_answer,
+  format_reward,
+  normalize_number,
+  parse_number,
+  score,
+)
 
 
-@pytest.mark.parametrize("text,value", [
-    ("#### 72", 72), ("so #### 1,234 apples", 1234), ("#### $1,000.00", 1000), ("#### -5", -5),
-    ("#### \u22123", -3), (r"The answer is \boxed{42}.", 42), (r"\boxed{\frac{3}{4}}", Fraction(3, 4)),
-    (r"\boxed{\dfrac{-1}{2}}", Fraction(-1, 2)), ("<answer>The total is 18.</answer>", 18),
-    ("<answer>7</answer> then 99", 7), ("She pays 12.50 dollars", Fraction(25, 2)), ("10 - 4 = 6", 6),
-    ("5-3", 3), ("ratio 2/3", Fraction(2, 3)), ("about .5", Fraction(1, 2)),
-    ("#### nothing\nbut 8 later", 8), ("no numbers here", None), ("1/0", None), ("", None),
-])
+@pytest.mark.parametrize(
+  "text,value",
+  [
+    ("#### 72", 72),
+    ("so #### 1,234 apples", 1234),
+    ("#### $1,000.00", 1000),
+    ("#### -5", -5),
+    ("#### \u22123", -3),
+    (r"The answer is \boxed{42}.", 42),
+    (r"\boxed{\frac{3}{4}}", Fraction(3, 4)),
+    (r"\boxed{\dfrac{-1}{2}}", Fraction(-1, 2)),
+    ("<answer>The total is 18.</answer>", 18),
+    ("<answer>7</answer> then 99", 7),
+    ("She pays 12.50 dollars", Fraction(25, 2)),
+    ("10 - 4 = 6", 6),
+    ("5-3", 3),
+    ("ratio 2/3", Fraction(2, 3)),
+    ("about .5", Fraction(1, 2)),
+    ("#### nothing\nbut 8 later", 8),
+    ("no numbers here", None),
+    ("1/0", None),
+    ("", None),
+  ],
+)
 def test_extract_answer(text, value):
   assert extract_answer(text) == (Fraction(value) if value is not None else None)
 
 
-@pytest.mark.parametrize("text,canonical", [("1,234", "1234"), ("$5", "5"), ("5.0", "5"), ("7.50", "7.5"),
-                                            ("-0.25", "-0.25"), ("6/4", "1.5"), ("1/3", "1/3"), ("x", None)])
+@pytest.mark.parametrize(
+  "text,canonical",
+  [
+    ("1,234", "1234"),
+    ("$5", "5"),
+    ("5.0", "5"),
+    ("7.50", "7.5"),
+    ("-0.25", "-0.25"),
+    ("6/4", "1.5"),
+    ("1/3", "1/3"),
+    ("x", None),
+  ],
+)
 def test_normalize_number(text, canonical):
   assert normalize_number(text) == canonical
 
@@ -35,9 +70,13 @@ def test_rewards_never_raise_on_any_string(text):
   extract_answer(text), parse_number(text), normalize_number(text)
 
 
-_reasoning = st.text(st.characters(blacklist_characters="#\\<", blacklist_categories=("Cs",)), max_size=60)
-_values = st.one_of(st.integers(-10**7, 10**7).map(Fraction),
-                    st.decimals(-10**5, 10**5, places=2, allow_nan=False, allow_infinity=False).map(Fraction))
+_reasoning = st.text(
+  st.characters(blacklist_characters="#\\<", blacklist_categories=("Cs",)), max_size=60
+)
+_values = st.one_of(
+  st.integers(-(10**7), 10**7).map(Fraction),
+  st.decimals(-(10**5), 10**5, places=2, allow_nan=False, allow_infinity=False).map(Fraction),
+)
 
 
 def _render(value: Fraction, commas: bool) -> str:
@@ -51,8 +90,11 @@ def _render(value: Fraction, commas: bool) -> str:
 def test_formatted_correct_answers_always_score_one(reasoning, value, commas, style):
   gold = _render(value, commas=False)
   shown = _render(value, commas)
-  completion = {"####": f"{reasoning}\n#### {shown}", "boxed": f"{reasoning} \\boxed{{{shown}}}",
-                "answer": f"{reasoning}<answer>{shown}</answer>"}[style]
+  completion = {
+    "####": f"{reasoning}\n#### {shown}",
+    "boxed": f"{reasoning} \\boxed{{{shown}}}",
+    "answer": f"{reasoning}<answer>{shown}</answer>",
+  }[style]
   assert correctness_reward(completion, gold) == 1.0, completion
   if style == "####":
     assert format_reward(completion) == 1.0

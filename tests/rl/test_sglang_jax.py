@@ -11,20 +11,24 @@ from flax import nnx
 
 pytest.importorskip("sgl_jax")
 
-from rl.model import init_model, preset, scale_weights  # noqa: E402
-from rl.rollout import EngineConfig, SamplingParams, make_engine  # noqa: E402
-from rl.rollout.sampling import processed_logprobs  # noqa: E402
+from rl.model import init_model, preset, scale_weights
+from rl.rollout import EngineConfig, SamplingParams, make_engine
+from rl.rollout.sampling import processed_logprobs
 
 PROMPT_LENS = [5, 17, 3, 30, 9, 12]
 EC = dict(max_seq_len=128, max_slots=8, page_size=8, steps_per_sync=4)
 
 
 def _model(seed=0, **overrides):
-  return scale_weights(init_model(preset("tiny-h128", dtype="float32", **overrides), seed=seed), 10.0)
+  return scale_weights(
+    init_model(preset("tiny-h128", dtype="float32", **overrides), seed=seed), 10.0
+  )
 
 
-MODELS = {"qwen2-tied": dict(), "qwen3-untied": dict(model_type="qwen3", qkv_bias=False, qk_norm=True,
-                                                    tie_word_embeddings=False)}
+MODELS = {
+  "qwen2-tied": dict(),
+  "qwen3-untied": dict(model_type="qwen3", qkv_bias=False, qk_norm=True, tie_word_embeddings=False),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -64,15 +68,20 @@ def test_greedy_equals_paged_token_for_token(model, engine, prompts):
   _assert_same_tokens(_greedy(engine, prompts), ref)
   # a stop token ends both the same way (kept as the last token, reason "eos")
   stop = int(ref.completions[0].token_ids[6])
-  _assert_same_tokens(_greedy(engine, prompts, stop_token_ids=(stop,)), _greedy(paged, prompts, stop_token_ids=(stop,)))
+  _assert_same_tokens(
+    _greedy(engine, prompts, stop_token_ids=(stop,)),
+    _greedy(paged, prompts, stop_token_ids=(stop,)),
+  )
 
 
 def test_long_completions_up_to_max_seq_len(model, engine, prompts):
   """Past sglang-jax's 50-token log-prob re-send (twice), one completion ending exactly at max_seq_len:
   the same tokens, log-probs and lengths as the paged engine, nothing clipped."""
   ps = [prompts[0], prompts[2]]
-  sp = [SamplingParams(max_new_tokens=EC["max_seq_len"] - len(ps[0]), temperature=0.0),
-        SamplingParams(max_new_tokens=110, temperature=0.0)]
+  sp = [
+    SamplingParams(max_new_tokens=EC["max_seq_len"] - len(ps[0]), temperature=0.0),
+    SamplingParams(max_new_tokens=110, temperature=0.0),
+  ]
   paged = make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[])
   got = engine.generate(ps, sp)
   _assert_same_tokens(got, paged.generate(ps, sp))
@@ -83,10 +92,17 @@ def test_resync_follows_new_weights(model, engine, prompts):
   before = _greedy(engine, prompts)
   saved = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
   try:
-    nnx.update(model, jax.tree.map(lambda x: x * 1.1, nnx.state(model, nnx.Param)))  # an "optimizer step"
+    nnx.update(
+      model, jax.tree.map(lambda x: x * 1.1, nnx.state(model, nnx.Param))
+    )  # an "optimizer step"
     after = _greedy(engine, prompts)
-    _assert_same_tokens(after, _greedy(make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[]), prompts))
-    assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(before.completions, after.completions))
+    _assert_same_tokens(
+      after, _greedy(make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[]), prompts)
+    )
+    assert any(
+      not np.array_equal(a.token_ids, b.token_ids)
+      for a, b in zip(before.completions, after.completions)
+    )
     assert engine.sync_weights() == 0  # nothing changed since: nothing resent
   finally:
     nnx.update(model, saved)
@@ -97,9 +113,11 @@ def test_sampler_logprobs_equal_teacher_forced_forward(model, engine, prompts):
   res = engine.generate(prompts[:2], sp)
   for c in res.completions:
     seq = np.concatenate([c.prompt_ids, c.token_ids])
-    logits = model.logits(model(jnp.asarray(seq[None, :-1]))[0, len(c.prompt_ids) - 1:])
+    logits = model.logits(model(jnp.asarray(seq[None, :-1]))[0, len(c.prompt_ids) - 1 :])
     n = len(c.token_ids)
-    logp = processed_logprobs(logits, jnp.full(n, sp.temperature), jnp.zeros(n, jnp.int32), jnp.ones(n))
+    logp = processed_logprobs(
+      logits, jnp.full(n, sp.temperature), jnp.zeros(n, jnp.int32), jnp.ones(n)
+    )
     expected = np.take_along_axis(np.asarray(logp), c.token_ids[:, None], axis=1)[:, 0]
     np.testing.assert_allclose(c.logprobs, expected, atol=2e-4, rtol=1e-4)
   assert len({tuple(c.token_ids) for c in res.completions}) > 1  # sampling, not greedy
@@ -114,24 +132,35 @@ def test_resync_of_the_head_alone(model, engine, prompts):
   try:
     head.value = jax.random.normal(jax.random.key(7), saved.shape, saved.dtype) * 0.5
     after = _greedy(engine, prompts)
-    _assert_same_tokens(after, _greedy(make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[]), prompts))
-    assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(before.completions, after.completions))
+    _assert_same_tokens(
+      after, _greedy(make_engine(model, EngineConfig(backend="paged", **EC), eos_ids=[]), prompts)
+    )
+    assert any(
+      not np.array_equal(a.token_ids, b.token_ids)
+      for a, b in zip(before.completions, after.completions)
+    )
   finally:
     head.value = saved
 
 
-@pytest.mark.parametrize("overrides,match", [
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
     (dict(hidden_size=64, num_heads=4), "head_dim a multiple of 128"),
-    (dict(num_kv_heads=1), "KV heads")])
+    (dict(num_kv_heads=1), "KV heads"),
+  ],
+)
 def test_unsupported_models_are_clear_errors(overrides, match):  # checked before any engine starts
   with pytest.raises(ValueError, match=match):
-    make_engine(init_model(preset("tiny-h128", **overrides)), EngineConfig(backend="sglang_jax", **EC))
+    make_engine(
+      init_model(preset("tiny-h128", **overrides)), EngineConfig(backend="sglang_jax", **EC)
+    )
 
 
 def test_sync_shares_buffers_where_layouts_allow(model, engine):
   """Same dtype, same device, no transpose: the engine reads our parameter buffers, no copy."""
   engine.sync_weights()
   ours, leaves = engine._params(), engine._runner.model_state_leaves
-  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()  # noqa: E731
+  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
   direct = [(ours[name], leaves[i]) for i, name, transpose in engine._plan if not transpose]
   assert direct and all(pointer(a) == pointer(b) for a, b in direct)

@@ -15,7 +15,9 @@ def _entries(tokens, seed=0):
 def test_repeated_prefixes_are_dropped(n):
   tokens = [(3 * i) % 11 + 2 for i in range(n)]  # periodic: repeats inside the completion too
   full = _entries(tokens)
-  sent = [e for k in range(50, n, 50) for e in full[:k]] + full  # prefixes 50, 100, ... < n, then all
+  sent = [
+    e for k in range(50, n, 50) for e in full[:k]
+  ] + full  # prefixes 50, 100, ... < n, then all
   assert completion_logprobs(sent, tokens) == full
   assert completion_logprobs(full, tokens) == full  # a fixed sglang-jax: nothing repeated
 
@@ -24,7 +26,9 @@ def test_other_shapes_are_errors():
   tokens = list(range(5, 65))  # 60 tokens
   full = _entries(tokens)
   with pytest.raises(RuntimeError, match="repeated-prefix"):
-    completion_logprobs(full[:10] + full, tokens)  # a repeated head that is not the 50-token prefix...
+    completion_logprobs(
+      full[:10] + full, tokens
+    )  # a repeated head that is not the 50-token prefix...
   with pytest.raises(RuntimeError, match="repeated-prefix"):
     completion_logprobs(_entries(tokens, seed=1)[:50] + full, tokens)  # ...or not this completion's
   with pytest.raises(RuntimeError, match="only 59 log-probs"):

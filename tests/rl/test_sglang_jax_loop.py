@@ -5,14 +5,22 @@ import pytest
 
 pytest.importorskip("sgl_jax")
 
-from rl import train  # noqa: E402
-from rl.metrics import read_metrics  # noqa: E402
-from tests.rl.test_train import TINY  # noqa: E402
+from rl import train
+from rl.metrics import read_metrics
+from tests.rl.test_train import TINY
 
 
 def test_short_grpo_run_with_sglang_backend(tmp_path):
-  train.main(TINY + ["model.preset=tiny-h128", "rollout.backend=sglang_jax", "train.steps=2",
-                     "data.synthetic_test=2", f"run.out_dir={tmp_path}"])
+  train.main(
+    TINY
+    + [
+      "model.preset=tiny-h128",
+      "rollout.backend=sglang_jax",
+      "train.steps=2",
+      "data.synthetic_test=2",
+      f"run.out_dir={tmp_path}",
+    ]
+  )
   rows = read_metrics(str(tmp_path))
   steps = [r for r in rows if "train/loss" in r]
   assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in steps)

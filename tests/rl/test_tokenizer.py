@@ -3,10 +3,19 @@
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rl.prompts import TEMPLATES, PromptTemplate
-from rl.tokenizer import END_OF_TEXT, IM_END, IM_START, ByteTokenizer, HFTokenizer, chatml, load_tokenizer
+from rl.tokenizer import (
+  END_OF_TEXT,
+  IM_END,
+  IM_START,
+  ByteTokenizer,
+  HFTokenizer,
+  chatml,
+  load_tokenizer,
+)
 
 SPECIALS = [END_OF_TEXT, IM_START, IM_END]
 
@@ -27,13 +36,20 @@ def test_byte_tokenizer_specials_are_single_tokens():
   assert len(ids) == 2 + len("user\nhi")
   assert tok.decode(ids) == "user\nhi"
   assert IM_END in [END_OF_TEXT, IM_END] and tok.special_ids[IM_END] in tok.eos_ids
-  assert tok.decode([72, 105, 300]) == "Hi\ufffd"  # an id past the byte range never vanishes silently
-  assert load_tokenizer(None).vocab_size == tok.vocab_size <= 384  # fits the embedded presets' vocab
+  assert (
+    tok.decode([72, 105, 300]) == "Hi\ufffd"
+  )  # an id past the byte range never vanishes silently
+  assert (
+    load_tokenizer(None).vocab_size == tok.vocab_size <= 384
+  )  # fits the embedded presets' vocab
 
 
 def test_chatml_is_qwens_format():
   text = chatml([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])
-  assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+  assert (
+    text
+    == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+  )
   with pytest.raises(ValueError, match="role"):
     chatml([{"role": "tool", "content": "x"}])
 
@@ -41,17 +57,23 @@ def test_chatml_is_qwens_format():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
   directory = tmp_path_factory.mktemp("tok")
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  corpus = ["Natalia sold clips to 48 of her friends in April.", "How many apples does Ann have? #### 12"] * 50
+  trainer = trainers.BpeTrainer(
+    vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  corpus = [
+    "Natalia sold clips to 48 of her friends in April.",
+    "How many apples does Ann have? #### 12",
+  ] * 50
   tok.train_from_iterator(corpus, trainer)
   tok.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps(
-      {"eos_token": {"content": IM_END}, "pad_token": END_OF_TEXT}))
+  (directory / "tokenizer_config.json").write_text(
+    json.dumps({"eos_token": {"content": IM_END}, "pad_token": END_OF_TEXT})
+  )
   return directory
 
 
@@ -68,7 +90,7 @@ def test_hf_tokenizer_from_a_local_directory(hf_dir):
 
 
 def test_hf_tokenizer_errors(tmp_path):
-  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+  with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
     HFTokenizer(tmp_path)
 
 
@@ -76,5 +98,7 @@ def test_prompt_template_is_the_same_for_any_tokenizer(hf_dir):
   for template in TEMPLATES.values():
     for tok in (ByteTokenizer(), load_tokenizer(hf_dir)):
       rendered = template.render("  What is 2 + 2?\n", tok)
-      assert rendered.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+      assert rendered.endswith(
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+      )
       assert template.system in rendered

@@ -16,16 +16,45 @@ from rl.metrics import read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Two prompts x two samples, eight new tokens: every code path, seconds per step on CPU.
-TINY = ["model.preset=tiny", "rollout.max_seq_len=192", "rollout.max_slots=8", "sampling.group_size=2",
-        "sampling.max_new_tokens=8", "train.prompts_per_step=2", "train.micro_batch_size=2",
-        "train.learning_rate=1e-3", "data.synthetic_train=40", "data.synthetic_test=4", "eval.batch=2",
-        "mesh.fsdp=1", "run.progress=false"]
+TINY = [
+  "model.preset=tiny",
+  "rollout.max_seq_len=192",
+  "rollout.max_slots=8",
+  "sampling.group_size=2",
+  "sampling.max_new_tokens=8",
+  "train.prompts_per_step=2",
+  "train.micro_batch_size=2",
+  "train.learning_rate=1e-3",
+  "data.synthetic_train=40",
+  "data.synthetic_test=4",
+  "eval.batch=2",
+  "mesh.fsdp=1",
+  "run.progress=false",
+]
 
-REQUIRED = ["time/train/rollout_s", "time/train/reward_s", "time/train/update_s", "time/train/step_s",
-            "time/train/step_avg_last10_s", "rollout/tokens_per_s", "reward/total/mean", "reward/total/std",
-            "reward/correct/mean", "reward/format/mean", "advantage/mean", "advantage/std", "train/loss",
-            "train/clip_fraction", "train/kl", "train/entropy", "train/grad_norm", "completion/length_mean",
-            "eval/accuracy", "eval_full/accuracy", "time/eval_full/step_s"]
+REQUIRED = [
+  "time/train/rollout_s",
+  "time/train/reward_s",
+  "time/train/update_s",
+  "time/train/step_s",
+  "time/train/step_avg_last10_s",
+  "rollout/tokens_per_s",
+  "reward/total/mean",
+  "reward/total/std",
+  "reward/correct/mean",
+  "reward/format/mean",
+  "advantage/mean",
+  "advantage/std",
+  "train/loss",
+  "train/clip_fraction",
+  "train/kl",
+  "train/entropy",
+  "train/grad_norm",
+  "completion/length_mean",
+  "eval/accuracy",
+  "eval_full/accuracy",
+  "time/eval_full/step_s",
+]
 
 
 def _run(tmp_path, name, *overrides):
@@ -33,8 +62,15 @@ def _run(tmp_path, name, *overrides):
 
 
 def test_two_step_run_writes_every_metric(tmp_path):
-  metrics = _run(tmp_path, "run", "train.steps=2", "eval.every=1", "train.warmup_sft_steps=2",
-                 "train.beta=0.05", "train.ppo_epochs=2")
+  metrics = _run(
+    tmp_path,
+    "run",
+    "train.steps=2",
+    "eval.every=1",
+    "train.warmup_sft_steps=2",
+    "train.beta=0.05",
+    "train.ppo_epochs=2",
+  )
   run_dir = tmp_path / "run"
   lines = read_metrics(str(run_dir))
   grpo = [m for m in lines if "time/train/step_s" in m]
@@ -42,8 +78,11 @@ def test_two_step_run_writes_every_metric(tmp_path):
   for key in REQUIRED:
     assert key in grpo[-1] and np.isfinite(grpo[-1][key]), key
   assert grpo[-1]["train/kl"] >= 0 and metrics["eval_full/examples"] == 4
-  assert any("sft/loss" in m for m in lines) and any("eval_full/accuracy" in m and m["step"] == 0 for m in lines)
+  assert any("sft/loss" in m for m in lines) and any(
+    "eval_full/accuracy" in m and m["step"] == 0 for m in lines
+  )
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
   events = EventAccumulator(str(run_dir / "tb"))
   events.Reload()
   assert set(REQUIRED) <= set(events.Tags()["scalars"])
@@ -70,26 +109,32 @@ def test_resume_continues_exactly(tmp_path):
 
 def _final_weights(run_dir):
   import orbax.checkpoint as ocp
+
   with ocp.CheckpointManager(os.path.abspath(run_dir / "checkpoints")) as mgr:
-    state = mgr.restore(mgr.latest_step(), args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    state = mgr.restore(
+      mgr.latest_step(), args=ocp.args.Composite(state=ocp.args.StandardRestore())
+    )["state"]
   flat = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"]):
     flat[jax.tree_util.keystr(path)] = np.asarray(leaf)
   return flat
 
 
-@pytest.mark.parametrize("overrides,match", [
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
     (["train.prompts_per_step=3", "train.micro_batch_size=4"], "do not split"),
     (["mesh.dp=16", "train.prompts_per_step=16", "train.micro_batch_size=1"], "devices"),
     (["train.policy_loss_impl=chunked"], "fused_lm_head"),
     (["data.dataset=gsm8k", "data.path=/nonexistent"], "not found"),
     (["model.checkpoint=/nonexistent"], "config.json|nonexistent"),
     (["data.template=chat"], "template"),
-])
+  ],
+)
 def test_bad_config_fails_before_compiling(tmp_path, overrides, match):
   """Errors name the key, and come before XLA compiles anything."""
   compiles = []
-  listener = lambda event, *_, **__: compiles.append(event) if "compile" in event else None  # noqa: E731
+  listener = lambda event, *_, **__: compiles.append(event) if "compile" in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     with pytest.raises((ValueError, FileNotFoundError, OSError), match=match):
@@ -102,8 +147,17 @@ def test_bad_config_fails_before_compiling(tmp_path, overrides, match):
 def test_eight_devices_match_one(tmp_path):
   """(dp, fsdp, tp) = (2, 2, 2) over 8 simulated devices: the same rollouts and losses as 1 device."""
   one = _run(tmp_path, "one", "train.steps=1", "eval.full_at_end=false", "train.micro_batch_size=1")
-  eight = _run(tmp_path, "eight", "train.steps=1", "eval.full_at_end=false", "train.micro_batch_size=1",
-               "mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.fused_lm_head=true")
+  eight = _run(
+    tmp_path,
+    "eight",
+    "train.steps=1",
+    "eval.full_at_end=false",
+    "train.micro_batch_size=1",
+    "mesh.dp=2",
+    "mesh.fsdp=2",
+    "mesh.tp=2",
+    "train.fused_lm_head=true",
+  )
   assert one["reward/total/mean"] == eight["reward/total/mean"]
   assert one["completion/length_mean"] == eight["completion/length_mean"]
   np.testing.assert_allclose(eight["train/loss"], one["train/loss"], rtol=1e-5, atol=1e-6)
@@ -119,16 +173,50 @@ def _free_port() -> int:
 def test_two_processes_match_one(tmp_path):
   """Two local processes (gloo collectives, one CPU device each) == one process with two devices:
   each process rolls out its share of the prompts, the batch and the metrics are gathered."""
-  common = TINY + ["train.steps=2", "mesh.fsdp=2", "train.micro_batch_size=1", "run.host_devices=1",
-                   "eval.full_at_end=true"]
+  common = TINY + [
+    "train.steps=2",
+    "mesh.fsdp=2",
+    "train.micro_batch_size=1",
+    "run.host_devices=1",
+    "eval.full_at_end=true",
+  ]
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
   port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "rl.train", *common, f"run.out_dir={tmp_path / 'multi'}", "dist.initialize=true",
-       f"dist.coordinator_address=localhost:{port}", "dist.num_processes=2", f"dist.process_id={i}"],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  single = subprocess.run([sys.executable, "-m", "rl.train", *common[:-2], "run.host_devices=2",
-                           f"run.out_dir={tmp_path / 'single'}"], cwd=ROOT, env=env, capture_output=True, text=True)
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "rl.train",
+        *common,
+        f"run.out_dir={tmp_path / 'multi'}",
+        "dist.initialize=true",
+        f"dist.coordinator_address=localhost:{port}",
+        "dist.num_processes=2",
+        f"dist.process_id={i}",
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  single = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "rl.train",
+      *common[:-2],
+      "run.host_devices=2",
+      f"run.out_dir={tmp_path / 'single'}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   outs = [p.communicate(timeout=600)[0] for p in procs]
   assert single.returncode == 0, single.stderr[-3000:]
   for p, out in zip(procs, outs):
@@ -139,4 +227,6 @@ def test_two_processes_match_one(tmp_path):
     for key in ("reward/total/mean", "completion/length_mean", "rollout/generated_tokens"):
       assert x[key] == y[key], key
     np.testing.assert_allclose(y["train/loss"], x["train/loss"], rtol=1e-5, atol=1e-6)
-  assert a[-1]["eval_full/accuracy"] == b[-1]["eval_full/accuracy"] and b[-1]["eval_full/examples"] == 4
+  assert (
+    a[-1]["eval_full/accuracy"] == b[-1]["eval_full/accuracy"] and b[-1]["eval_full/examples"] == 4
+  )

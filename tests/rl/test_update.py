@@ -29,14 +29,15 @@ def _problem(seed: int, n: int = 8):
 
 
 def _batch(tokens, mask, adv, k, **extra):
-  shape = lambda x: None if x is None else jnp.asarray(x).reshape(k, x.shape[0] // k, *x.shape[1:])  # noqa: E731
+  shape = lambda x: None if x is None else jnp.asarray(x).reshape(k, x.shape[0] // k, *x.shape[1:])
   return U.Batch(shape(tokens), shape(mask), shape(adv), **{n: shape(v) for n, v in extra.items()})
 
 
 def _grads(model, batch, settings, objective="grpo"):
   graphdef, params = nnx.split(model, nnx.Param)
-  grads, metrics = jax.jit(U.batch_loss_and_grads, static_argnums=(0, 3, 4))(graphdef, params, batch, settings,
-                                                                                objective)
+  grads, metrics = jax.jit(U.batch_loss_and_grads, static_argnums=(0, 3, 4))(
+    graphdef, params, batch, settings, objective
+  )
   return jax.tree.leaves(grads), metrics
 
 
@@ -63,22 +64,43 @@ def test_micro_batches_sum_to_the_global_batch_loss(loss_type):
 def test_micro_batch_loss_is_not_a_mean_of_micro_batch_means():
   """The test above can fail: per-micro-batch bnpo normalisation gives a different loss."""
   model, _, tokens, mask, adv = _problem(2)
-  _, full = _grads(model, _batch(tokens, mask, adv, 1), U.LossSettings(C, loss_type="bnpo", impl="xla"))
-  halves = [_grads(model, _batch(tokens[i:i + 4], mask[i:i + 4], adv[i:i + 4], 1),
-                   U.LossSettings(C, loss_type="bnpo", impl="xla"))[1]["loss"] for i in (0, 4)]
+  _, full = _grads(
+    model, _batch(tokens, mask, adv, 1), U.LossSettings(C, loss_type="bnpo", impl="xla")
+  )
+  halves = [
+    _grads(
+      model,
+      _batch(tokens[i : i + 4], mask[i : i + 4], adv[i : i + 4], 1),
+      U.LossSettings(C, loss_type="bnpo", impl="xla"),
+    )[1]["loss"]
+    for i in (0, 4)
+  ]
   assert abs(float(np.mean(halves)) - float(full["loss"])) > 1e-4
 
 
-@pytest.mark.parametrize("fused,impls", [(False, ("pallas", "xla")), (True, ("pallas", "chunked", "xla"))])
+@pytest.mark.parametrize(
+  "fused,impls", [(False, ("pallas", "xla")), (True, ("pallas", "chunked", "xla"))]
+)
 def test_kernel_and_reference_losses_agree_through_the_model(fused, impls):
   """policy_loss_impl=pallas vs xla (and the fused LM-head paths): same loss, metrics and parameter
   gradients on the same batch, off-policy with the KL term on."""
   model, rng, tokens, mask, adv = _problem(3)
   logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 0.9))
   kw = policy_kwargs(rng, logp, {}, off_policy=True, beta=0.1)
-  batch = _batch(tokens, mask, adv, 2, old_logps=np.asarray(kw["old_logps"]), ref_logps=np.asarray(kw["ref_logps"]))
-  results = {impl: _grads(model, batch, U.LossSettings(C, beta=0.1, temperature=0.9, impl=impl,
-                                                       fused_lm_head=fused)) for impl in impls}
+  batch = _batch(
+    tokens,
+    mask,
+    adv,
+    2,
+    old_logps=np.asarray(kw["old_logps"]),
+    ref_logps=np.asarray(kw["ref_logps"]),
+  )
+  results = {
+    impl: _grads(
+      model, batch, U.LossSettings(C, beta=0.1, temperature=0.9, impl=impl, fused_lm_head=fused)
+    )
+    for impl in impls
+  }
   g_ref, m_ref = results["xla"]
   for impl in impls[:-1]:
     g, m = results[impl]
@@ -100,13 +122,17 @@ def test_train_step_descends_and_does_not_recompile(name, fused):
   """Steps on one batch lower the SFT loss; the second and third steps reuse the first executable."""
   model, _, tokens, mask, _ = _problem(5)
   from rl.sharding import make_mesh
+
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
   from rl.model import shard_model
+
   params = nnx.state(shard_model(model, mesh), nnx.Param)
   opt = U.make_optimizer(name, 3e-3, 0.0, 1.0, fused)
   state = U.init_optimizer_state(opt, params, mesh)
-  step = U.compile_train_step(graphdef, opt, U.LossSettings(C), "sft", (U.shardings_of(params), U.shardings_of(state)))
+  step = U.compile_train_step(
+    graphdef, opt, U.LossSettings(C), "sft", (U.shardings_of(params), U.shardings_of(state))
+  )
   batch = _batch(tokens, mask, np.ones(8, np.float32), 2)
   losses = []
   for _ in range(3):
