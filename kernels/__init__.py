@@ -1,7 +1,8 @@
 """Pallas kernels for GRPO, each beside its pure-JAX reference.
 
-Public ops: :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_attention`, :func:`adamw_update`, :func:`lion_update`,
-:func:`fused_adamw`, :func:`fused_lion`. Targets and lowering: :mod:`kernels.backend`.
+Public ops: :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_attention`,
+:func:`adamw_update`, :func:`lion_update`, :func:`sgd_update`, :func:`fused_adamw`, :func:`fused_lion`,
+:func:`fused_sgd` (optimizers: :mod:`kernels.optim`). Targets and lowering: :mod:`kernels.backend`.
 """
 
 from kernels import optim
@@ -17,7 +18,10 @@ from kernels.optim import (
   fused_adamw_step,
   fused_lion,
   fused_lion_step,
+  fused_sgd,
+  fused_sgd_step,
   lion_update,
+  sgd_update,
 )
 from kernels.paged_attention import PagedBlocks, paged_attention, paged_attention_reference
 
@@ -33,10 +37,13 @@ __all__ = [
   "fused_linear_grpo_loss_reference",
   "fused_lion",
   "fused_lion_step",
+  "fused_sgd",
+  "fused_sgd_step",
   "grpo_loss",
   "grpo_loss_reference",
   "lion_update",
   "optim",
   "paged_attention",
   "paged_attention_reference",
+  "sgd_update",
 ]

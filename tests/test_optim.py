@@ -1,4 +1,5 @@
-"""Fused AdamW / Lion against optax itself: 10 steps, 1 device and an 8-device fsdp x tp mesh."""
+"""Fused AdamW / Lion / SGD against optax itself: 10 steps, 1 device and an 8-device fsdp x tp mesh;
+the kernel against the reference built from the same rule; every bad hyperparameter a ValueError."""
 
 import hypothesis.strategies as st
 import jax
@@ -81,7 +82,34 @@ OPTIMIZERS = {
     lambda **kw: optax.chain(optax.clip_by_global_norm(1.0), kernels.fused_lion(1e-3, **kw)),
     optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3)),
   ),
+  "sgd": (
+    lambda **kw: kernels.fused_sgd(3e-2, momentum=0.9, **kw),
+    optax.sgd(3e-2, momentum=0.9),
+  ),
+  # a schedule, Nesterov, and optax's own masked weight decay chained in front of the fused update
+  "sgd_nesterov_masked_decay": (
+    lambda **kw: optax.chain(
+      optax.add_decayed_weights(0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}),
+      kernels.fused_sgd(optax.linear_schedule(3e-2, 1e-2, 10), 0.8, nesterov=True, **kw),
+    ),
+    optax.chain(
+      optax.add_decayed_weights(0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}),
+      optax.sgd(optax.linear_schedule(3e-2, 1e-2, 10), 0.8, nesterov=True),
+    ),
+  ),
 }
+
+
+def fused_state(state) -> kernels.optim.FusedState:
+  """The FusedState inside a (possibly chained) optimizer state."""
+  is_fused = lambda s: isinstance(s, kernels.optim.FusedState)
+  return next(s for s in jax.tree.leaves(state, is_leaf=is_fused) if is_fused(s))
+
+
+def optax_slot(state, name):
+  """The optax state field ``name`` (mu / nu / trace) inside a chained optax state."""
+  has = lambda s: hasattr(s, name) and not isinstance(s, kernels.optim.FusedState)
+  return next(getattr(s, name) for s in jax.tree.leaves(state, is_leaf=has) if has(s))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -94,17 +122,13 @@ def test_ten_steps_match_optax_one_device(family, name):
   )
   ref, ref_state = run_steps(theirs, params)
   assert_trees_close(ours, ref)
-  inner = (
-    our_state[-1] if isinstance(our_state, tuple) and not hasattr(our_state, "mu") else our_state
-  )
-  ref_inner = next(
-    s for s in jax.tree.leaves(ref_state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")
-  )
-  assert_trees_close(inner.mu, ref_inner.mu)
-  assert int(inner.count) == 10
+  inner = fused_state(our_state)
+  for slot, tree in inner.slots.items():
+    assert_trees_close(tree, optax_slot(ref_state, slot))
+  assert int(inner.count) == 10  # the count drives bias corrections and schedules
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
 def test_ten_steps_match_optax_on_fsdp_tp_mesh(name):
   if jax.device_count() < 8:
     pytest.skip("needs 8 (simulated) devices")
@@ -145,12 +169,14 @@ def test_ten_steps_match_optax_on_fsdp_tp_mesh(name):
   b2=st.floats(0.5, 0.9999),
   wd=st.floats(0.0, 0.5),
   count=st.integers(0, 1000),
+  nesterov=st.booleans(),
   bf16_master=st.booleans(),
   seed=st.integers(0, 2**32 - 1),
 )
-def test_adamw_update_matches_reference_hypothesis(
-  shape, family, lr, b1, b2, wd, count, bf16_master, seed
+def test_kernel_matches_reference_of_same_rule_hypothesis(
+  shape, family, lr, b1, b2, wd, count, nesterov, bf16_master, seed
 ):
+  """The Pallas pass vs the pure-JAX body of the same rule, ragged tiles, bf16 param + f32 master."""
   rng = np.random.default_rng(seed)  # drawn by hypothesis, so a failure reproduces
   p, g, mu = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
   nu = jnp.asarray(rng.random(size=shape), jnp.float32)
@@ -158,81 +184,66 @@ def test_adamw_update_matches_reference_hypothesis(
   # XLA contracts it into an FMA differs between the fused and interpreted paths), so the rounding
   # budget is relative to the operands, not to the possibly tiny result.
   operand_scale = max(float(np.max(np.abs(np.asarray(a)), initial=0.0)) for a in (p, g, mu, nu))
-  kw = dict(lr=lr, b1=b1, b2=b2, weight_decay=wd)
   param, master = (p.astype(jnp.bfloat16), p) if bf16_master else (p, None)
-  ours = kernels.adamw_update(
-    param,
-    g,
-    mu,
-    nu,
-    count,
-    master=master,
-    impl="pallas",
-    platform=FAMILIES[family],
-    interpret=True,
-    blocks=_small_blocks(family),
-    **kw,
-  )
-  ref = kernels.adamw_update(param, g, mu, nu, count, master=master, impl="xla", **kw)
-  assert ours.param.dtype == param.dtype
-  for a, b in zip(ours, ref):
-    if b is not None:
-      assert_close(
-        a, b, "optimizer", a.dtype, 1, scale=max(operand_scale, float(np.max(np.abs(b))))
-      )
-  lion = kernels.lion_update(
-    param,
-    g,
-    mu,
-    master=master,
-    impl="pallas",
-    platform=FAMILIES[family],
-    interpret=True,
-    blocks=_small_blocks(family),
-    lr=lr,
-    b1=b1,
-    b2=b2,
-    weight_decay=wd,
-  )
-  lion_ref = kernels.lion_update(
-    param, g, mu, master=master, impl="xla", lr=lr, b1=b1, b2=b2, weight_decay=wd
-  )
-  for a, b in zip(lion, lion_ref):
-    if b is not None:
-      assert_close(
-        a, b, "optimizer", a.dtype, 1, scale=max(operand_scale, float(np.max(np.abs(b))))
-      )
+  kernel = kernels.optim.KernelOptions("pallas", FAMILIES[family], True, _small_blocks(family))
+  xla = kernels.optim.KernelOptions("xla")
+  for rule, slots in (
+    (kernels.optim.AdamW(b1, b2, 1e-8, wd), (mu, nu)),
+    (kernels.optim.Lion(b1, b2, wd), (mu,)),
+    (kernels.optim.SGD(b1, nesterov), (mu,)),
+  ):
+    ours, ref = (
+      kernels.optim.apply_rule(rule, param, g, slots, count, lr=lr, master=master, options=o)
+      for o in (kernel, xla)
+    )
+    assert ours.param.dtype == param.dtype
+    assert (ours.master is None) == (master is None)  # the f32 master is written back, not dropped
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+      scale = max(operand_scale, float(np.max(np.abs(np.asarray(b, np.float32)), initial=0.0)))
+      assert_close(a, b, "optimizer", a.dtype, 1, f"{type(rule).__name__}", scale=scale)
 
 
 def _small_blocks(family):  # small tiles so ragged edges are exercised
   return ElementwiseBlocks(8, 128) if family == "tiled" else ElementwiseBlocks(1, 64)
 
 
-def test_no_recompile_across_steps():
-  tx = kernels.fused_adamw(1e-3, impl="pallas", platform="cpu")
+@pytest.mark.parametrize("which", ["adamw_tx", "sgd_step"])
+def test_no_recompile_across_steps(which):
+  """Steps 2 and 3 reuse step 1's executable: the new state keeps the avals of the old (a count that
+  changed dtype or a slot that came back bf16 would retrace every step)."""
+  if which == "adamw_tx":
+    tx = kernels.fused_adamw(optax.cosine_decay_schedule(1e-3, 10), impl="pallas", platform="cpu")
+    step = jax.jit(lambda p, g, s: _apply(tx, p, g, s), donate_argnums=(0, 2))
+  else:
+    tx, fused_step = kernels.fused_sgd_step(1e-2, nesterov=True, impl="pallas", platform="cpu")
+    step = jax.jit(fused_step, donate_argnums=(0, 2))
   params = model_tree()
   state = tx.init(params)
-  step = jax.jit(lambda p, g, s: _apply(tx, p, g, s), donate_argnums=(0, 2))
   for _ in range(3):
     params, state = step(params, jax.tree.map(jnp.ones_like, params), state)
   assert step._cache_size() == 1
 
 
+def _lowered_text(make, tree, platform, target):
+  with backend.use_target(platform, interpret=False):
+    state = jax.eval_shape(make.init, tree)
+    return (
+      jax.jit(lambda p, g, s: _apply(make, p, g, s))
+      .trace(tree, tree, state)
+      .lower(lowering_platforms=(target.lowering_platform,))
+      .as_text()
+    )
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_lowers_real_kernel_at_1_5b_shapes(platform):
-  """Every distinct parameter shape of Qwen2.5-1.5B, AdamW and Lion, lowered for the real backend."""
+  """Every distinct parameter shape of Qwen2.5-1.5B, AdamW, Lion and SGD, lowered for the real
+  backend."""
   shapes = sorted(set(decoder_param_shapes("qwen2.5-1.5b").values()))
   tree = {str(s): jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes}
   target = backend.make_target(platform, interpret=False)
-  for make in (kernels.fused_adamw(1e-3), kernels.fused_lion(1e-3)):
-    with backend.use_target(platform, interpret=False):
-      state = jax.eval_shape(make.init, tree)
-      text = (
-        jax.jit(lambda p, g, s: _apply(make, p, g, s))  # noqa: B023 (traced at once)
-        .trace(tree, tree, state)
-        .lower(lowering_platforms=(target.lowering_platform,))
-        .as_text()
-      )
+  for make in (kernels.fused_adamw(1e-3), kernels.fused_lion(1e-3), kernels.fused_sgd(1e-3)):
+    text = _lowered_text(make, tree, platform, target)
     assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == len(shapes)
 
 
@@ -256,15 +267,41 @@ def test_lowers_real_kernel_at_1_5b_shapes(platform):
       "mu must be float32",
     ),
     (
-      lambda: kernels.adamw_update(
-        jnp.ones(3), jnp.ones(3), jnp.ones(3), jnp.ones(3), 0, lr=0.1, b1=1.0
+      lambda: kernels.optim.apply_rule(
+        kernels.optim.AdamW(), jnp.ones(3), jnp.ones(3), (jnp.ones(3),), 0, lr=0.1
       ),
-      r"b1 must be in \[0, 1\)",
+      r"AdamW takes state \('mu', 'nu'\)",
+    ),
+    (lambda: kernels.optim.AdamW(b1=1.0), r"b1 must be a finite number in \[0, 1\), got 1$"),
+    (lambda: kernels.optim.AdamW(b2=-0.1), r"b2 must be a finite number in \[0, 1\), got -0.1"),
+    (lambda: kernels.optim.AdamW(b2=float("nan")), r"b2 must be a finite .*, got nan"),
+    (lambda: kernels.optim.AdamW(eps=0.0), r"eps must be a finite number in \(0, inf\), got 0"),
+    (lambda: kernels.optim.Lion(b1="0.9"), r"b1 must be a real number in \[0, 1\), got '0.9'"),
+    (lambda: kernels.optim.SGD(momentum=1.0), r"momentum must be a finite number in \[0, 1\)"),
+    (lambda: kernels.optim.SGD(nesterov="yes"), "nesterov must be a bool"),
+    (
+      lambda: kernels.adamw_update(
+        jnp.ones(3), jnp.ones(3), jnp.ones(3), jnp.ones(3), 0, lr=float("nan")
+      ),
+      r"lr must be a finite number in \[0, inf\), got nan",
+    ),
+    (
+      lambda: kernels.adamw_update(jnp.ones(3), jnp.ones(3), jnp.ones(3), jnp.ones(3), -1, lr=0.1),
+      r"count must be a finite number in \[0, inf\), got -1",
     ),
     (
       lambda: kernels.lion_update(jnp.ones(3), jnp.ones(3), jnp.ones(3), lr=0.1, weight_decay=-1.0),
-      "weight_decay must be >= 0",
+      r"weight_decay must be a finite number in \[0, inf\), got -1",
     ),
+    (
+      lambda: kernels.sgd_update(jnp.ones(3), jnp.ones(3), jnp.ones(3), lr=jnp.asarray(jnp.inf)),
+      "lr must be a finite number",
+    ),
+    (lambda: kernels.fused_adamw(float("inf")), "learning_rate must be a finite number"),
+    (lambda: kernels.fused_lion(-1e-3), r"learning_rate must be .* \[0, inf\), got -0.001"),
+    (lambda: kernels.fused_lion(1e-3, weight_decay=float("nan")), "weight_decay must be a finite"),
+    (lambda: kernels.fused_sgd(1e-3, mask=lambda p: p), "SGD has none"),
+    (lambda: kernels.fused_sgd(1e-3, mesh=object()), "pass both mesh and partition_specs"),
     (
       lambda: kernels.fused_adamw(1e-3).update(
         {"a": jnp.ones(2)}, kernels.fused_adamw(1e-3).init({"a": jnp.ones(2)})
@@ -277,7 +314,7 @@ def test_lowers_real_kernel_at_1_5b_shapes(platform):
         kernels.fused_adamw(1e-3).init({"a": jnp.ones(2)}),
         {"a": jnp.ones(2)},
       ),
-      "tree structure mismatch",
+      "updates: tree structure mismatch",
     ),
     (
       lambda: kernels.adamw_update(
@@ -293,19 +330,33 @@ def test_bad_input_raises(call, match):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("which", ["adamw", "lion"])
+def test_empty_arrays_are_a_no_op(family):
+  """impl="pallas" on size-0 arrays: nothing to tile, so the update is the (empty) no-op, alone and
+  as one leaf of a tree whose other leaves still match optax."""
+  kw = dict(impl="pallas", platform=FAMILIES[family], interpret=True)
+  z = jnp.zeros((0, 4), jnp.float32)
+  out = kernels.adamw_update(z.astype(jnp.bfloat16), z, z, z, 0, lr=0.1, master=z, **kw)
+  assert [(a.shape, a.dtype) for a in out] == [((0, 4), jnp.bfloat16)] + [((0, 4), jnp.float32)] * 3
+  params = {"empty": jnp.zeros((0,), jnp.float32), "w": model_tree()["w"]}
+  ours, _ = run_steps(kernels.fused_adamw(1e-2, **kw), params, steps=2)
+  ref, _ = run_steps(optax.adamw(1e-2), params, steps=2)
+  assert_trees_close(ours, ref)
+  assert ours["empty"].shape == (0,)
+
+
+STEPS = {
+  "adamw": (kernels.fused_adamw_step, dict(learning_rate=1e-2, weight_decay=0.1), optax.adamw),
+  "lion": (kernels.fused_lion_step, dict(learning_rate=1e-3, weight_decay=0.1), optax.lion),
+  "sgd": (kernels.fused_sgd_step, dict(learning_rate=3e-2, momentum=0.9, nesterov=True), optax.sgd),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("which", STEPS)
 def test_in_place_step_matches_optax(family, which):
-  make = kernels.optim.fused_adamw_step if which == "adamw" else kernels.optim.fused_lion_step
-  theirs = (
-    optax.adamw(1e-2, weight_decay=0.1) if which == "adamw" else optax.lion(1e-3, weight_decay=0.1)
-  )
-  tx, step = make(
-    1e-2 if which == "adamw" else 1e-3,
-    weight_decay=0.1,
-    impl="pallas",
-    platform=FAMILIES[family],
-    interpret=True,
-  )
+  make, hyper, theirs = STEPS[which]
+  tx, step = make(**hyper, impl="pallas", platform=FAMILIES[family], interpret=True)
+  theirs = theirs(**hyper)
   params = model_tree()
   state = tx.init(params)
   rng = np.random.default_rng(3)
@@ -316,3 +367,5 @@ def test_in_place_step_matches_optax(family, which):
     ref, ref_state = _apply(theirs, ref, grads, ref_state)
     params, state = jstep(params, grads, state)
   assert_trees_close(params, ref)
+  for slot, tree in state.slots.items():
+    assert_trees_close(tree, optax_slot(ref_state, slot))

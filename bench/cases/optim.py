@@ -1,9 +1,9 @@
-"""Optimizer bench cases: fused AdamW / Lion vs optax on a decoder-shaped f32 parameter tree.
+"""Optimizer bench cases: fused AdamW / Lion / SGD vs optax on a decoder-shaped f32 parameter tree.
 
 Two kernel variants per optimizer: ``inplace`` (fused_*_step, writes params: the 7 x 4 bytes/param
 minimum for AdamW) and ``optax-api`` (the GradientTransformation returning a delta, then
-``optax.apply_updates``). The reference is ``optax.adamw`` / ``optax.lion`` + ``apply_updates`` under
-one jit, which XLA fuses per leaf.
+``optax.apply_updates``). The reference is ``optax.adamw`` / ``optax.lion`` / ``optax.sgd`` +
+``apply_updates`` under one jit, which XLA fuses per leaf.
 """
 
 from __future__ import annotations
@@ -24,11 +24,20 @@ SHAPES_BY_SIZE = {
   "small": ("cpu-small",),
   "large": ("qwen2.5-0.5b", "qwen2.5-1.5b"),
 }
-# bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes p, mu
-BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4}
+# bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes
+# p, mu; SGD with momentum reads p, g, trace, writes p, trace
+BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4, "sgd": 5 * 4}
 HYPER = {
   "adamw": dict(learning_rate=1e-3, weight_decay=0.1),
   "lion": dict(learning_rate=1e-4, weight_decay=0.1),
+  "sgd": dict(learning_rate=1e-2, momentum=0.9, nesterov=True),
+}
+SLOTS = {"adamw": optim.AdamW.slots, "lion": optim.Lion.slots, "sgd": optim.SGD.slots}
+OPTAX = {"adamw": optax.adamw, "lion": optax.lion, "sgd": optax.sgd}
+FUSED_STEP = {
+  "adamw": optim.fused_adamw_step,
+  "lion": optim.fused_lion_step,
+  "sgd": optim.fused_sgd_step,
 }
 
 
@@ -44,7 +53,7 @@ def make_inputs(shapes: dict[str, tuple[int, ...]], which: str, seed: int):
 
 
 def _optax(which):
-  return (optax.adamw if which == "adamw" else optax.lion)(**HYPER[which])
+  return OPTAX[which](**HYPER[which])
 
 
 def _reference(which, params, grads, state):
@@ -53,16 +62,14 @@ def _reference(which, params, grads, state):
 
 
 def _fused_pair(which, platform):
-  make = optim.fused_adamw_step if which == "adamw" else optim.fused_lion_step
-  return make(**HYPER[which], impl="pallas", platform=platform)
+  return FUSED_STEP[which](**HYPER[which], impl="pallas", platform=platform)
 
 
 def _convert_state(which, state):
-  """optax state -> the fused state (same leaves)."""
+  """optax state -> the fused state (the same moment arrays; optax.sgd keeps no count)."""
   inner = state[0]
-  if which == "adamw":
-    return optim.FusedAdamWState(inner.count, inner.mu, inner.nu)
-  return optim.FusedLionState(inner.count, inner.mu)
+  count = inner.count if "count" in inner._fields else jnp.zeros([], jnp.int32)
+  return optim.FusedState(count, {k: getattr(inner, k) for k in SLOTS[which]})
 
 
 def _inplace(which, platform, params, grads, state):
@@ -82,7 +89,7 @@ def cases(size: str, platform: str) -> list[Case]:
     shapes = decoder_param_shapes(name)
     n_leaves, n_params = len(shapes), sum(math.prod(s) for s in shapes.values())
     params_check = Check(tuple(range(n_leaves)), "optimizer", "float32", 1, "params")
-    for which in ("adamw", "lion"):
+    for which in HYPER:
       inputs = functools.partial(make_inputs, shapes, which)
       ref = functools.partial(_reference, which)
       info = dict(model=name, params=n_params, leaves=n_leaves, dtype="float32")

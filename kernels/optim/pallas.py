@@ -75,23 +75,31 @@ def _check(blocks: ElementwiseBlocks, target: Target, rows: int, cols: int):
 
 def elementwise_call(
   body: Callable,
-  arrays,
-  out_dtypes,
+  inputs: dict[str, jax.Array],
+  outputs: dict[str, jnp.dtype],
   scalars,
   *,
   target: Target,
   blocks: ElementwiseBlocks | None = None,
-  aliases: dict[int, int] | None = None,
+  in_place: bool = False,
   name: str = "elementwise",
 ):
-  """Apply ``body(scalars, *f32 tiles) -> f32 tiles`` over same-shaped ``arrays`` in one pass.
+  """Apply ``body(scalars, *f32 tiles of inputs) -> f32 tiles of outputs`` in one pass.
 
-  arrays: sequence of arrays of one shape; out_dtypes: dtype of each output; scalars: f32 [k];
-  aliases: {input index: output index} buffers updated in place (XLA copies if not donated).
+  inputs: name -> array, all of one shape; outputs: name -> dtype, in the order ``body`` returns them;
+  scalars: f32 [k]. ``in_place``: each output named like an input of its dtype reuses that input's
+  buffer (XLA copies it unless the caller donated it). Returns the outputs, named.
   """
+  arrays = list(inputs.values())
   shape = arrays[0].shape
-  n_in, n_out = len(arrays), len(out_dtypes)
-  aliases = {i + 1: o for i, o in (aliases or {}).items()}  # scalars are input 0
+  n_in, n_out = len(arrays), len(outputs)
+  out_dtypes = list(outputs.values())
+  aliases = {}
+  if in_place:
+    in_index = {k: i for i, k in enumerate(inputs)}
+    for o, (k, dtype) in enumerate(outputs.items()):
+      if k in in_index and inputs[k].dtype == dtype:
+        aliases[1 + in_index[k]] = o  # scalars are input 0
   body_fn = functools.partial(_tiled_body if target.family == "tiled" else _flat_body, body, n_in)
   if target.family == "tiled":
     rows, cols = view_2d(shape)
@@ -131,7 +139,7 @@ def elementwise_call(
       interpret=target.interpret,
       name=name,
     )(scalars, *(a.reshape(n) for a in arrays))
-  return tuple(o.reshape(shape) for o in outs)
+  return {k: o.reshape(shape) for k, o in zip(outputs, outs)}
 
 
 def _smem():

@@ -1,0 +1,125 @@
+"""One rule applied to one array: the Pallas kernel or its pure-JAX reference, same body."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels import backend
+from kernels.optim.pallas import ElementwiseBlocks, elementwise_call
+from kernels.optim.reference import elementwise_reference
+from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
+
+# "param": write the new parameter (and master, state) in place; "delta": return the update that
+# optax.apply_updates adds (the GradientTransformation path), nothing aliased.
+Write = Literal["param", "delta"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+  """impl: "pallas" | "xla" | "auto" (kernel on TPU / GPU, XLA on CPU); platform / interpret: the
+  target (see kernels.backend); blocks: tile sizes (default per target)."""
+
+  impl: str = "auto"
+  platform: str | None = None
+  interpret: bool | None = None
+  blocks: ElementwiseBlocks | None = None
+
+  def __post_init__(self):
+    if self.impl not in ("auto", "pallas", "xla"):
+      raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {self.impl!r}")
+
+  def use_kernel(self, target: backend.Target) -> bool:
+    return self.impl == "pallas" or (self.impl == "auto" and target.platform != "cpu")
+
+
+class RuleUpdate(NamedTuple):
+  param: jax.Array  # [...] new parameter (param dtype), or the update delta for write="delta"
+  slots: tuple[jax.Array, ...]  # [...] f32 each, the rule's new state in ``rule.slots`` order
+  master: jax.Array | None  # [...] f32 new master copy, when one was given
+
+
+def apply_rule(
+  rule: Rule,
+  param,  # [...] bf16 / f32
+  grad,  # [...] float
+  slots: Sequence,  # [...] f32 each, in rule.slots order
+  count,  # int [], steps already taken (optax's state.count)
+  *,
+  lr,  # [] learning rate, may be traced
+  master=None,  # [...] f32 master copy of a low-precision param
+  options: KernelOptions = KernelOptions(),
+) -> RuleUpdate:
+  """One step of ``rule`` on one array, writing the new parameter (as optax's update then
+  ``apply_updates``). With ``master`` the math runs on it and ``param`` is its cast. Buffers are
+  aliased in place: donate them to avoid copies. Concrete ``lr`` / ``count`` are range-checked."""
+  check_range("lr", lr, NON_NEGATIVE)
+  check_range("count", count, NON_NEGATIVE)
+  return update_leaf(
+    rule, param, grad, tuple(slots), rule.scalars(lr, count), master, "param", options
+  )
+
+
+def update_leaf(
+  rule: Rule,
+  param,
+  grad,
+  slots: tuple,
+  scalars: tuple,
+  master,
+  write: Write,
+  options: KernelOptions,
+) -> RuleUpdate:
+  """The driver under :func:`apply_rule` and the tree transformation (scalars from rule.scalars)."""
+  param, grad = jnp.asarray(param), jnp.asarray(grad)
+  _check_arrays(rule, param, grad, slots, master)
+  src = "param" if master is None else "master"
+  inputs = {src: param if master is None else master, "grad": grad, **dict(zip(rule.slots, slots))}
+  lead = "param" if write == "param" else "delta"
+  outputs = {lead: param.dtype, **dict.fromkeys(rule.slots, jnp.float32)}
+  with_master = master is not None and write == "param"
+  if with_master:
+    outputs["master"] = jnp.float32
+
+  def body(scalars, p, g, *state):
+    delta, new_state = rule.delta(p, g, scalars, *state)
+    if write == "delta":
+      return (delta, *new_state)
+    p = p + delta  # the kernel writes its cast to the param dtype beside the f32 master
+    return (p, *new_state, p) if with_master else (p, *new_state)
+
+  target = backend.resolve(options.platform, options.interpret)
+  if options.use_kernel(target) and param.size:  # a size-0 leaf has nothing to tile: XLA no-op
+    outs = elementwise_call(
+      body,
+      inputs,
+      outputs,
+      jnp.stack(scalars).astype(jnp.float32),
+      target=target,
+      blocks=options.blocks,
+      in_place=write == "param",
+      name=f"{type(rule).__name__.lower()}_update",
+    )
+  else:
+    outs = elementwise_reference(body, inputs, outputs, scalars)
+  return RuleUpdate(outs[lead], tuple(outs[k] for k in rule.slots), outs.get("master"))
+
+
+def _check_arrays(rule: Rule, param, grad, slots: tuple, master):
+  for name, arr in (("param", param), ("grad", grad)):
+    if not jnp.issubdtype(jnp.result_type(arr), jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {jnp.result_type(arr)}")
+  if len(slots) != len(rule.slots):
+    raise ValueError(f"{type(rule).__name__} takes state {rule.slots}, got {len(slots)} arrays")
+  shape = jnp.shape(param)
+  named = dict(zip(rule.slots, slots), master=master)
+  for name, arr in dict(grad=grad, **named).items():
+    if arr is not None and jnp.shape(arr) != shape:
+      raise ValueError(f"{name} shape {jnp.shape(arr)} does not match param shape {shape}")
+  for name, arr in named.items():
+    if arr is not None and jnp.result_type(arr) != jnp.float32:
+      raise ValueError(f"{name} must be float32, got {jnp.result_type(arr)}")
