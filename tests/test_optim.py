@@ -247,6 +247,40 @@ def test_lowers_real_kernel_at_1_5b_shapes(platform):
     assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == len(shapes)
 
 
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("which", ["adamw", "sgd"])
+def test_in_place_step_aliases_param_and_state_buffers(platform, which):
+  """The in-place step's kernel writes param and every state slot into their input buffers (one
+  output_operand_alias each); the optax-API kernel, whose inputs are still live, aliases nothing."""
+  make = kernels.fused_adamw_step if which == "adamw" else kernels.fused_sgd_step
+  tx, step = make(1e-3)
+  n_slots = len(fused_state(jax.eval_shape(tx.init, {"x": jnp.ones(1)})).slots)
+  tree = {
+    "w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+    "b": jax.ShapeDtypeStruct((37,), jnp.float32),
+  }
+  target = backend.make_target(platform, interpret=False)
+  with backend.use_target(platform, interpret=False):
+    state = jax.eval_shape(tx.init, tree)
+    in_place = (
+      jax.jit(step, donate_argnums=(0, 2))
+      .trace(tree, tree, state)
+      .lower(lowering_platforms=(target.lowering_platform,))
+      .as_text()
+    )
+  alias = "stablehlo.output_operand_alias<"
+  assert in_place.count(alias) == len(tree) * (1 + n_slots)
+  assert _lowered_text(tx, tree, platform, target).count(alias) == 0
+
+
+def test_traced_non_finite_lr_gives_nan_not_an_error():
+  """Under jit the learning rate is not concrete, so it cannot be range-checked: the documented
+  behaviour is NaN parameters (never finite garbage), pinned here."""
+  x = jnp.ones(3)
+  out = jax.jit(lambda lr: kernels.adamw_update(x, x, x, x, 0, lr=lr).param)(jnp.nan)
+  assert bool(jnp.all(jnp.isnan(out)))
+
+
 @pytest.mark.parametrize(
   "call,match",
   [

@@ -9,7 +9,7 @@ Three layers, each a thin one over the next:
   transform.py  a rule over a tree: an ``optax.GradientTransformation`` returning the update delta,
                 and an in-place ``step(params, grads, state)``, optionally shard-local on a mesh.
 The public functions below name the combinations: ``fused_adamw(...)`` is ``fused(AdamW(...), ...)``.
-A new element-wise optimizer is one ``Rule`` subclass (``SGD`` is 14 lines).
+A new element-wise optimizer is one ``Rule`` subclass (``SGD``: 13 lines, its math 4).
 """
 
 from __future__ import annotations

@@ -68,6 +68,10 @@ class Rule:
   def __post_init__(self):
     for name, allowed in self.ranges.items():
       check_range(name, getattr(self, name), allowed)
+    for field in dataclasses.fields(self):  # switches (e.g. nesterov) must be real bools
+      value = getattr(self, field.name)
+      if isinstance(field.default, bool) and not isinstance(value, bool):
+        raise ValueError(f"{field.name} must be a bool, got {value!r}")
 
   @property
   def decays_weights(self) -> bool:
@@ -139,11 +143,6 @@ class SGD(Rule):
   nesterov: bool = False
   slots: ClassVar = ("trace",)
   ranges: ClassVar = {"momentum": UNIT}
-
-  def __post_init__(self):
-    super().__post_init__()
-    if not isinstance(self.nesterov, bool):
-      raise ValueError(f"nesterov must be a bool, got {self.nesterov!r}")
 
   def delta(self, p, g, scalars, trace):
     (lr,) = scalars
