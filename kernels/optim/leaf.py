@@ -59,22 +59,22 @@ def apply_rule(
   aliased in place: donate them to avoid copies. Concrete ``lr`` / ``count`` are range-checked."""
   check_range("lr", lr, NON_NEGATIVE)
   check_range("count", count, NON_NEGATIVE)
-  return update_leaf(
-    rule, param, grad, tuple(slots), rule.scalars(lr, count), master, "param", options
-  )
+  scalars = rule.scalars(lr, count)
+  return update_leaf(rule, param, grad, tuple(slots), scalars, master=master, options=options)
 
 
 def update_leaf(
   rule: Rule,
-  param,
-  grad,
-  slots: tuple,
-  scalars: tuple,
-  master,
-  write: Write,
+  param,  # [...] bf16 / f32
+  grad,  # [...] float
+  slots: tuple,  # [...] f32 each
+  scalars: tuple,  # f32 [] each, from rule.scalars
+  *,
+  master=None,  # [...] f32
+  write: Write = "param",
   options: KernelOptions,
 ) -> RuleUpdate:
-  """The driver under :func:`apply_rule` and the tree transformation (scalars from rule.scalars)."""
+  """The driver under :func:`apply_rule` and the tree transformation; nothing range-checked."""
   param, grad = jnp.asarray(param), jnp.asarray(grad)
   _check_arrays(rule, param, grad, slots, master)
   src = "param" if master is None else "master"

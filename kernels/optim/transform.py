@@ -87,7 +87,7 @@ class FusedOptimizer:
     rule = self.rule if decay else self.rule.without_weight_decay()
 
     def one(p, g, *slots):
-      out = update_leaf(rule, p, g, slots, scalars, None, write, self.options)
+      out = update_leaf(rule, p, g, slots, scalars, write=write, options=self.options)
       return (out.param, *out.slots)
 
     if spec is not None:
