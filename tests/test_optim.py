@@ -107,8 +107,9 @@ def fused_state(state) -> kernels.optim.FusedState:
 
 
 def optax_slot(state, name):
-  """The optax state field ``name`` (mu / nu / trace) inside a chained optax state."""
-  has = lambda s: hasattr(s, name) and not isinstance(s, kernels.optim.FusedState)
+  """The optax state field ``name`` (mu / nu / trace) inside a chained optax state (a NamedTuple
+  field, not an attribute: jax arrays have a ``.trace`` method)."""
+  has = lambda s: name in getattr(s, "_fields", ())
   return next(getattr(s, name) for s in jax.tree.leaves(state, is_leaf=has) if has(s))
 
 
