@@ -404,3 +404,13 @@ def test_in_place_step_matches_optax(family, which):
   assert_trees_close(params, ref)
   for slot, tree in state.slots.items():
     assert_trees_close(tree, optax_slot(ref_state, slot))
+
+
+def test_sgd_update_needs_no_params_like_optax_sgd():
+  """optax.sgd's update takes no params; neither does the fused one (only weight decay reads them)."""
+  params = model_tree()
+  grads = jax.tree.map(lambda x: x * 0.5 + 0.25, params)
+  tx, ref = kernels.fused_sgd(1e-2, 0.9, impl="pallas", platform="cpu"), optax.sgd(1e-2, 0.9)
+  ours, _ = tx.update(grads, tx.init(params))
+  theirs, _ = ref.update(grads, ref.init(params))
+  assert_trees_close(ours, theirs)
