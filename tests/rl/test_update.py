@@ -10,7 +10,7 @@ from flax import nnx
 from bench.tolerances import assert_close
 from rl import update as U
 from rl.model import init_model, preset
-from rl.train import pack
+from rl.update import pack
 from tests.problems import policy_kwargs
 
 P, C = 7, 6
