@@ -332,7 +332,7 @@ class NonFiniteGuard:
       raise NonFiniteError(
         f"{self.what} {step}: {self.in_a_row} {self.what}s in a row had a non-finite loss or "
         f"gradient norm and were skipped (train.max_nonfinite_steps={self.max_in_a_row}); the "
-        "weights are the last finite ones. Lower train.learning_rate or check the data and rewards."
+        "weights are the last finite ones. Lower the learning rate, or check the data and rewards."
       )
 
 
