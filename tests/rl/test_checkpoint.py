@@ -1,6 +1,7 @@
 """HF-layout checkpoints: names, round trips (single file and sharded with an index), sharded loading."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,27 @@ def test_load_errors_name_the_problem(tmp_path):
     load_checkpoint(tmp_path)
   with pytest.raises(FileNotFoundError):
     load_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+  "file,keep",
+  [
+    ("model.safetensors", 0.5),  # data cut off
+    ("model.safetensors", 4 / 2**20),  # header cut off (4 bytes)
+    ("config.json", 0.5),
+    ("model.safetensors.index.json", 0.5),
+  ],
+)
+def test_truncated_files_are_named_in_the_error(tmp_path, file, keep):
+  """A half-written checkpoint directory: the error names the file, whichever it is."""
+  model = init_model(preset("tiny"), seed=11)
+  sharded = file.endswith("index.json")
+  save_checkpoint(model, tmp_path, dtype=None, max_shard_bytes=64 * 1024 if sharded else 2**40)
+  path = tmp_path / file
+  data = path.read_bytes()
+  path.write_bytes(data[: max(int(len(data) * keep), 4)])
+  with pytest.raises(ValueError, match=re.escape(str(path))):
+    load_checkpoint(tmp_path)
 
 
 def test_logits_match_transformers_when_installed(tmp_path):

@@ -1,6 +1,8 @@
 """Tokenizers: the embedded byte tokenizer and a real HF tokenizer.json written here, one interface."""
 
 import json
+import re
+import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -89,9 +91,17 @@ def test_hf_tokenizer_from_a_local_directory(hf_dir):
   assert tok.decode(ids).startswith("system\n")  # specials skipped
 
 
-def test_hf_tokenizer_errors(tmp_path):
+def test_hf_tokenizer_errors(tmp_path, hf_dir):
   with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
     HFTokenizer(tmp_path)
+  # Truncated files (a half-finished download): the error names the file.
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    broken = tmp_path / name.split(".")[0]
+    shutil.copytree(hf_dir, broken)
+    text = (broken / name).read_text()
+    (broken / name).write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(broken / name))):
+      load_tokenizer(broken)
 
 
 def test_prompt_template_is_the_same_for_any_tokenizer(hf_dir):
