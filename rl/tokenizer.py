@@ -17,10 +17,11 @@ def chatml(messages: Sequence[dict[str, str]], add_generation_prompt: bool = Tru
   """Qwen's chat template (ChatML): `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the
   assistant header when a reply is to be generated."""
   parts = []
-  for m in messages:
-    if m.get("role") not in ("system", "user", "assistant"):
-      raise ValueError(f"chat message role must be system/user/assistant, got {m.get('role')!r}")
-    parts.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
+  for message in messages:
+    role = message.get("role")
+    if role not in ("system", "user", "assistant"):
+      raise ValueError(f"chat message role must be system/user/assistant, got {role!r}")
+    parts.append(f"{IM_START}{role}\n{message['content']}{IM_END}\n")
   if add_generation_prompt:
     parts.append(f"{IM_START}assistant\n")
   return "".join(parts)

@@ -369,25 +369,25 @@ class Trainer:
       n=1,
       seed=self.prompt_seed(step, 10**6),
     )
-    r = evaluate(self.engine, self.test_data[: self.cfg.eval.batch], self.encode, params)
+    result = evaluate(self.engine, self.test_data[: self.cfg.eval.batch], self.encode, params)
     return {
-      "eval/accuracy": r["accuracy"],
-      "eval/format": r["format"],
-      "time/eval/step_s": r["seconds"],
+      "eval/accuracy": result["accuracy"],
+      "eval/format": result["format"],
+      "time/eval/step_s": result["seconds"],
     }
 
   def eval_full(self, progress: bool = False) -> dict[str, float]:
     """The whole test split (or data.eval_limit examples), greedy, one completion each: pass@1."""
     params = SamplingParams(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0, n=1)
-    r = evaluate(
+    result = evaluate(
       self.engine, self.test_data, self.encode, params, progress=progress, desc="eval_full"
     )
     return {
-      "eval_full/accuracy": r["accuracy"],
-      "eval_full/format": r["format"],
-      "eval_full/completion_length": r["completion_length"],
-      "eval_full/examples": r["examples"],
-      "time/eval_full/step_s": r["seconds"],
+      "eval_full/accuracy": result["accuracy"],
+      "eval_full/format": result["format"],
+      "eval_full/completion_length": result["completion_length"],
+      "eval_full/examples": result["examples"],
+      "time/eval_full/step_s": result["seconds"],
     }
 
   # ---------------------------------------------------------------------------------------- the run

@@ -78,14 +78,14 @@ def _checkpoint_files(directory: str) -> dict[str, str]:
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index} has no weight_map object")
     return {name: os.path.join(directory, file) for name, file in weight_map.items()}
-  files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+  files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {directory}")
   where = {}
   for file in files:
     path = os.path.join(directory, file)
-    with _open_safetensors(path) as f:
-      where.update({name: path for name in f.keys()})  # noqa: SIM118 (a handle, not a dict)
+    with _open_safetensors(path) as handle:
+      where.update({name: path for name in handle.keys()})  # noqa: SIM118 (a handle, not a dict)
   return where
 
 
