@@ -32,7 +32,7 @@ from tqdm import tqdm
 from kernels.optim import partition_specs_of
 from rl import configlib, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.checkpointing import Checkpointer
+from rl.checkpointing import Checkpointer, CheckpointError
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
@@ -46,6 +46,7 @@ from rl.tokenizer import load_tokenizer
 from rl.update import (
   Batch,
   LossSettings,
+  NonFiniteError,
   NonFiniteGuard,
   batch_token_logps,
   compile_train_step,
@@ -547,12 +548,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 def cli(argv: Sequence[str] | None = None) -> int:
   """`main` for the command line: a config error is its message alone on stderr and exit status 2
-  (argparse's status for bad usage), not a traceback around it."""
+  (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
+  with no readable checkpoint to resume is its message and status 1."""
   try:
     main(argv)
   except ConfigError as e:
     print(f"python -m rl.train: config error: {e}", file=sys.stderr)
     return 2
+  except (NonFiniteError, CheckpointError) as e:
+    print(f"python -m rl.train: {e}", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -2,6 +2,7 @@
 the same numbers on 1 device, 8 simulated devices and 2 processes."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,6 @@ import pytest
 from rl import train
 from rl.configlib import ConfigError
 from rl.metrics import read_metrics
-from rl.update import NonFiniteError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -120,21 +120,24 @@ def test_resume_continues_exactly(tmp_path, capsys):
     np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
 
 
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, capsys):
   """An SFT warm-up at learning rate 1e30 leaves huge (finite) weights: every GRPO loss is then NaN.
-  Each step is skipped and counted; the second in a row stops the run; only finite weights (those
-  the skipped steps kept) are checkpointed."""
-  with pytest.raises(NonFiniteError, match=r"step 2: 2 steps in a row.*max_nonfinite_steps=2"):
-    _run(
-      tmp_path,
-      "nan",
+  Each step is skipped and counted; the second in a row stops the run (the command: its message and
+  status 1); only finite weights (those the skipped steps kept) are checkpointed."""
+  status = train.cli(
+    TINY
+    + [
+      f"run.out_dir={tmp_path / 'nan'}",
       "train.steps=4",
       "train.warmup_sft_steps=1",
       "train.sft_learning_rate=1e30",
       "train.max_nonfinite_steps=2",
       "run.checkpoint_every=1",
       "eval.full_at_end=false",
-    )
+    ]
+  )
+  assert status == 1
+  assert re.search(r"step 2: 2 steps in a row.*max_nonfinite_steps=2", capsys.readouterr().err)
   rows = [m for m in read_metrics(str(tmp_path / "nan")) if "train/nonfinite_steps" in m]
   assert [(m["step"], m["train/nonfinite_steps"]) for m in rows] == [(1, 1.0), (2, 2.0)]
   assert all(m["train/nonfinite"] == 1.0 and not np.isfinite(m["train/loss"]) for m in rows)
