@@ -41,8 +41,14 @@ def _all_finite(tree) -> jax.Array:  # -> [] bool: every floating-point value is
 
 
 def _reason(error: BaseException) -> str:
-  first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-  return f"{type(error).__name__}: {first[:300]}"
+  """The deepest ValueError / OSError's type and first line (else `error`'s): orbax wraps tensorstore's
+  OUT_OF_RANGE / DATA_LOSS in an Exception whose own message is a spec dump."""
+  chain = [error]
+  while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 16:
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  root = next((e for e in reversed(chain) if isinstance(e, (ValueError, OSError))), error)
+  first = str(root).strip().splitlines()[0] if str(root).strip() else ""
+  return f"{type(root).__name__}: {first[:300]}"
 
 
 class Checkpointer:

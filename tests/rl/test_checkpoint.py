@@ -199,6 +199,8 @@ def test_restore_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage):
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(_state(2))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert len(logged) == 1 and "skipped checkpoint 4" in logged[0], logged
+  # ... and why: tensorstore's status (OUT_OF_RANGE, FAILED_PRECONDITION ...) or the JSON error.
+  assert re.search(r"\((ValueError: [A-Z_]+: |JSONDecodeError: )", logged[0]), logged
   # The unreadable one is set aside, so the resumed run can write step 4 again.
   assert ckpt.latest_step() == 2 and list((tmp_path / "checkpoints.corrupt").iterdir())
   ckpt.save(4, _state(5), {"step": 4})
