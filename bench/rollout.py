@@ -42,8 +42,7 @@ from flax import nnx
 from bench.tolerances import parity_error
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
-from rl.train import pack
-from rl.update import token_logps
+from rl.update import pack, token_logps
 
 SIZES = {
   "tiny": dict(

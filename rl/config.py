@@ -11,7 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from kernels.paged_attention import IMPLS as ATTN_IMPLS
+from rl.configlib import check_range
+from rl.data.synthetic import LEVELS
+from rl.prompts import TEMPLATES
 from rl.rollout.config import EngineConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +29,11 @@ class ModelSection:
   )
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +53,16 @@ class DataSection:
         "data.path must name the GSM8K directory (train.jsonl / test.jsonl) when data.dataset=gsm8k"
       )
     for name in ("train_limit", "eval_limit"):
-      if getattr(self, name) is not None and getattr(self, name) < 1:
-        raise ValueError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}")
+      check_range(f"data.{name}", getattr(self, name), ge=1, optional=True)
+    for name in ("synthetic_train", "synthetic_test"):
+      check_range(f"data.{name}", getattr(self, name), ge=1)
+    if not self.synthetic_levels or not set(self.synthetic_levels) <= set(LEVELS):
+      raise ValueError(
+        f"data.synthetic_levels must be a non-empty list of levels from {list(LEVELS)}, got "
+        f"{list(self.synthetic_levels)}"
+      )
+    if self.template not in TEMPLATES:
+      raise ValueError(f"data.template must be one of {sorted(TEMPLATES)}, got {self.template!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +71,10 @@ class RewardSection:
 
   correct: float = 1.0
   format: float = 0.1
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):  # a negative weight would train towards wrong answers
+      check_range(f"reward.{field.name}", getattr(self, field.name), ge=0)
 
   def weights(self) -> dict[str, float]:
     return {k: v for k, v in dataclasses.asdict(self).items() if v != 0.0}
@@ -68,10 +91,13 @@ class SamplingSection:
   def __post_init__(self):
     if self.group_size < 2:
       raise ValueError(
-        f"group_size must be >= 2 (advantages compare samples of a prompt), got {self.group_size}"
+        "sampling.group_size must be >= 2 (advantages compare samples of a prompt), got "
+        f"{self.group_size}"
       )
-    if self.temperature <= 0:
-      raise ValueError(f"training rollouts need temperature > 0, got {self.temperature}")
+    check_range("sampling.temperature", self.temperature, gt=0)  # training rollouts sample
+    check_range("sampling.top_k", self.top_k, ge=0)  # 0: off
+    check_range("sampling.top_p", self.top_p, gt=0, le=1)  # 1: off
+    check_range("sampling.max_new_tokens", self.max_new_tokens, ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +120,24 @@ class TrainSection:
   warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
   sft_learning_rate: float | None = None  # None: learning_rate
   seed: int = 0
+  # An update whose loss or gradient norm is not finite is skipped (weights and optimizer state kept);
+  # this many skipped steps in a row stop the run with an error.
+  max_nonfinite_steps: int = 3
 
   def __post_init__(self):
     for name in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-    if self.beta < 0 or self.epsilon_low < 0 or self.epsilon_high < 0 or self.learning_rate <= 0:
-      raise ValueError("beta and epsilons must be >= 0 and learning_rate > 0")
-    if self.warmup_sft_steps < 0:
-      raise ValueError(f"train.warmup_sft_steps must be >= 0, got {self.warmup_sft_steps}")
+      check_range(f"train.{name}", getattr(self, name), ge=1)
+    check_range("train.learning_rate", self.learning_rate, gt=0)
+    check_range("train.sft_learning_rate", self.sft_learning_rate, gt=0, optional=True)
+    check_range("train.beta", self.beta, ge=0)
+    # The clip range is [1 - epsilon_low, 1 + epsilon_high]: a ratio is never negative.
+    check_range("train.epsilon_low", self.epsilon_low, ge=0, lt=1)
+    check_range("train.epsilon_high", self.epsilon_high, ge=0)
+    check_range("train.weight_decay", self.weight_decay, ge=0)
+    check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
+    check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
+    check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys
+    check_range("train.max_nonfinite_steps", self.max_nonfinite_steps, ge=1)
     if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
       raise ValueError(
         "train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true"
@@ -117,11 +152,9 @@ class EvalSection:
   full_at_end: bool = True
 
   def __post_init__(self):
-    for name in ("every", "batch", "full_every"):
-      if getattr(self, name) < (1 if name == "batch" else 0):
-        raise ValueError(
-          f"eval.{name} must be {'>= 1' if name == 'batch' else '>= 0'}, got {getattr(self, name)}"
-        )
+    for name in ("every", "full_every"):
+      check_range(f"eval.{name}", getattr(self, name), ge=0)  # 0: off
+    check_range("eval.batch", self.batch, ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +169,8 @@ class MeshSection:
     sizes = (self.dp, self.fsdp, self.tp)
     if any(v == 0 or v < -1 for v in sizes) or sizes.count(-1) > 1:
       raise ValueError(
-        f"mesh sizes must be positive, with at most one -1; got dp={self.dp} fsdp={self.fsdp} "
-        f"tp={self.tp}"
+        f"mesh.dp, mesh.fsdp and mesh.tp must be positive, with at most one -1; got dp={self.dp} "
+        f"fsdp={self.fsdp} tp={self.tp}"
       )
 
   def resolve(self, num_devices: int) -> MeshSection:
@@ -171,10 +204,10 @@ class RunSection:
   profile_dir: str | None = None  # default: profiles/<basename of out_dir>
 
   def __post_init__(self):
-    if self.checkpoint_every < 0 or self.log_every < 1 or self.profile_steps < 0:
-      raise ValueError(
-        "run.checkpoint_every and run.profile_steps must be >= 0, run.log_every >= 1"
-      )
+    check_range("run.checkpoint_every", self.checkpoint_every, ge=0)
+    check_range("run.profile_steps", self.profile_steps, ge=0)
+    check_range("run.log_every", self.log_every, ge=1)
+    check_range("run.host_devices", self.host_devices, ge=1, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +219,15 @@ class DistributedSection:
   coordinator_address: str | None = None  # "host:port" of process 0
   num_processes: int | None = None
   process_id: int | None = None
-  cpu_collectives: str = (
+  cpu_collectives: Literal["gloo", "mpi", "megascale"] = (
     "gloo"  # CPU cross-process collectives (tests run 2 local processes on CPU)
   )
+
+  def __post_init__(self):
+    check_range("dist.num_processes", self.num_processes, ge=1, optional=True)
+    if self.process_id is not None:
+      limit = self.num_processes if self.num_processes is not None else 2**31
+      check_range("dist.process_id", self.process_id, ge=0, lt=limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +244,10 @@ class GRPOConfig:
   dist: DistributedSection = DistributedSection()
 
   def __post_init__(self):
+    if self.rollout.attn_impl not in ATTN_IMPLS:
+      raise ValueError(
+        f"rollout.attn_impl must be one of {list(ATTN_IMPLS)}, got {self.rollout.attn_impl!r}"
+      )
     if self.sampling.group_size > self.rollout.max_slots:
       raise ValueError(
         f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="

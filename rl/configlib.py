@@ -7,6 +7,7 @@ is a clear error naming the key, not a surprise deep in a compiled step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -18,26 +19,72 @@ import yaml
 T = TypeVar("T")
 
 
+class ConfigError(ValueError):
+  """A bad config value, key or file. `python -m rl.train` prints the message alone and exits with
+  status 2 (no traceback): the message names the key and what it allows."""
+
+
+def check_range(
+  key: str,
+  value: float | None,
+  *,
+  gt: float | None = None,
+  ge: float | None = None,
+  lt: float | None = None,
+  le: float | None = None,
+  optional: bool = False,
+) -> None:
+  """Raises ValueError naming `key` and the allowed range unless `value` is a finite number within the
+  given bounds (or None, when `optional`). The one range check every config section uses."""
+  if value is None and optional:
+    return
+  low = "" if gt is None and ge is None else f"{gt if gt is not None else ge}"
+  high = "" if lt is None and le is None else f"{lt if lt is not None else le}"
+  ok = (
+    isinstance(value, (int, float))
+    and not isinstance(value, bool)
+    and math.isfinite(value)
+    and (gt is None or value > gt)
+    and (ge is None or value >= ge)
+    and (lt is None or value < lt)
+    and (le is None or value <= le)
+  )
+  if ok:
+    return
+  if low and high:
+    allowed = f"in {'(' if gt is not None else '['}{low}, {high}{')' if lt is not None else ']'}"
+  else:
+    allowed = ("finite and " if isinstance(value, float) else "") + (
+      f"{'>' if gt is not None else '>='} {low}"
+      if low
+      else f"{'<' if lt is not None else '<='} {high}"
+    )
+  raise ValueError(f"{key} must be {allowed}{' (or null)' if optional else ''}, got {value!r}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, path: str = "") -> T:
   """Build dataclass `cls` from a (nested) dict; unknown keys and mistyped values raise ValueError."""
   data = {} if data is None else data
   if not isinstance(data, dict):
-    raise ValueError(
+    raise ConfigError(
       f"config section {path or '<root>'} must be a mapping, got {type(data).__name__}"
     )
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls) if f.init}
   unknown = sorted(set(data) - names)
   if unknown:
-    raise ValueError(
+    raise ConfigError(
       f"unknown config key(s) {[path + k for k in unknown]}; "
-      f"{path or 'the root'} has {sorted(names)}"
+      f"{path.rstrip('.') or 'the root'} has {sorted(names)}"
     )
   kwargs = {k: _convert(hints[k], v, path + k) for k, v in data.items()}
   try:
     return cls(**kwargs)
   except ValueError as e:
-    raise ValueError(f"{path or 'config'}: {e}") from e
+    # Section checks name their full key ("train.learning_rate ..."); others get the section prefixed.
+    section = path.rstrip(".")
+    message = str(e) if not section or str(e).startswith(section) else f"{section}: {e}"
+    raise ConfigError(message) from e
 
 
 def _convert(tp, value, key: str):
@@ -120,12 +167,23 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def load(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
-  """`cls` from an optional YAML file, then command-line overrides; every value type-checked."""
+  """`cls` from an optional YAML file, then command-line overrides; every value type-checked and
+  range-checked. Any problem is a ConfigError naming the key (or the file)."""
   data: dict[str, Any] = {}
   if path is not None:
-    with open(path) as f:
-      data = yaml.safe_load(f) or {}
-  return from_dict(cls, apply_overrides(data, overrides))
+    try:
+      with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    except OSError as e:
+      raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+      raise ConfigError(f"the config file {path} is not valid YAML: {e}") from e
+  try:
+    return from_dict(cls, apply_overrides(data, overrides))
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
 
 
 def dump(obj, path: str | os.PathLike) -> None:

@@ -20,10 +20,10 @@ from rl.rollout import RolloutEngine, SamplingParams
 
 def process_slice(n: int) -> slice:
   """This process's contiguous share of `n` items (the first `n % processes` processes take one more)."""
-  p, k = jax.process_index(), jax.process_count()
-  base, extra = divmod(n, k)
-  start = p * base + min(p, extra)
-  return slice(start, start + base + (p < extra))
+  process, processes = jax.process_index(), jax.process_count()
+  base, extra = divmod(n, processes)
+  start = process * base + min(process, extra)
+  return slice(start, start + base + (process < extra))
 
 
 def evaluate(
@@ -51,21 +51,21 @@ def evaluate(
   for i in range(0, len(mine), chunk):
     part = mine[i : i + chunk]
     result = engine.generate([encode(e.question) for e in part], params)
-    for c, e in zip(result.completions, part):
-      text = engine.tokenizer.decode(c.token_ids)
-      correct += rewards.correctness_reward(text, e.gold)
+    for completion, example in zip(result.completions, part):
+      text = engine.tokenizer.decode(completion.token_ids)
+      correct += rewards.correctness_reward(text, example.gold)
       formatted += rewards.format_reward(text)
-      tokens += len(c.token_ids)
+      tokens += len(completion.token_ids)
     bar.update(len(part) * jax.process_count())
   bar.close()
   totals = sharding.allgather(np.array([[correct, formatted, tokens, len(mine)]], np.float64)).sum(
     axis=0
   )
-  n = max(totals[3], 1.0)
+  count = max(totals[3], 1.0)
   return {
-    "accuracy": totals[0] / n,
-    "format": totals[1] / n,
-    "completion_length": totals[2] / n,
+    "accuracy": totals[0] / count,
+    "format": totals[1] / count,
+    "completion_length": totals[2] / count,
     "examples": totals[3],
     "seconds": time.perf_counter() - t0,
   }

@@ -1,6 +1,7 @@
 """Step timers and the metric sinks: an append-only `metrics.jsonl` and TensorBoard event files.
 
-Only process 0 writes (`enabled=False` elsewhere); every process times its own phases.
+Only process 0 writes (`enabled=False` elsewhere); every process times its own phases. A resumed run
+first `rewind`s both sinks to its checkpoint's step, so the steps it runs again are written once.
 """
 
 from __future__ import annotations
@@ -59,26 +60,63 @@ class StepAverage:
     return sum(self.times) / len(self.times)
 
 
+def _is_sft_row(row: dict) -> bool:
+  return any(k.startswith("sft/") for k in row)
+
+
 class MetricsWriter:
   """Writes `{step, **metrics}` lines to `<run_dir>/metrics.jsonl` and scalars to TensorBoard."""
 
   def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True):
-    self.enabled = enabled
+    self.enabled, self.run_dir, self.tensorboard = enabled, run_dir, tensorboard
     self.path = os.path.join(run_dir, JSONL)
     self._tb = None
     if not enabled:
       return
     os.makedirs(run_dir, exist_ok=True)
-    self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (held for the run)  # append: a resumed run continues the same file
-    if tensorboard:
-      try:
-        from tensorboardX import SummaryWriter
-      except ImportError as e:
-        raise ImportError(
-          "TensorBoard logging needs tensorboardX (pip install tensorboardX), or set "
-          "run.tensorboard=false"
-        ) from e
-      self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+    self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (held for the run; a resumed run continues it)
+    self._open_tensorboard(None)
+
+  def _open_tensorboard(self, purge_step: int | None) -> None:
+    if not self.tensorboard:
+      return
+    try:
+      from tensorboardX import SummaryWriter
+    except ImportError as e:
+      raise ImportError(
+        "TensorBoard logging needs tensorboardX (pip install tensorboardX), or set "
+        "run.tensorboard=false"
+      ) from e
+    # purge_step: TensorBoard drops the earlier files' events at or after it (the re-run steps).
+    self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"), purge_step=purge_step)
+
+  def rewind(self, step: int) -> list[int]:
+    """Forget what a run resumed at `step` will write again: jsonl rows of later GRPO steps (SFT rows
+    stay, the warm-up is not re-run; at step 0 everything goes), TensorBoard events after `step`, and a
+    last line cut off by a kill. Returns the dropped rows' steps."""
+    if not self.enabled:
+      return []
+    self._file.close()
+    kept, dropped = [], []
+    with open(self.path) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut off mid-write
+        if step > 0 and (row["step"] <= step or _is_sft_row(row)):
+          kept.append(line if line.endswith("\n") else line + "\n")
+        else:
+          dropped.append(row["step"])
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)  # atomic: a kill now leaves the old file or the new one
+    self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (held for the run)
+    if self._tb is not None:
+      self._tb.close()
+      self._open_tensorboard(step + 1)
+    return dropped
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if not self.enabled:

@@ -81,12 +81,22 @@ def normalize_number(text: str) -> str | None:
   value = parse_number(text)
   if value is None:
     return None
-  if value.denominator == 1:
-    return str(value.numerator)
-  decimal = value.numerator / value.denominator
-  return (
-    repr(decimal) if Fraction(repr(decimal)) == value else f"{value.numerator}/{value.denominator}"
-  )
+  return _decimal(value) or f"{value.numerator}/{value.denominator}"
+
+
+def _decimal(value: Fraction) -> str | None:
+  """The exact plain decimal ("0.00001", never "1e-05") when the denominator is 2^a * 5^b, else None."""
+  rest, twos, fives = value.denominator, 0, 0
+  while rest % 2 == 0:
+    rest, twos = rest // 2, twos + 1
+  while rest % 5 == 0:
+    rest, fives = rest // 5, fives + 1
+  if rest != 1:
+    return None
+  places = max(twos, fives)
+  digits = str(abs(value.numerator) * 10**places // value.denominator).rjust(places + 1, "0")
+  whole, frac = digits[: len(digits) - places], digits[len(digits) - places :].rstrip("0")
+  return ("-" if value < 0 else "") + whole + (f".{frac}" if frac else "")
 
 
 def correctness_reward(completion: str, gold: str) -> float:

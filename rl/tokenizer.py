@@ -17,10 +17,11 @@ def chatml(messages: Sequence[dict[str, str]], add_generation_prompt: bool = Tru
   """Qwen's chat template (ChatML): `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the
   assistant header when a reply is to be generated."""
   parts = []
-  for m in messages:
-    if m.get("role") not in ("system", "user", "assistant"):
-      raise ValueError(f"chat message role must be system/user/assistant, got {m.get('role')!r}")
-    parts.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
+  for message in messages:
+    role = message.get("role")
+    if role not in ("system", "user", "assistant"):
+      raise ValueError(f"chat message role must be system/user/assistant, got {role!r}")
+    parts.append(f"{IM_START}{role}\n{message['content']}{IM_END}\n")
   if add_generation_prompt:
     parts.append(f"{IM_START}assistant\n")
   return "".join(parts)
@@ -93,7 +94,12 @@ class HFTokenizer:
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.exists(path):
       raise FileNotFoundError(f"no tokenizer.json in {directory}")
-    self._tok = _HF.from_file(path)
+    try:
+      self._tok = _HF.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+      raise ValueError(
+        f"{path} is not a readable tokenizer ({e}): truncated or half-written?"
+      ) from e
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     config = _read_json(os.path.join(directory, "tokenizer_config.json"))
     generation = _read_json(os.path.join(directory, "generation_config.json"))
@@ -124,10 +130,17 @@ class HFTokenizer:
 
 
 def _read_json(path: str) -> dict:
+  """An optional JSON file ({} when absent); a truncated one is a ValueError naming it."""
   if not os.path.exists(path):
     return {}
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}): truncated or half-written?") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data
 
 
 def _token_text(token) -> str | None:

@@ -6,6 +6,10 @@ gradient-accumulated optimizer update per PPO epoch -> the rollout engine sees t
 
 Everything random is a function of (train.seed, step): the prompts of step s, each prompt's sampling
 seed, the SFT batches. Restoring the step from a checkpoint therefore restores the data order and RNG.
+
+A bad config value stops the run before anything compiles: the command prints the message (it names
+the key and the allowed values) and exits with status 2. An update with a non-finite loss or gradient
+norm is skipped (`train/nonfinite_steps` counts them); `train.max_nonfinite_steps` in a row stop the run.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -27,8 +32,9 @@ from tqdm import tqdm
 from kernels.optim import partition_specs_of
 from rl import configlib, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.checkpointing import Checkpointer
+from rl.checkpointing import Checkpointer, CheckpointError
 from rl.config import GRPOConfig
+from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.evaluate import evaluate
 from rl.evaluate import process_slice as _share
@@ -40,10 +46,13 @@ from rl.tokenizer import load_tokenizer
 from rl.update import (
   Batch,
   LossSettings,
+  NonFiniteError,
+  NonFiniteGuard,
   batch_token_logps,
   compile_train_step,
   init_optimizer_state,
   make_optimizer,
+  pack,
   shardings_of,
 )
 
@@ -51,51 +60,43 @@ PROMPT_BUCKET = 32  # prompt widths are rounded up to this: a handful of compile
 
 
 def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
-  d = cfg.data
-  if d.dataset == "gsm8k":
-    train = load_gsm8k(d.path, "train", d.train_limit)
-    test = load_gsm8k(d.path, "test", d.eval_limit)
+  data_cfg = cfg.data
+  if data_cfg.dataset == "gsm8k":
+    with _reading("data.path", data_cfg.path):
+      train = load_gsm8k(data_cfg.path, "train", data_cfg.train_limit)
+      test = load_gsm8k(data_cfg.path, "test", data_cfg.eval_limit)
   else:
-    train = generate_synthetic(
-      d.train_limit or d.synthetic_train, seed=1, levels=d.synthetic_levels
-    )
-    test = generate_synthetic(d.eval_limit or d.synthetic_test, seed=2, levels=d.synthetic_levels)
+    levels = data_cfg.synthetic_levels
+    train = generate_synthetic(data_cfg.train_limit or data_cfg.synthetic_train, 1, levels)
+    test = generate_synthetic(data_cfg.eval_limit or data_cfg.synthetic_test, 2, levels)
   if not train or not test:
-    raise ValueError(f"the {d.dataset} data has {len(train)} train and {len(test)} test examples")
+    raise ConfigError(
+      f"data.dataset={data_cfg.dataset} has {len(train)} train and {len(test)} test examples"
+    )
   return train, test
 
 
 def build_model(cfg: GRPOConfig, mesh):
-  m = cfg.model
-  if m.checkpoint:
-    return load_checkpoint(m.checkpoint, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype)
-  model = init_model(
-    preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype), seed=cfg.train.seed
-  )
-  return shard_model(model, mesh)
+  model_cfg = cfg.model
+  dtypes = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
+  if model_cfg.checkpoint:
+    with _reading("model.checkpoint", model_cfg.checkpoint):
+      return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **dtypes)
+  with _reading("model.preset", model_cfg.preset):
+    architecture = preset(model_cfg.preset, **dtypes)
+  return shard_model(init_model(architecture, seed=cfg.train.seed), mesh)
 
 
-def pack(
-  prompts: Sequence[Sequence[int]],  # N prompts
-  completions: Sequence[Sequence[int]],  # N completions
-  prompt_width: int,
-  completion_width: int,
-  pad_id: int,
-) -> tuple[np.ndarray, np.ndarray]:
-  """Rows of [left-padded prompt | right-padded completion]: ([N, P + C] int32 ids, [N, P + C] mask).
-  A prompt or completion wider than its slot is an error (nothing is cut)."""
-  n, t = len(prompts), prompt_width + completion_width
-  tokens, mask = np.full((n, t), pad_id, np.int32), np.zeros((n, t), bool)
-  for i, (p, c) in enumerate(zip(prompts, completions)):
-    if len(p) > prompt_width or len(c) > completion_width:
-      raise ValueError(
-        f"row {i}: prompt {len(p)} / completion {len(c)} tokens exceed the widths "
-        f"{prompt_width} / {completion_width}"
-      )
-    tokens[i, prompt_width - len(p) : prompt_width] = p
-    tokens[i, prompt_width : prompt_width + len(c)] = c
-    mask[i, prompt_width - len(p) : prompt_width + len(c)] = True
-  return tokens, mask
+@contextlib.contextmanager
+def _reading(key: str, value):
+  """A missing, truncated or unusable file named by config key `key` is a ConfigError naming the key
+  (the loaders' messages name the file)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, OSError) as e:
+    raise ConfigError(f"{key}={value}: {e}") from e
 
 
 def round_up(n: int, m: int) -> int:
@@ -106,28 +107,31 @@ class Trainer:
   """Owns the model, rollout engine, optimizer state, data order, metrics and checkpoints of one run."""
 
   def __init__(self, cfg: GRPOConfig):
-    cfg = cfg.resolved(jax.device_count())
+    try:
+      cfg = cfg.resolved(jax.device_count())
+      self.mesh = sharding.mesh_for(cfg.mesh.dp, cfg.mesh.fsdp, cfg.mesh.tp)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
     procs = jax.process_count()
     if cfg.train.prompts_per_step % procs or cfg.global_micro_batch % procs:
-      raise ValueError(
+      raise ConfigError(
         f"train.prompts_per_step={cfg.train.prompts_per_step} and the global micro-batch "
         f"{cfg.global_micro_batch} must divide over the {procs} processes"
       )
     self.cfg = cfg
     self.is_main = jax.process_index() == 0
-    self.mesh = sharding.mesh_for(cfg.mesh.dp, cfg.mesh.fsdp, cfg.mesh.tp)
-    tok_path = cfg.model.tokenizer or cfg.model.checkpoint
-    self.tokenizer = load_tokenizer(tok_path)
-    self.template = TEMPLATES.get(cfg.data.template)
-    if self.template is None:
-      raise ValueError(f"data.template={cfg.data.template!r} is not one of {sorted(TEMPLATES)}")
+    tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
+    tokenizer_path = cfg.model.tokenizer or cfg.model.checkpoint
+    with _reading(tokenizer_key, tokenizer_path):
+      self.tokenizer = load_tokenizer(tokenizer_path)
+    self.template = TEMPLATES[cfg.data.template]  # the config checked the name
     self.train_data, self.test_data = load_data(cfg)
     self._encoded: dict[str, list[int]] = {}
 
     self.model = build_model(cfg, self.mesh)
     if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
-      raise ValueError(
-        f"the tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
+      raise ConfigError(
+        f"{tokenizer_key}: the tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
         f"{self.model.cfg.vocab_size}"
       )
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
@@ -137,22 +141,32 @@ class Trainer:
     )
     self.engine = make_engine(self.rollout_model, cfg.rollout, self.tokenizer)
 
-    t = cfg.train
+    train_cfg = cfg.train
     specs = partition_specs_of(self.params) if self.mesh.size > 1 else None
     mesh = self.mesh if specs is not None else None
-    optimizer = make_optimizer(
-      t.optimizer, t.learning_rate, t.weight_decay, t.max_grad_norm, t.fused_optimizer, mesh, specs
-    )
+
+    def optimizer_with(learning_rate: float):
+      return make_optimizer(
+        train_cfg.optimizer,
+        learning_rate,
+        train_cfg.weight_decay,
+        train_cfg.max_grad_norm,
+        train_cfg.fused_optimizer,
+        mesh,
+        specs,
+      )
+
+    optimizer = optimizer_with(train_cfg.learning_rate)
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
-      loss_type=t.loss_type,
-      beta=t.beta,
-      epsilon_low=t.epsilon_low,
-      epsilon_high=t.epsilon_high,
+      loss_type=train_cfg.loss_type,
+      beta=train_cfg.beta,
+      epsilon_low=train_cfg.epsilon_low,
+      epsilon_high=train_cfg.epsilon_high,
       temperature=cfg.sampling.temperature,
-      impl=t.policy_loss_impl,
-      fused_lm_head=t.fused_lm_head,
+      impl=train_cfg.policy_loss_impl,
+      fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,
       vocab_axis="tp" if cfg.mesh.tp > 1 else None,
     )
@@ -160,20 +174,11 @@ class Trainer:
     self.train_step = compile_train_step(
       self.graphdef, optimizer, self.loss, "grpo", self.state_shardings
     )
-    self._sft = (
-      make_optimizer(
-        t.optimizer,
-        t.sft_learning_rate or t.learning_rate,
-        t.weight_decay,
-        t.max_grad_norm,
-        t.fused_optimizer,
-        mesh,
-        specs,
-      ),
-      {},
-    )
-    # The reference policy is a frozen copy of the initial weights, kept only when the KL term is on.
-    self.ref_params = jax.tree.map(jnp.copy, self.params) if t.beta > 0 else None
+    self._sft = (optimizer_with(train_cfg.sft_learning_rate or train_cfg.learning_rate), {})
+    # The reference policy: a frozen copy of the weights GRPO starts from (taken again after the SFT
+    # warm-up, checkpointed with the run), kept only when the KL term is on.
+    self.ref_params = jax.tree.map(jnp.copy, self.params) if train_cfg.beta > 0 else None
+    self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
 
     self.timer, self.step_avg = StepTimer(), StepAverage(10)
     self.writer = MetricsWriter(
@@ -232,14 +237,14 @@ class Trainer:
     share = _share(len(examples))
     mine, first = examples[share], share.start
     prompts = [self.encode(e.question) for e in examples]
-    s = cfg.sampling
+    sampling = cfg.sampling
     params = [
       SamplingParams(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        n=s.group_size,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        n=sampling.group_size,
         seed=self.prompt_seed(step, first + i),
       )
       for i in range(len(mine))
@@ -249,31 +254,29 @@ class Trainer:
     with timer("reward"):
       scores = self._score(result, mine)
     totals = np.array([sc["total"] for sc in scores], np.float32)
-    adv = np.asarray(group_advantages(totals, s.group_size))
+    adv = np.asarray(group_advantages(totals, sampling.group_size))
     prompt_width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
     tokens, mask = pack(
       [c.prompt_ids for c in result.completions],
       [c.token_ids for c in result.completions],
       prompt_width,
-      s.max_new_tokens,
+      sampling.max_new_tokens,
       self.tokenizer.pad_id,
     )
     with timer("update"):
       batch = self._to_batch(tokens, mask, adv)
-      c, temp = s.max_new_tokens, s.temperature
+      logps_of = lambda weights: batch_token_logps(
+        self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
+      )
       if self.ref_params is not None:
-        batch = batch._replace(
-          ref_logps=batch_token_logps(self.graphdef, self.ref_params, batch, c, temp)
-        )
+        batch = batch._replace(ref_logps=logps_of(self.ref_params))
       if cfg.train.ppo_epochs > 1:
-        batch = batch._replace(
-          old_logps=batch_token_logps(self.graphdef, self.params, batch, c, temp)
-        )
+        batch = batch._replace(old_logps=logps_of(self.params))
       epochs = []
       params, opt_state = self.params, self.opt_state
       for _ in range(cfg.train.ppo_epochs):
-        params, opt_state, m = self.train_step(params, opt_state, batch)
-        epochs.append(m)
+        params, opt_state, epoch_metrics = self.train_step(params, opt_state, batch)
+        epochs.append(epoch_metrics)
       self.opt_state = opt_state
       self._set_params(params)
       losses = jax.device_get(epochs)
@@ -289,7 +292,7 @@ class Trainer:
     ]
 
   def _step_metrics(self, result, scores, totals, adv, losses, times, step_s) -> dict[str, float]:
-    g = self.cfg.sampling.group_size
+    group_size = self.cfg.sampling.group_size
     names = sorted(scores[0])
     local = np.array(
       [
@@ -308,12 +311,12 @@ class Trainer:
     out["rollout/generated_tokens"] = generated
     for j, n in enumerate(names):
       out[f"reward/{n}/mean"], out[f"reward/{n}/std"] = rows[:, j].mean(), rows[:, j].std()
-    out.update(advantage_stats(all_totals, all_adv, g))
+    out.update(advantage_stats(all_totals, all_adv, group_size))
     out["completion/length_mean"] = rows[:, len(names)].mean()
     out["completion/length_max"] = rows[:, len(names)].max()
     out["completion/truncated_fraction"] = rows[:, len(names) + 1].mean()
-    for k in losses[0]:
-      out[f"train/{k}"] = float(np.mean([m[k] for m in losses]))
+    for k in losses[0]:  # means over the PPO epochs (train/nonfinite: the fraction skipped)
+      out[f"train/{k}"] = float(np.mean([epoch[k] for epoch in losses]))
     return out
 
   # ---------------------------------------------------------------------------------------- SFT warm-up
@@ -324,6 +327,7 @@ class Trainer:
     opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     end = self.tokenizer.encode("<|im_end|>")
     n = self.cfg.sequences_per_step
+    guard = NonFiniteGuard(self.cfg.train.max_nonfinite_steps, "SFT step")
     bar = tqdm(range(steps), desc="sft", disable=not progress)
     for i in bar:
       examples = [self._order(i * n + j, 1) for j in range(n)][_share(n)]
@@ -339,65 +343,98 @@ class Trainer:
         )
       tokens, mask = pack(prompts, answers, pw, cw, self.tokenizer.pad_id)
       batch = self._to_batch(tokens, mask, np.ones(len(examples), np.float32))
-      params, opt_state, m = compiled[cw](self.params, opt_state, batch)
+      params, opt_state, step_metrics = compiled[cw](self.params, opt_state, batch)
       self._set_params(params)
+      step_metrics = jax.device_get(step_metrics)
+      guard.update(bool(step_metrics["nonfinite"]))
       if self.is_main:
-        m = jax.device_get(m)
-        bar.set_postfix(loss=f"{float(m['loss']):.3f}")
-        self.writer.write(i + 1, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]})
+        bar.set_postfix(loss=f"{float(step_metrics['loss']):.3f}")
+        self.writer.write(
+          i + 1,
+          {
+            "sft/loss": step_metrics["loss"],
+            "sft/grad_norm": step_metrics["grad_norm"],
+            "sft/nonfinite_steps": guard.total,
+          },
+        )
+      guard.check(i + 1)
 
   # ---------------------------------------------------------------------------------------- eval
   def eval_sampled(self, step: int) -> dict[str, float]:
-    s = self.cfg.sampling
+    sampling = self.cfg.sampling
     params = SamplingParams(
-      max_new_tokens=s.max_new_tokens,
-      temperature=s.temperature,
-      top_k=s.top_k,
-      top_p=s.top_p,
+      max_new_tokens=sampling.max_new_tokens,
+      temperature=sampling.temperature,
+      top_k=sampling.top_k,
+      top_p=sampling.top_p,
       n=1,
       seed=self.prompt_seed(step, 10**6),
     )
-    r = evaluate(self.engine, self.test_data[: self.cfg.eval.batch], self.encode, params)
+    result = evaluate(self.engine, self.test_data[: self.cfg.eval.batch], self.encode, params)
     return {
-      "eval/accuracy": r["accuracy"],
-      "eval/format": r["format"],
-      "time/eval/step_s": r["seconds"],
+      "eval/accuracy": result["accuracy"],
+      "eval/format": result["format"],
+      "time/eval/step_s": result["seconds"],
     }
 
   def eval_full(self, progress: bool = False) -> dict[str, float]:
     """The whole test split (or data.eval_limit examples), greedy, one completion each: pass@1."""
     params = SamplingParams(max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0, n=1)
-    r = evaluate(
+    result = evaluate(
       self.engine, self.test_data, self.encode, params, progress=progress, desc="eval_full"
     )
     return {
-      "eval_full/accuracy": r["accuracy"],
-      "eval_full/format": r["format"],
-      "eval_full/completion_length": r["completion_length"],
-      "eval_full/examples": r["examples"],
-      "time/eval_full/step_s": r["seconds"],
+      "eval_full/accuracy": result["accuracy"],
+      "eval_full/format": result["format"],
+      "eval_full/completion_length": result["completion_length"],
+      "eval_full/examples": result["examples"],
+      "time/eval_full/step_s": result["seconds"],
     }
 
   # ---------------------------------------------------------------------------------------- the run
   def state(self) -> dict:
-    return {"params": self.params, "opt_state": self.opt_state}
+    state = {"params": self.params, "opt_state": self.opt_state}
+    if self.ref_params is not None:
+      state["ref_params"] = self.ref_params
+    return state
+
+  def _meta(self, step: int) -> dict:
+    return {
+      "step": step,
+      "nonfinite_steps": self.guard.total,
+      "nonfinite_in_a_row": self.guard.in_a_row,
+    }
+
+  def _resume(self) -> int:
+    """Restores the newest intact checkpoint (skipping unreadable newer ones, with a message) and
+    rewinds the metrics to it; the step to continue from (0: none, a fresh start)."""
+    log = functools.partial(_log, self.is_main)
+    restored = self.checkpointer.restore_latest(self.state(), log=log)
+    start = 0
+    if restored is None:
+      log(f"no checkpoint in {self.checkpointer.directory}: starting from scratch")
+    else:
+      start, state, meta = restored
+      self.opt_state = state["opt_state"]
+      self._set_params(state["params"])
+      self.ref_params = state.get("ref_params", self.ref_params)
+      self.guard.total = meta.get("nonfinite_steps", 0)
+      self.guard.in_a_row = meta.get("nonfinite_in_a_row", 0)
+      log(f"resumed from step {start}")
+    dropped = self.writer.rewind(start)
+    if dropped:
+      log(f"{self.writer.path}: dropped the rows of steps {sorted(set(dropped))} (they run again)")
+    return start
 
   def run(self) -> dict[str, float]:
     """Resume if asked, SFT warm-up (fresh runs), GRPO steps with evals and checkpoints; the last
     step's metrics (with eval_full's, when it ran at the end)."""
     cfg, progress = self.cfg, self.cfg.run.progress and self.is_main
-    start = 0
-    if cfg.run.resume:
-      restored = self.checkpointer.restore_latest(self.state())
-      if restored is None:
-        _log(self.is_main, f"no checkpoint in {self.checkpointer.directory}: starting from scratch")
-      else:
-        start, state, _ = restored
-        self.opt_state = state["opt_state"]
-        self._set_params(state["params"])
-        _log(self.is_main, f"resumed from step {start}")
+    start = self._resume() if cfg.run.resume else 0
     if start == 0 and cfg.train.warmup_sft_steps:
       self.sft(cfg.train.warmup_sft_steps, progress)
+      if self.ref_params is not None:  # the KL term anchors GRPO to the warmed-up policy
+        self.ref_params = jax.tree.map(jnp.copy, self.params)
       if cfg.eval.full_at_end or cfg.eval.full_every:  # the baseline GRPO starts from
         self.writer.write(0, self.eval_full(progress))
     last: dict[str, float] = {}
@@ -413,16 +450,19 @@ class Trainer:
       with profile(step):
         metrics = self.step(step)
       done = step + 1
+      self.guard.update(metrics["train/nonfinite"] > 0)
+      metrics["train/nonfinite_steps"] = self.guard.total
       if cfg.eval.every and done % cfg.eval.every == 0:
         metrics.update(self.eval_sampled(step))
       if (cfg.eval.full_every and done % cfg.eval.full_every == 0) or (
         done == cfg.train.steps and cfg.eval.full_at_end
       ):
         metrics.update(self.eval_full(progress))
-      if done % cfg.run.log_every == 0 or done == cfg.train.steps:
+      if done % cfg.run.log_every == 0 or done == cfg.train.steps or self.guard.in_a_row:
         self.writer.write(done, metrics)
+      self.guard.check(done)  # the row above says why the run stops
       if self.checkpointer.due(done) or done == cfg.train.steps:
-        self.checkpointer.save(done, self.state(), {"step": done})
+        self.checkpointer.save(done, self.state(), self._meta(done))
       bar.set_postfix(
         reward=f"{metrics['reward/total/mean']:.3f}", step_s=f"{metrics['time/train/step_s']:.2f}"
       )
@@ -482,14 +522,15 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  cfg = parse_args(argv)  # every config error surfaces here, before jax starts
-  d = cfg.dist
+  """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
+  cfg = parse_args(argv)  # every config value error surfaces here, before jax starts
+  dist = cfg.dist
   sharding.initialize_distributed(
-    d.initialize,
-    d.coordinator_address,
-    d.num_processes,
-    d.process_id,
-    d.cpu_collectives,
+    dist.initialize,
+    dist.coordinator_address,
+    dist.num_processes,
+    dist.process_id,
+    dist.cpu_collectives,
     cfg.run.host_devices,
   )
   trainer = Trainer(cfg)
@@ -505,5 +546,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   return metrics
 
 
+def cli(argv: Sequence[str] | None = None) -> int:
+  """`main` for the command line: a config error is its message alone on stderr and exit status 2
+  (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
+  with no readable checkpoint to resume is its message and status 1."""
+  try:
+    main(argv)
+  except ConfigError as e:
+    print(f"python -m rl.train: config error: {e}", file=sys.stderr)
+    return 2
+  except (NonFiniteError, CheckpointError) as e:
+    print(f"python -m rl.train: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
 if __name__ == "__main__":
-  main()
+  sys.exit(cli())

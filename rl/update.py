@@ -10,22 +10,28 @@ The loss is normalised over the whole global batch, never per micro-batch: each 
 scaled so that the K terms sum to the loss of the full batch, hence the summed gradients are the full
 batch's gradient whatever K is (tested). `bnpo` and `dapo` both divide by the global count of
 completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean).
+
+An update whose loss or gradient norm is not finite (or whose new weights would not be) is skipped
+inside the compiled step: weights and optimizer state come back unchanged and the `nonfinite` metric is
+1. `NonFiniteGuard` counts such steps and stops a run after too many in a row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
-from kernels.grpo_loss.reference import token_logps_and_entropy
+from kernels.grpo_loss import token_logps_and_entropy
 from rl.model.partition import path_name
 
 Objective = Literal["grpo", "sft"]
@@ -43,6 +49,30 @@ class Batch(NamedTuple):
   advantages: jax.Array  # [K, M] f32 (ones for SFT)
   old_logps: jax.Array | None = None  # [K, M, C] f32: the policy before this step's first epoch
   ref_logps: jax.Array | None = None  # [K, M, C] f32: the reference model, when beta > 0
+
+
+def pack(
+  prompts: Sequence[Sequence[int]],  # N prompts
+  completions: Sequence[Sequence[int]],  # N completions
+  prompt_width: int,
+  completion_width: int,
+  pad_id: int,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Rows of [left-padded prompt | right-padded completion]: ([N, P + C] int32 ids, [N, P + C] mask),
+  the layout `Batch` and the loss read. A prompt or completion wider than its slot is an error
+  (nothing is cut)."""
+  n, width = len(prompts), prompt_width + completion_width
+  tokens, mask = np.full((n, width), pad_id, np.int32), np.zeros((n, width), bool)
+  for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+    if len(prompt) > prompt_width or len(completion) > completion_width:
+      raise ValueError(
+        f"row {i}: prompt {len(prompt)} / completion {len(completion)} tokens exceed the widths "
+        f"{prompt_width} / {completion_width}"
+      )
+    tokens[i, prompt_width - len(prompt) : prompt_width] = prompt
+    tokens[i, prompt_width : prompt_width + len(completion)] = completion
+    mask[i, prompt_width - len(prompt) : prompt_width + len(completion)] = True
+  return tokens, mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,31 +95,46 @@ class LossSettings:
       raise ValueError("policy_loss_impl='chunked' is a fused-LM-head path: set fused_lm_head=true")
 
 
-def split_completion(tokens, attention_mask, c: int):  # [M, T] each -> ids [M, C], mask [M, C]
-  return tokens[:, -c:], attention_mask[:, -c:]
+def split_completion(
+  tokens,  # [M, T]
+  attention_mask,  # [M, T]
+  completion_len: int,
+):  # -> ids [M, C], mask [M, C]
+  return tokens[:, -completion_len:], attention_mask[:, -completion_len:]
 
 
-def completion_hidden(model: nnx.Module, tokens, attention_mask, c: int):  # [M, T] -> [M, C, H]
+def completion_hidden(
+  model: nnx.Module,
+  tokens,  # [M, T]
+  attention_mask,  # [M, T]
+  completion_len: int,
+):  # -> [M, C, H]
   """Hidden states that score the last C tokens (the one before each completion token)."""
   hidden = model(tokens, attention_mask)
-  return hidden[:, -c - 1 : -1]
+  return hidden[:, -completion_len - 1 : -1]
 
 
 def token_logps(
-  model: nnx.Module, tokens, attention_mask, c: int, temperature: float
+  model: nnx.Module,
+  tokens,  # [M, T]
+  attention_mask,  # [M, T]
+  completion_len: int,
+  temperature: float,
 ):  # -> [M, C] f32
   """log pi(completion token) under softmax(logits / temperature); 0 on padding. Used for old / ref."""
-  ids, mask = split_completion(tokens, attention_mask, c)
-  logits = model.logits(completion_hidden(model, tokens, attention_mask, c))
+  ids, mask = split_completion(tokens, attention_mask, completion_len)
+  logits = model.logits(completion_hidden(model, tokens, attention_mask, completion_len))
   logp, _ = token_logps_and_entropy(logits, ids, temperature)
   return jnp.where(mask, logp, 0.0)
 
 
-def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objective: Objective):
+def _micro_loss(
+  model, mb: Batch, settings: LossSettings, num_seqs, num_tokens, objective: Objective
+):
   """(loss scaled to its share of the global loss, per-micro-batch sums for the metrics)."""
-  ids, mask = split_completion(mb.tokens, mb.attention_mask, s.completion_len)
-  hidden = completion_hidden(model, mb.tokens, mb.attention_mask, s.completion_len)
-  m = ids.shape[0]
+  ids, mask = split_completion(mb.tokens, mb.attention_mask, settings.completion_len)
+  hidden = completion_hidden(model, mb.tokens, mb.attention_mask, settings.completion_len)
+  rows = ids.shape[0]
   if objective == "sft":
     logits = model.logits(hidden)
     logp, entropy = token_logps_and_entropy(logits, jnp.where(mask, ids, 0), 1.0)
@@ -100,24 +145,24 @@ def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objecti
     }
   # Scale factors that make the K micro-batch losses sum to the global-batch loss.
   kernel_type, scale, items = {
-    "grpo": ("grpo", m / num_seqs, None),  # mean over sequences of per-sequence means
-    "dr_grpo": ("dr_grpo", m / num_seqs, None),  # sum / (N * C)
+    "grpo": ("grpo", rows / num_seqs, None),  # mean over sequences of per-sequence means
+    "dr_grpo": ("dr_grpo", rows / num_seqs, None),  # sum / (N * C)
     "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
     "dapo": ("dapo", 1.0, num_tokens),
-  }[s.loss_type]
+  }[settings.loss_type]
   kw = dict(
     old_logps=mb.old_logps,
     ref_logps=mb.ref_logps,
-    beta=s.beta,
-    epsilon_low=s.epsilon_low,
-    epsilon_high=s.epsilon_high,
-    temperature=s.temperature,
+    beta=settings.beta,
+    epsilon_low=settings.epsilon_low,
+    epsilon_high=settings.epsilon_high,
+    temperature=settings.temperature,
     loss_type=kernel_type,
-    max_completion_length=s.completion_len,
+    max_completion_length=settings.completion_len,
     num_items_in_batch=items,
-    impl=s.impl,
+    impl=settings.impl,
   )
-  if s.fused_lm_head:
+  if settings.fused_lm_head:
     weight = model.lm_head_weight()
     loss, aux = kernels.fused_linear_grpo_loss(
       hidden.astype(weight.dtype),
@@ -125,8 +170,8 @@ def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objecti
       ids,
       mask,
       mb.advantages,
-      mesh=s.mesh,
-      vocab_axis=s.vocab_axis,
+      mesh=settings.mesh,
+      vocab_axis=settings.vocab_axis,
       **kw,
     )
   else:
@@ -142,7 +187,7 @@ def _micro_loss(model, mb: Batch, s: LossSettings, num_seqs, num_tokens, objecti
 
 
 def batch_loss_and_grads(
-  graphdef, params, batch: Batch, s: LossSettings, objective: Objective = "grpo"
+  graphdef, params, batch: Batch, settings: LossSettings, objective: Objective = "grpo"
 ):
   """Sum over the K micro-batches (a scan) of each one's scaled loss and gradient.
 
@@ -150,16 +195,16 @@ def batch_loss_and_grads(
   KL, clip fraction) and the total loss.
   """
   num_seqs = batch.tokens.shape[0] * batch.tokens.shape[1]
-  c = s.completion_len
-  num_tokens = jnp.maximum(jnp.sum(batch.attention_mask[..., -c:].astype(jnp.float32)), 1.0)
+  completion_mask = batch.attention_mask[..., -settings.completion_len :]
+  num_tokens = jnp.maximum(jnp.sum(completion_mask.astype(jnp.float32)), 1.0)
 
   def micro(grads, mb):
     def loss_fn(p):
       model = nnx.merge(graphdef, p)
-      return _micro_loss(model, mb, s, num_seqs, num_tokens, objective)
+      return _micro_loss(model, mb, settings, num_seqs, num_tokens, objective)
 
-    (_, sums), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return jax.tree.map(jnp.add, grads, g), sums
+    (_, sums), micro_grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.tree.map(jnp.add, grads, micro_grads), sums
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, sums = jax.lax.scan(micro, zeros, batch)
@@ -229,31 +274,72 @@ def make_optimizer(
   return Optimizer(tx.init, step)
 
 
+def _all_finite(tree) -> jax.Array:  # -> [] bool
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def train_step(
   graphdef,
   optimizer: Optimizer,
-  s: LossSettings,
+  settings: LossSettings,
   objective: Objective,
   params,
   opt_state,
   batch: Batch,
 ):
   """One optimizer step on the global batch: (params, opt_state, metrics). Jit with the first four
-  arguments bound (see `compile_train_step`) and params / opt_state donated."""
+  arguments bound (see `compile_train_step`) and params / opt_state donated.
+
+  A non-finite loss or gradient norm, or new weights that overflow, skip the step: params and
+  opt_state are returned as they came (a select, so one executable serves both outcomes) and
+  metrics["nonfinite"] is 1.0 (else 0.0)."""
   # The scopes name the step's phases in the compiled ops (bench.trace splits a profile by them).
   with jax.named_scope(LOSS_SCOPE):
-    grads, metrics = batch_loss_and_grads(graphdef, params, batch, s, objective)
+    grads, metrics = batch_loss_and_grads(graphdef, params, batch, settings, objective)
   with jax.named_scope(OPTIMIZER_SCOPE):
-    metrics["grad_norm"] = _global_norm(grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    params, opt_state = optimizer.step(params, grads, opt_state)
+    grad_norm = _global_norm(grads)
+    grads = jax.tree.map(lambda grad, p: grad.astype(p.dtype), grads, params)
+    new_params, new_opt_state = optimizer.step(params, grads, opt_state)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+    keep_if_bad = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep_if_bad, new_params, params)
+    opt_state = jax.tree.map(keep_if_bad, new_opt_state, opt_state)
+  metrics["grad_norm"] = grad_norm
+  metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.float32)
   return params, opt_state, metrics
+
+
+class NonFiniteError(RuntimeError):
+  """Too many updates in a row had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+  """Counts steps whose update was skipped (`train_step`'s `nonfinite` metric): `total` over the run
+  and `in_a_row`; `check` raises NonFiniteError once `max_in_a_row` were skipped in a row."""
+
+  def __init__(self, max_in_a_row: int, what: str = "step"):
+    if max_in_a_row < 1:
+      raise ValueError(f"max_in_a_row must be >= 1, got {max_in_a_row}")
+    self.max_in_a_row, self.what = max_in_a_row, what
+    self.total = self.in_a_row = 0
+
+  def update(self, skipped: bool) -> None:
+    self.total += int(skipped)
+    self.in_a_row = self.in_a_row + 1 if skipped else 0
+
+  def check(self, step: int) -> None:
+    if self.in_a_row >= self.max_in_a_row:
+      raise NonFiniteError(
+        f"{self.what} {step}: {self.in_a_row} {self.what}s in a row had a non-finite loss or "
+        f"gradient norm and were skipped (train.max_nonfinite_steps={self.max_in_a_row}); the "
+        "weights are the last finite ones. Lower the learning rate, or check the data and rewards."
+      )
 
 
 def compile_train_step(
   graphdef,
   optimizer: Optimizer,
-  s: LossSettings,
+  settings: LossSettings,
   objective: Objective = "grpo",
   state_shardings=None,
 ):
@@ -261,7 +347,7 @@ def compile_train_step(
   shardings) pins the outputs to the inputs' layout, so step 2 reuses step 1's executable."""
   out = None if state_shardings is None else (*state_shardings, None)
   return jax.jit(
-    functools.partial(train_step, graphdef, optimizer, s, objective),
+    functools.partial(train_step, graphdef, optimizer, settings, objective),
     donate_argnums=(0, 1),
     out_shardings=out,
   )
@@ -291,12 +377,12 @@ def init_optimizer_state(optimizer: Optimizer, params, mesh):
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def batch_token_logps(
-  graphdef, params, batch: Batch, c: int, temperature: float
+  graphdef, params, batch: Batch, completion_len: int, temperature: float
 ):  # -> [K, M, C] f32
   """Per-token log-probs of every completion (old policy / reference model), micro-batch by micro-batch."""
   model = nnx.merge(graphdef, params)
 
   def one(_, mb):
-    return None, token_logps(model, mb[0], mb[1], c, temperature)
+    return None, token_logps(model, mb[0], mb[1], completion_len, temperature)
 
   return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask))[1]

@@ -17,6 +17,7 @@ from kernels.grpo_loss.reference import (
   grpo_loss_reference,
   make_aux,
   reduce_loss,
+  token_logps_and_entropy,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
   "default_blocks",
   "grpo_loss",
   "grpo_loss_reference",
+  "token_logps_and_entropy",
 ]
 
 IMPLS = ("auto", "pallas", "xla")

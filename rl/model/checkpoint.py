@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from rl.model import partition
@@ -40,21 +40,52 @@ def hf_name(name: str) -> tuple[str, bool]:
   return f"model.{base}{hf_leaf}", leaf == "kernel"
 
 
+def _read_json(path: str) -> dict:
+  """A JSON file's object; a truncated or half-written file is a ValueError naming it."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}): truncated or half-written?") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data
+
+
+def _open_safetensors(path: str):
+  """A safetensors handle; a truncated or foreign file is a ValueError naming it."""
+  try:
+    return safe_open(path, framework="numpy")
+  except SafetensorError as e:
+    raise ValueError(f"{path} is not a readable safetensors file ({e}): truncated?") from e
+
+
+def _model_config(directory: str, **overrides: Any) -> ModelConfig:
+  path = os.path.join(directory, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no config.json in {directory}")
+  try:
+    return ModelConfig.from_hf(_read_json(path), **overrides)
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{path} lacks or mistypes a field the model needs: {e}") from e
+
+
 def _checkpoint_files(directory: str) -> dict[str, str]:
   """HF tensor name -> file holding it, from the index if there is one, else from every shard's header."""
   index = os.path.join(directory, INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no weight_map object")
     return {name: os.path.join(directory, file) for name, file in weight_map.items()}
-  files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+  files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {directory}")
   where = {}
   for file in files:
     path = os.path.join(directory, file)
-    with safe_open(path, framework="numpy") as f:
-      where.update({name: path for name in f})
+    with _open_safetensors(path) as handle:
+      where.update({name: path for name in handle.keys()})  # noqa: SIM118 (a handle, not a dict)
   return where
 
 
@@ -74,10 +105,11 @@ def load_checkpoint(
 
   Raises:
     ValueError: a tensor is missing, has the wrong shape, or the checkpoint holds tensors the model
-      does not use (nothing is silently dropped).
+      does not use (nothing is silently dropped); a truncated or unreadable config.json, index or
+      safetensors file (the message names the file).
   """
   directory = os.fspath(directory)
-  cfg = config if config is not None else ModelConfig.from_pretrained(directory, **config_overrides)
+  cfg = config if config is not None else _model_config(directory, **config_overrides)
   skeleton = abstract_model(cfg)
   graphdef, state = nnx.split(skeleton)
   params = nnx.state(skeleton, nnx.Param)
@@ -94,8 +126,11 @@ def load_checkpoint(
         f"checkpoint {directory} has no tensor {name!r} (for {partition.path_name(path)})"
       )
     if where[name] not in handles:
-      handles[where[name]] = safe_open(where[name], framework="numpy")
-    array = handles[where[name]].get_tensor(name)
+      handles[where[name]] = _open_safetensors(where[name])
+    try:
+      array = handles[where[name]].get_tensor(name)
+    except SafetensorError as e:
+      raise ValueError(f"{where[name]}: cannot read tensor {name!r} ({e}): truncated?") from e
     array = array.T if transpose else array
     if array.shape != leaf.shape:
       raise ValueError(

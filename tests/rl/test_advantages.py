@@ -19,6 +19,17 @@ def test_group_advantages_by_hand():
   assert stats["advantage/zero_std_group_fraction"] == 0.5
 
 
+def test_group_advantages_default_eps_by_hand():
+  """The default eps = 1e-4 is in the denominator: 0.5 / (sqrt(1/3) + 1e-4), not 0.5 / sqrt(1/3)
+  (which differs by 1.7e-4 relative, 170x the tolerance)."""
+  adv = np.asarray(group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]), 4))
+  np.testing.assert_allclose(adv, [0.86587543, -0.86587543, -0.86587543, 0.86587543], rtol=1e-6)
+  # Dr. GRPO (scale=False) has no eps at all: the centred rewards exactly.
+  np.testing.assert_array_equal(
+    group_advantages(jnp.array([3.0, 1.0, 2.0, 2.0]), 2, scale=False), [1, -1, 0, 0]
+  )
+
+
 def test_group_advantages_random_groups_are_centred_and_unit_scaled():
   rng = np.random.default_rng(0)
   r = rng.normal(size=(5, 8)).astype(np.float32)

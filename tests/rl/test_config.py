@@ -1,7 +1,14 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
-from rl import configlib
+from rl import configlib, train
 from rl.config import GRPOConfig
+from rl.configlib import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_defaults_round_trip_through_yaml(tmp_path):
@@ -46,8 +53,71 @@ def test_yaml_then_overrides(tmp_path):
     (["eval.batch=0"], "eval.batch"),
     (["sampling.group_size=128"], "max_slots"),
     (["train.steps"], "key.sub=value"),
+    # Each range check names the key, the allowed range and the value.
+    (["sampling.top_p=2"], r"sampling\.top_p must be in \(0, 1\], got 2"),
+    (["sampling.top_p=0"], r"sampling\.top_p must be in \(0, 1\], got 0"),
+    (["sampling.top_k=-3"], r"sampling\.top_k must be >= 0, got -3"),
+    (["sampling.max_new_tokens=0"], r"sampling\.max_new_tokens must be >= 1, got 0"),
+    (["sampling.temperature=nan"], r"sampling\.temperature must be finite and > 0, got nan"),
+    (["sampling.temperature=0"], r"sampling\.temperature must be finite and > 0"),
+    (["rollout.attn_impl=bogus"], r"rollout\.attn_impl must be one of \['auto', 'pallas', 'xla'\]"),
+    (["train.learning_rate=nan"], r"train\.learning_rate must be finite and > 0, got nan"),
+    (["train.learning_rate=.inf"], r"train\.learning_rate must be finite and > 0, got inf"),
+    (["train.learning_rate=0"], r"train\.learning_rate must be finite and > 0, got 0"),
+    (["train.sft_learning_rate=-1e-3"], r"train\.sft_learning_rate must be finite and > 0"),
+    (["train.beta=-0.1"], r"train\.beta must be finite and >= 0"),
+    (["train.epsilon_low=1.5"], r"train\.epsilon_low must be in \[0, 1\), got 1\.5"),
+    (["train.epsilon_high=nan"], r"train\.epsilon_high must be finite and >= 0"),
+    (["train.weight_decay=-0.01"], r"train\.weight_decay must be finite and >= 0"),
+    (["train.max_grad_norm=inf"], r"train\.max_grad_norm must be finite and >= 0"),
+    (["train.seed=-1"], r"train\.seed must be in \[0, 2147483648\), got -1"),
+    (["train.max_nonfinite_steps=0"], r"train\.max_nonfinite_steps must be >= 1, got 0"),
+    (["train.warmup_sft_steps=-2"], r"train\.warmup_sft_steps must be >= 0"),
+    (["reward.correct=nan"], r"reward\.correct must be finite and >= 0, got nan"),
+    (["reward.format=-1"], r"reward\.format must be finite and >= 0"),
+    (["eval.every=-1"], r"eval\.every must be >= 0"),
+    (["run.log_every=0"], r"run\.log_every must be >= 1"),
+    (["run.host_devices=0"], r"run\.host_devices must be >= 1 \(or null\), got 0"),
+    (["dist.num_processes=2", "dist.process_id=2"], r"dist\.process_id must be in \[0, 2\)"),
+    (["dist.cpu_collectives=nccl"], r"dist\.cpu_collectives must be one of"),
+    (["data.template=chat"], r"data\.template must be one of \['compact', 'gsm8k'\]"),
+    (["data.synthetic_levels=[4]"], r"data\.synthetic_levels must be .* levels from \[1, 2, 3\]"),
+    (["data.synthetic_train=0"], r"data\.synthetic_train must be >= 1"),
+    (["model.dtype=f32"], r"model\.dtype must be one of"),
   ],
 )
 def test_bad_values_are_clear_errors(overrides, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(ConfigError, match=match):
     configlib.load(GRPOConfig, None, overrides)
+
+
+def test_missing_or_broken_config_file_is_a_config_error(tmp_path):
+  with pytest.raises(ConfigError, match="cannot read the config file"):
+    configlib.load(GRPOConfig, tmp_path / "nowhere.yaml")
+  (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+  with pytest.raises(ConfigError, match="not valid YAML"):
+    configlib.load(GRPOConfig, tmp_path / "bad.yaml")
+
+
+def test_cli_prints_the_config_error_alone_and_exits_2(capsys):
+  assert train.cli(["sampling.top_p=2", "run.progress=false"]) == 2
+  err = capsys.readouterr().err
+  assert err.strip().splitlines() == [
+    "python -m rl.train: config error: sampling.top_p must be in (0, 1], got 2.0"
+  ]
+
+
+def test_cli_exit_status_from_the_shell():
+  """`python -m rl.train` itself: status 2, one line on stderr, no traceback."""
+  proc = subprocess.run(
+    [sys.executable, "-m", "rl.train", "train.learning_rate=nan"],
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert (
+    "Traceback" not in proc.stderr and "train.learning_rate must be finite and > 0" in proc.stderr
+  )

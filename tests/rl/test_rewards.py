@@ -29,6 +29,11 @@ from rl.rewards import (
     (r"\boxed{\dfrac{-1}{2}}", Fraction(-1, 2)),
     ("<answer>The total is 18.</answer>", 18),
     ("<answer>7</answer> then 99", 7),
+    # Several answers: the LAST one of a kind counts (a model that revises itself).
+    ("<answer>3</answer> no, wait: <answer>5</answer>", 5),
+    (r"\boxed{3} no, wait: \boxed{\frac{5}{2}}", Fraction(5, 2)),
+    ("#### 3\nrechecking...\n#### 5", 5),
+    (r"\boxed{4} then <answer>9</answer>", 4),  # a box before an answer tag, wherever they are
     ("She pays 12.50 dollars", Fraction(25, 2)),
     ("10 - 4 = 6", 6),
     ("5-3", 3),
@@ -54,6 +59,8 @@ def test_extract_answer(text, value):
     ("-0.25", "-0.25"),
     ("6/4", "1.5"),
     ("1/3", "1/3"),
+    (".00001", "0.00001"),  # never "1e-05" (which parses back as 1)
+    ("123456789.123456789", "123456789.123456789"),
     ("x", None),
   ],
 )
@@ -67,7 +74,15 @@ def test_rewards_never_raise_on_any_string(text):
   assert correctness_reward(text, "12") in (0.0, 1.0)
   assert correctness_reward("#### 12", text) in (0.0, 1.0)
   assert format_reward(text) in (0.0, 1.0)
-  extract_answer(text), parse_number(text), normalize_number(text)
+  answer, number, canonical = extract_answer(text), parse_number(text), normalize_number(text)
+  assert answer is None or isinstance(answer, Fraction)
+  # The canonical string is the same number again, and exists exactly when a number was found.
+  assert (canonical is None) == (number is None)
+  if canonical is not None:
+    assert parse_number(canonical) == number, (text, canonical)
+  # The gold side: a completion that states the text's number as its answer is correct.
+  if number is not None:
+    assert correctness_reward(f"#### {canonical}", text) == 1.0
 
 
 _reasoning = st.text(
@@ -98,6 +113,18 @@ def test_formatted_correct_answers_always_score_one(reasoning, value, commas, st
   assert correctness_reward(completion, gold) == 1.0, completion
   if style == "####":
     assert format_reward(completion) == 1.0
+
+
+def test_rewards_return_the_documented_values():
+  """Each reward's value on known completions: right / wrong answer, format kept / broken."""
+  gold = "1,234"
+  assert correctness_reward("so 1000 + 234 = 1234\n#### 1234", gold) == 1.0
+  assert correctness_reward("#### 1235", gold) == 0.0
+  assert correctness_reward("#### 1234", "no number") == 0.0  # an unusable gold never matches
+  assert correctness_reward(r"\boxed{1234} no wait \boxed{1243}", gold) == 0.0  # the last box
+  assert format_reward("work\n#### 1234") == 1.0
+  assert format_reward("#### 1234 and more words") == 0.0  # the answer line must end it
+  assert format_reward(r"\boxed{1234}") == 0.0
 
 
 def test_score_weights_and_unknown_names():

@@ -1,6 +1,8 @@
 """Tokenizers: the embedded byte tokenizer and a real HF tokenizer.json written here, one interface."""
 
 import json
+import re
+import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -35,7 +37,8 @@ def test_byte_tokenizer_specials_are_single_tokens():
   assert ids[0] == tok.special_ids[IM_START] and ids[-1] == tok.special_ids[IM_END]
   assert len(ids) == 2 + len("user\nhi")
   assert tok.decode(ids) == "user\nhi"
-  assert IM_END in [END_OF_TEXT, IM_END] and tok.special_ids[IM_END] in tok.eos_ids
+  # Generation stops at end-of-turn first, end-of-text too (what Qwen's generation_config lists).
+  assert tok.eos_ids == (tok.special_ids[IM_END], tok.special_ids[END_OF_TEXT])
   assert (
     tok.decode([72, 105, 300]) == "Hi\ufffd"
   )  # an id past the byte range never vanishes silently
@@ -89,9 +92,17 @@ def test_hf_tokenizer_from_a_local_directory(hf_dir):
   assert tok.decode(ids).startswith("system\n")  # specials skipped
 
 
-def test_hf_tokenizer_errors(tmp_path):
+def test_hf_tokenizer_errors(tmp_path, hf_dir):
   with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
     HFTokenizer(tmp_path)
+  # Truncated files (a half-finished download): the error names the file.
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    broken = tmp_path / name.split(".")[0]
+    shutil.copytree(hf_dir, broken)
+    text = (broken / name).read_text()
+    (broken / name).write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(broken / name))):
+      load_tokenizer(broken)
 
 
 def test_prompt_template_is_the_same_for_any_tokenizer(hf_dir):

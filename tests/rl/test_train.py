@@ -2,6 +2,7 @@
 the same numbers on 1 device, 8 simulated devices and 2 processes."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from rl import train
+from rl.configlib import ConfigError
 from rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +52,7 @@ REQUIRED = [
   "train/kl",
   "train/entropy",
   "train/grad_norm",
+  "train/nonfinite_steps",
   "completion/length_mean",
   "eval/accuracy",
   "eval_full/accuracy",
@@ -77,7 +80,7 @@ def test_two_step_run_writes_every_metric(tmp_path):
   assert [m["step"] for m in grpo] == [1, 2]
   for key in REQUIRED:
     assert key in grpo[-1] and np.isfinite(grpo[-1][key]), key
-  assert grpo[-1]["train/kl"] >= 0 and metrics["eval_full/examples"] == 4
+  assert grpo[-1]["train/nonfinite_steps"] == 0 and metrics["eval_full/examples"] == 4
   assert any("sft/loss" in m for m in lines) and any(
     "eval_full/accuracy" in m and m["step"] == 0 for m in lines
   )
@@ -90,12 +93,22 @@ def test_two_step_run_writes_every_metric(tmp_path):
   assert (run_dir / "config.yaml").exists() and os.listdir(run_dir / "checkpoints")
 
 
-def test_resume_continues_exactly(tmp_path):
-  """4 steps straight == 2 steps, then --resume to 4: same rewards, losses and final weights."""
+def test_resume_continues_exactly(tmp_path, capsys):
+  """4 steps straight == a run killed while writing its step-3 checkpoint (checkpoints 2 and a
+  truncated 3, metrics of steps 1-3), then --resume to 4: the resume skips the unreadable checkpoint,
+  loses one step, writes each step's metrics once, and matches bit for bit (metrics, final weights)."""
   steps = ["eval.full_at_end=false", "run.checkpoint_every=2"]
   _run(tmp_path, "straight", "train.steps=4", *steps)
-  _run(tmp_path, "split", "train.steps=2", *steps)
+  _run(tmp_path, "split", "train.steps=3", *steps)
+  arrays = [
+    p for p in (tmp_path / "split" / "checkpoints" / "3").rglob("*") if p.parent.name == "d"
+  ]
+  largest = max(arrays, key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+  capsys.readouterr()
   train.main(TINY + [f"run.out_dir={tmp_path / 'split'}", "train.steps=4", "--resume", *steps])
+  log = capsys.readouterr().err
+  assert "skipped checkpoint 3" in log and "resumed from step 2" in log, log
   a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "split"))
   assert [m["step"] for m in b] == [1, 2, 3, 4]
   for x, y in zip(a, b):
@@ -105,6 +118,32 @@ def test_resume_continues_exactly(tmp_path):
   assert wa.keys() == wb.keys()
   for k in wa:
     np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, capsys):
+  """An SFT warm-up at learning rate 1e30 leaves huge (finite) weights: every GRPO loss is then NaN.
+  Each step is skipped and counted; the second in a row stops the run (the command: its message and
+  status 1); only finite weights (those the skipped steps kept) are checkpointed."""
+  status = train.cli(
+    TINY
+    + [
+      f"run.out_dir={tmp_path / 'nan'}",
+      "train.steps=4",
+      "train.warmup_sft_steps=1",
+      "train.sft_learning_rate=1e30",
+      "train.max_nonfinite_steps=2",
+      "run.checkpoint_every=1",
+      "eval.full_at_end=false",
+    ]
+  )
+  assert status == 1
+  assert re.search(r"step 2: 2 steps in a row.*max_nonfinite_steps=2", capsys.readouterr().err)
+  rows = [m for m in read_metrics(str(tmp_path / "nan")) if "train/nonfinite_steps" in m]
+  assert [(m["step"], m["train/nonfinite_steps"]) for m in rows] == [(1, 1.0), (2, 2.0)]
+  assert all(m["train/nonfinite"] == 1.0 and not np.isfinite(m["train/loss"]) for m in rows)
+  weights = _final_weights(tmp_path / "nan")  # step 1's checkpoint: skipped, so the SFT weights
+  assert all(np.isfinite(w).all() for w in weights.values())
+  assert max(np.abs(w).max() for w in weights.values()) > 1e20  # the poison was really there
 
 
 def _final_weights(run_dir):
@@ -126,18 +165,21 @@ def _final_weights(run_dir):
     (["train.prompts_per_step=3", "train.micro_batch_size=4"], "do not split"),
     (["mesh.dp=16", "train.prompts_per_step=16", "train.micro_batch_size=1"], "devices"),
     (["train.policy_loss_impl=chunked"], "fused_lm_head"),
-    (["data.dataset=gsm8k", "data.path=/nonexistent"], "not found"),
-    (["model.checkpoint=/nonexistent"], "config.json|nonexistent"),
+    (["data.dataset=gsm8k", "data.path=/nonexistent"], "data.path=/nonexistent.*not found"),
+    (["model.checkpoint=/nonexistent"], "model.checkpoint=/nonexistent"),
     (["data.template=chat"], "template"),
+    (["sampling.top_p=2", "train.warmup_sft_steps=2"], r"sampling\.top_p must be in \(0, 1\]"),
+    (["rollout.attn_impl=bogus", "train.warmup_sft_steps=2"], "rollout.attn_impl"),
+    (["train.learning_rate=nan"], "train.learning_rate"),
   ],
 )
 def test_bad_config_fails_before_compiling(tmp_path, overrides, match):
-  """Errors name the key, and come before XLA compiles anything."""
+  """Errors name the key, and come before XLA compiles anything (so before an SFT warm-up)."""
   compiles = []
   listener = lambda event, *_, **__: compiles.append(event) if "compile" in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    with pytest.raises((ValueError, FileNotFoundError, OSError), match=match):
+    with pytest.raises(ConfigError, match=match):
       _run(tmp_path, "bad", *overrides)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)

@@ -9,8 +9,9 @@ from flax import nnx
 
 from bench.tolerances import assert_close
 from rl import update as U
-from rl.model import init_model, preset
-from rl.train import pack
+from rl.model import init_model, preset, shard_model
+from rl.sharding import make_mesh
+from rl.update import pack
 from tests.problems import policy_kwargs
 
 P, C = 7, 6
@@ -121,12 +122,8 @@ def test_sft_objective_is_the_token_mean_nll():
 def test_train_step_descends_and_does_not_recompile(name, fused):
   """Steps on one batch lower the SFT loss; the second and third steps reuse the first executable."""
   model, _, tokens, mask, _ = _problem(5)
-  from rl.sharding import make_mesh
-
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
-  from rl.model import shard_model
-
   params = nnx.state(shard_model(model, mesh), nnx.Param)
   opt = U.make_optimizer(name, 3e-3, 0.0, 1.0, fused)
   state = U.init_optimizer_state(opt, params, mesh)
@@ -140,3 +137,66 @@ def test_train_step_descends_and_does_not_recompile(name, fused):
     losses.append(float(m["loss"]))
   assert losses[2] < losses[0]
   assert step._cache_size() == 1
+
+
+def _sft_step(fused: bool, learning_rate: float = 3e-3):
+  model, _, tokens, mask, _ = _problem(6)
+  graphdef, params = nnx.split(model, nnx.Param)
+  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  params = nnx.state(shard_model(model, mesh), nnx.Param)
+  opt = U.make_optimizer("adamw", learning_rate, 0.01, 1.0, fused)
+  state = U.init_optimizer_state(opt, params, mesh)
+  step = U.compile_train_step(
+    graphdef, opt, U.LossSettings(C), "grpo", (U.shardings_of(params), U.shardings_of(state))
+  )
+  return step, params, state, tokens, mask
+
+
+def _host(tree):
+  return [np.array(x) for x in jax.tree.leaves(tree)]  # copies: the step donates its inputs
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_non_finite_step_leaves_weights_and_optimizer_state_untouched(fused):
+  """A NaN advantage (a poisoned batch) makes the loss NaN: the step returns the weights and the
+  optimizer state bit for bit, flags `nonfinite`, and the next finite batch updates as usual, with
+  the same executable."""
+  step, params, state, tokens, mask = _sft_step(fused)
+  adv = np.random.default_rng(7).normal(size=8).astype(np.float32)
+  poisoned = adv.copy()
+  poisoned[3] = np.nan
+  before_p, before_s = _host(params), _host(state)
+  params, state, m = step(params, state, _batch(tokens, mask, poisoned, 2))
+  assert float(m["nonfinite"]) == 1.0 and not np.isfinite(float(m["loss"]))
+  for got, want in zip(_host(params) + _host(state), before_p + before_s):
+    np.testing.assert_array_equal(got, want)
+  params, state, m = step(params, state, _batch(tokens, mask, adv, 2))
+  assert float(m["nonfinite"]) == 0.0 and np.isfinite(float(m["loss"]))
+  assert any(not np.array_equal(a, b) for a, b in zip(_host(params), before_p))
+  assert step._cache_size() == 1
+
+
+def test_update_that_overflows_the_weights_is_skipped():
+  """Finite loss and gradients but an infinite learning rate: the new weights would be inf, so the
+  step is skipped too (the guard looks at the result, not only at the inputs)."""
+  step, params, state, tokens, mask = _sft_step(fused=True, learning_rate=float("inf"))
+  adv = np.random.default_rng(8).normal(size=8).astype(np.float32)
+  before = _host(params)
+  params, state, m = step(params, state, _batch(tokens, mask, adv, 2))
+  assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+  assert float(m["nonfinite"]) == 1.0
+  for got, want in zip(_host(params), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_non_finite_guard_counts_and_stops_after_n_in_a_row():
+  guard = U.NonFiniteGuard(3)
+  for skipped in (True, True, False, True, True):
+    guard.update(skipped)
+    guard.check(0)  # never 3 in a row yet
+  assert (guard.total, guard.in_a_row) == (4, 2)
+  guard.update(True)
+  with pytest.raises(U.NonFiniteError, match=r"3 steps in a row.*max_nonfinite_steps=3"):
+    guard.check(6)
+  with pytest.raises(ValueError, match="max_in_a_row"):
+    U.NonFiniteGuard(0)
