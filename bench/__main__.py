@@ -7,7 +7,7 @@ Examples::
     python -m bench --size small --size large        # both: time-vs-size curves over more shapes
     python -m bench --profile                        # also a jax.profiler trace in profiles/bench-<time>/
 
-Writes ``bench/results/<platform>-<device>-<time>/``: results.json, summary.md, roofline.png,
+Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import pathlib
+import re
 import sys
 
 from tqdm import tqdm
@@ -42,7 +43,7 @@ class BenchConfig:
   rollout_repeats: int = 3  # whole generate() calls per rollout backend and workload
   seed: int = 0
   measure_bandwidth: bool = True
-  out: pathlib.Path | None = None  # default bench/results/<platform>-<device>-<timestamp>
+  out: pathlib.Path | None = None  # default bench/results/<device kind>-<timestamp>
   profile: pathlib.Path | None = None  # capture a jax.profiler trace of the whole run here
   plots: bool = True
 
@@ -96,6 +97,12 @@ def parse_args(argv=None) -> BenchConfig:
   )
 
 
+def device_slug(device_kind: str) -> str:
+  """A results folder's device part: jax's device kind, lower-case, runs of other characters as '-'
+  ("cpu", "nvidia-h100-80gb-hbm3", "tpu-v5-lite")."""
+  return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "unknown"
+
+
 def _profiling(path: pathlib.Path | None, stamp: str):
   if path is None:
     return contextlib.nullcontext(None)
@@ -119,8 +126,7 @@ def main(argv=None) -> int:
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  kind = env["device_kind"].replace(" ", "_").replace("/", "_")
-  out = cfg.out or ROOT / "bench" / "results" / f"{target.platform}-{kind}-{stamp}"
+  out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
   print(
     f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
     f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
