@@ -83,18 +83,21 @@ def parse_args(argv=None) -> BenchConfig:
     help="capture a profiler trace (default DIR: profiles/bench-<time>)",
   )
   a = p.parse_args(argv)
-  return BenchConfig(
-    tuple(dict.fromkeys(a.suite)) if a.suite else None,
-    tuple(dict.fromkeys(a.size)) if a.size else None,
-    a.repeats,
-    a.warmup,
-    a.rollout_repeats,
-    a.seed,
-    not a.no_measure_bandwidth,
-    a.out,
-    a.profile,
-    not a.no_plots,
-  )
+  try:
+    return BenchConfig(
+      tuple(dict.fromkeys(a.suite)) if a.suite else None,
+      tuple(dict.fromkeys(a.size)) if a.size else None,
+      a.repeats,
+      a.warmup,
+      a.rollout_repeats,
+      a.seed,
+      not a.no_measure_bandwidth,
+      a.out,
+      a.profile,
+      not a.no_plots,
+    )
+  except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
+    p.error(str(e))
 
 
 def device_slug(device_kind: str) -> str:
