@@ -6,7 +6,7 @@
   device's peaks are known. Ops with no flop count (bandwidth-bound): achieved bytes/s per case, one
   row each, against the bandwidth line.
 * time_vs_size.png — is the kernel faster than its reference at each size? Per op family, every case
-  (sorted by ideal bytes within each variant) with kernel and reference median time (IQR bars) and the
+  (sorted by ideal bytes within each variant) with kernel and reference median time (quartile whiskers) and the
   speedup (reference / kernel) written above. Cases are categories, not points on a size axis: two
   named sizes differ in dtype and shape, so no line joins them.
 * rollout.png — generated tokens/s per engine and workload.
@@ -171,15 +171,15 @@ def time_vs_size(cases: list[dict], path: pathlib.Path) -> pathlib.Path:
     rows = sorted(rows, key=lambda c: (c["op"], c["mode"], c["bytes"] or 0))
     for i, c in enumerate(rows):
       for dx, (side, style, _) in zip((-0.12, 0.12), SIDES):
-        t = c[side]["timing"]
+        lo, hi = spread(c[side]["timing"])
+        med = c[side]["timing"]["median_s"]
         ax.errorbar(
-          [i + dx], [t["median_s"]], yerr=[[t["iqr_s"] / 2], [t["iqr_s"] / 2]], capsize=2,
-          elinewidth=0.8, **style,
-        )  # fmt: skip
-      top = max(c[s]["timing"]["median_s"] + c[s]["timing"]["iqr_s"] / 2 for s, _, _ in SIDES)
+          [i + dx], [med], yerr=[[med - lo], [hi - med]], capsize=2, elinewidth=0.8, **style
+        )
+      top = max(spread(c[s]["timing"])[1] for s, _, _ in SIDES)
       ax.annotate(
-        f"{c['speedup']:.2f}x", (i, top), xytext=(0, 9), textcoords="offset points",
-        ha="center", fontsize=7, color="tab:green" if c["speedup"] >= 1 else "tab:red",
+        f"{c['speedup']:.2f}x", (i, top), xytext=(0, 5), textcoords="offset points",
+        ha="center", fontsize=7, color=_speedup_color(c["speedup"]),
       )  # fmt: skip
     labels = ["\n".join([*c["op"].split("/")[1:], c["shape"], f"{c['mode']}, {_mib(c['bytes'])}"])
               for c in rows]  # fmt: skip
@@ -194,12 +194,26 @@ def time_vs_size(cases: list[dict], path: pathlib.Path) -> pathlib.Path:
     ax.grid(True, which="major", axis="y", alpha=0.3)
   fig.legend(
     handles=_legend_handles(), loc="outside upper center", ncols=2, fontsize=8,
-    title="median time per case (bars: IQR); above each: speedup = reference / kernel "
-    "(green: kernel faster); below: the case and its ideal bytes", title_fontsize=8,
+    title="median time per case (whiskers: quartiles; fastest to slowest repeat in reports that "
+    "predate quartiles)\nabove: speedup = "
+    "reference / kernel (green: kernel faster, red: slower); below: the case, its ideal bytes", title_fontsize=8,
   )  # fmt: skip
   fig.savefig(path)
   plt.close(fig)
   return path
+
+
+def _speedup_color(speedup: float) -> str:
+  text = f"{speedup:.2f}"  # coloured as printed: "1.00x" is a tie, not a loss
+  return "0.35" if text == "1.00" else ("tab:green" if speedup > 1 else "tab:red")
+
+
+def spread(timing: dict) -> tuple[float, float]:
+  """The whiskers around a median: its quartiles, or the fastest and slowest repeat in a report
+  written before quartiles were recorded (median +- IQR / 2 could cross zero on a log axis)."""
+  if timing.get("q1_s") is not None:
+    return timing["q1_s"], timing["q3_s"]
+  return timing["min_s"], timing["max_s"]
 
 
 def _mib(b) -> str:
