@@ -96,7 +96,8 @@ def markdown_table(results) -> str:
 SIZE_MEANING = {
   "tiny": "the harness's own smoke test (seconds; what the test suite runs)",
   "small": "CPU shapes: big enough to exercise tiling and ragged tails in the Pallas interpreter",
-  "large": "production shapes (N = 8192+ completion tokens, V = 151936, real model parameter trees)",
+  "large": "production shapes: 8k-16k completion tokens over V = 128256-151936, decode over 4k-16k "
+  "contexts, the Qwen2.5-0.5B / 1.5B parameter trees",
 }
 
 
