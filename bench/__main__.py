@@ -154,7 +154,10 @@ def main(argv=None) -> int:
     print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))
   print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
   if profile_dir:
-    print(f"profile: tensorboard --logdir {profile_dir}   |   python -m bench.trace {profile_dir}")
+    print(
+      f"profile: python -m bench.trace {profile_dir}   |   nox -s tensorboard -- {profile_dir} "
+      "(or tensorboard --logdir with the dev extra installed)"
+    )
   failed = [r.name for r in results if not r.ok]
   failed += [
     f"rollout/{run['size']}/{r.workload}/{r.backend}"
