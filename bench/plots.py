@@ -2,8 +2,8 @@
 
 * roofline.png — how close does each kernel come to the device's limits, and is it above or below its
   reference? Ops with a flop count: one panel per op, a case's kernel (filled) and reference (hollow)
-  at the same arithmetic intensity joined by a line, under the bandwidth / compute roofs when the
-  device's peaks are known. Ops with no flop count (bandwidth-bound): achieved bytes/s per case, one
+  at the same arithmetic intensity joined by a line, its mode by marker (fwd o, fwd+bwd ^) and its
+  shape by one label per shape, under the bandwidth / compute roofs when the device's peaks are known. Ops with no flop count (bandwidth-bound): achieved bytes/s per case, one
   row each, against the bandwidth line.
 * time_vs_size.png — is the kernel faster than its reference at each size? Per op family, every case
   (sorted by ideal bytes within each variant) with kernel and reference median time (quartile whiskers) and the
@@ -18,6 +18,7 @@ report re-renders without re-measuring: ``python -m bench.report bench/results/<
 from __future__ import annotations
 
 import collections
+import math
 import pathlib
 
 import matplotlib
@@ -28,9 +29,10 @@ from matplotlib.lines import Line2D
 
 KERNEL = dict(marker="o", color="tab:blue", markersize=7, linestyle="none")
 REFERENCE = dict(
-  marker="s", markerfacecolor="white", markeredgecolor="tab:orange", markeredgewidth=1.6,
+  marker="o", markerfacecolor="white", markeredgecolor="tab:orange", markeredgewidth=1.6,
   color="tab:orange", markersize=7, linestyle="none",
 )  # fmt: skip
+MODE_MARKER = {"fwd": "o", "fwd+bwd": "^"}  # roofline: a case's mode by marker, its shape by label
 SIDES = (("kernel", KERNEL, "kernel (Pallas)"), ("reference", REFERENCE, "reference (pure JAX)"))
 DPI = 120
 
@@ -95,22 +97,28 @@ def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathli
     sub.suptitle("ops with a flop count: achieved FLOP/s vs arithmetic intensity", fontsize=10)
     axes = sub.subplots(1, n_top, sharex=True, sharey=True, squeeze=False)[0]
     xs = [c["flops"] / c["bytes"] for c in with_flops]
-    lo, hi = min(xs) / 3, max(xs) * 3
+    lo, hi = min(xs) / 10, max(xs) * 10  # a decade each side: room for the outer labels
     if bw and fl:
       lo, hi = min(lo, fl / bw / 3), max(hi, fl / bw * 3)
     for ax, (op, rows) in zip(axes, sorted(by_op.items())):
-      for j, c in enumerate(sorted(rows, key=lambda c: c["flops"] / c["bytes"])):
+      shapes = collections.defaultdict(list)
+      for c in rows:
         x = c["flops"] / c["bytes"]
         yk, yr = c["flops"] / _median(c, "kernel"), c["flops"] / _median(c, "reference")
+        marker = MODE_MARKER.get(c["mode"], "D")
         ax.plot([x, x], [yk, yr], color="0.6", lw=1, zorder=1)
-        ax.plot([x], [yr], **REFERENCE, zorder=2)
-        ax.plot([x], [yk], **KERNEL, zorder=3)
-        # neighbours in intensity label on alternate sides, so a label never runs into the next point
+        ax.plot([x], [yr], **dict(REFERENCE, marker=marker), zorder=2)
+        ax.plot([x], [yk], **dict(KERNEL, marker=marker), zorder=3)
+        shapes[c["shape"]].append((x, yk))
+      # one label per shape (its modes differ by marker), shapes alternating left and right in
+      # order of intensity, so a label does not run into the next shape's points
+      for j, (shape, pts) in enumerate(sorted(shapes.items(), key=lambda kv: min(kv[1])[0])):
         side = 1 if j % 2 else -1
+        x = max(p[0] for p in pts) if side > 0 else min(p[0] for p in pts)
+        y = math.exp(sum(math.log(p[1]) for p in pts) / len(pts))
         ax.annotate(
-          f"{c['shape']} {c['mode']}", (x, yk), xytext=(7 * side, -3), textcoords="offset points",
+          shape, (x, y), xytext=(9 * side, 0), textcoords="offset points", va="center",
           ha="left" if side > 0 else "right", fontsize=7,
-          arrowprops=dict(arrowstyle="-", color="0.7", lw=0.5, shrinkA=0, shrinkB=3),
         )  # fmt: skip
       if bw and fl:
         ax.plot([lo, fl / bw, hi], [lo * bw, fl, fl], "k--", lw=1, zorder=0)
@@ -122,9 +130,18 @@ def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathli
     fig.canvas.draw()  # text extents exist only after a draw
     for ax in axes:
       _declutter(ax, list(ax.texts))
+    modes = dict.fromkeys(c["mode"] for c in with_flops)
+    roof += [
+      Line2D([], [], marker=MODE_MARKER.get(m, "D"), color="0.45", ls="none", label=m)
+      for m in modes
+    ]
     if bw and fl:
       roof.append(Line2D([], [], color="k", ls="--", lw=1, label=f"roofs ({peaks.get('source')})"))
   if bytes_only:
+    if bw and not (n_top and fl):  # else the roofs entry stands for this line too
+      roof.append(
+        Line2D([], [], color="k", ls="--", lw=1, label=f"bandwidth ({peaks.get('source')})")
+      )
     sub = subfigs.pop(0)
     sub.suptitle("bandwidth-bound ops (no flop count): ideal bytes / median time", fontsize=10)
     ax = sub.subplots()
@@ -136,16 +153,12 @@ def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathli
       ax.plot([xk], [i], **KERNEL, zorder=3)
     if bw:
       ax.axvline(bw, color="k", ls="--", lw=1)
-      if not roof:
-        roof.append(
-          Line2D([], [], color="k", ls="--", lw=1, label=f"bandwidth ({peaks.get('source')})")
-        )
     ax.set_yticks(range(len(rows)), [c["name"] for c in rows], fontsize=8)
     ax.set(xscale="log", xlabel="achieved bytes/s", ylim=(-0.7, len(rows) - 0.3))
     ax.grid(True, which="major", axis="x", alpha=0.3)
   note = "" if (bw or fl) else "  —  no device peaks known (CPU, interpreter): no roofs"
   fig.legend(
-    handles=_legend_handles(roof), loc="outside upper center", ncols=3, fontsize=8,
+    handles=_legend_handles(roof), loc="outside upper center", ncols=min(len(roof) + 2, 6), fontsize=8,
     title=f"same case: kernel and reference joined by a line{note}", title_fontsize=8,
   )  # fmt: skip
   fig.savefig(path)
