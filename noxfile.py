@@ -1,17 +1,27 @@
-"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s lint`` (ruff format + check, also in CI), ``nox -s bench`` (the main job), ``nox -s lower``,
-``nox -s train`` (the GRPO loop on the embedded default), ``nox -s parity`` (end-to-end parity of the
-loop's xla and pallas losses over seeds), ``nox -s profile`` (captured traces and their summaries),
-``nox -s sglang`` (the sglang-jax rollout backend's tests and its throughput vs our engines, Python 3.12).
+"""Sessions: ``nox -s tests`` (what CI runs), ``nox -s lint`` (ruff format + check, also in CI),
+``nox -s bench`` (the main job), ``nox -s lower``, ``nox -s train`` (the GRPO loop on the embedded
+default), ``nox -s parity`` (end-to-end parity of the loop's xla and pallas losses over seeds),
+``nox -s profile`` (captured traces and their summaries), ``nox -s tensorboard -- <logdir>`` (a training
+run's scalars or a captured profile), ``nox -s sglang`` (the sglang-jax rollout backend's tests and its
+throughput vs our engines, Python 3.12).
 
-Each session installs the project with its dev extras into its own virtualenv, so both commands work
-on a fresh machine with only Python >= 3.11 and nox. Arguments after ``--`` go to the tool.
+One environment for all of them: ``nox -s dev`` builds ``.nox/dev`` (the project with its ``dev``
+extra: jax, pytest, matplotlib, tensorboard + its profile plugin, ruff), and every session above except
+``lint`` and ``sglang`` requires it and runs in it, so jax is installed once, not once per session
+(nox has no shared-venv option of its own). ``nox -R`` skips the reinstall into an existing one.
+``lint`` keeps a small ruff-only venv (CI lints before anything else is installed); ``sglang`` needs
+Python 3.12 and pins its own jax. Arguments after ``--`` go to the tool.
 """
+
+import os
+import pathlib
 
 import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 RUFF = "ruff==0.17.6"  # pinned: a new ruff release may reformat the tree
+DEV = {}  # filled by the `dev` session, which every session using the shared env requires
 
 
 @nox.session
@@ -23,33 +33,63 @@ def lint(session: nox.Session):
   session.run("ruff", "check", *(["--fix"] if fix else []), ".")
 
 
-@nox.session
+@nox.session(default=False)
+def dev(session: nox.Session):
+  """The shared environment (.nox/dev): the project with its dev extra. Required by the sessions below."""
+  session.install("-e", ".[dev]")
+  bin_dir = pathlib.Path(session.bin)
+  DEV.update(
+    python=str(bin_dir / ("python.exe" if os.name == "nt" else "python")),
+    env={
+      "VIRTUAL_ENV": str(session.virtualenv.location),
+      "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]),
+    },
+  )
+
+
+def in_dev(session: nox.Session, *args: str, **kwargs):
+  """Run `python <args>` in the shared environment (from a session with `requires=["dev"]`)."""
+  if not DEV:
+    session.error("the dev session did not run (every session using .nox/dev requires it)")
+  return session.run(DEV["python"], *args, env=DEV["env"], external=True, **kwargs)
+
+
+SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .nox/dev
+
+
+@nox.session(**SHARED)
 def tests(session: nox.Session):
   """Unit, parity, lowering and bench-smoke tests on CPU (interpret mode). Slow tests: -- -m slow."""
-  session.install("-e", ".[dev]")
   args = session.posargs or ["-m", "not slow and not gpu and not tpu"]
-  session.run("pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
+  in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 
 
-@nox.session
+@nox.session(**SHARED)
 def bench(session: nox.Session):
-  """Every kernel vs its reference on this backend; writes bench/results/<device>-<time>/."""
-  session.install("-e", ".[dev]")
-  session.run("python", "-m", "bench", *session.posargs)
+  """Every kernel vs its reference on this backend; writes bench/results/<device kind>-<time>/."""
+  in_dev(session, "-m", "bench", *session.posargs)
 
 
-@nox.session
+@nox.session(**SHARED)
 def lower(session: nox.Session):
   """AOT-lower every kernel for TPU and CUDA at production shapes (no accelerator needed)."""
-  session.install("-e", ".[dev]")
-  session.run("pytest", "-q", "tests/test_lowering.py", *session.posargs)
+  in_dev(session, "-m", "pytest", "-q", "tests/test_lowering.py", *session.posargs)
 
 
-@nox.session
+@nox.session(**SHARED)
 def train(session: nox.Session):
   """The GRPO loop on the embedded default (CPU, minutes): SFT warm-up, GRPO, eval_full. Overrides after --."""
-  session.install("-e", ".")
-  session.run("python", "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)
+  in_dev(session, "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)
+
+
+@nox.session(**SHARED)
+def tensorboard(session: nox.Session):
+  """TensorBoard on a log directory (`-- runs/<run>/tb` for a training run's scalars, `-- profiles/<run>`
+  for a captured profile); further TensorBoard flags after it, e.g. `-- runs/x/tb --port 6007`."""
+  if not session.posargs:
+    session.error("give the log directory after --, e.g. nox -s tensorboard -- runs/cpu-default/tb")
+  logdir, *flags = session.posargs
+  in_dev(session, "-m", "tensorboard.main", "--logdir", logdir, *flags)
 
 
 PARITY_DEFAULT = [
@@ -65,28 +105,24 @@ PARITY_DEFAULT = [
 ]
 
 
-@nox.session
+@nox.session(**SHARED)
 def parity(session: nox.Session):
   """The GRPO loop per arm and seed, paired interval and verdict (CPU default: 4 runs, ~40 min).
   Own arms / seeds / config after --, e.g. -- --config configs/gpu-qwen2.5-0.5b.yaml --seeds 0 1 2 --arm ..."""
-  session.install("-e", ".[dev]")
-  session.run("python", "-m", "bench.parity", *(session.posargs or PARITY_DEFAULT))
+  in_dev(session, "-m", "bench.parity", *(session.posargs or PARITY_DEFAULT))
 
 
-@nox.session
+@nox.session(**SHARED)
 def profile(session: nox.Session):
-  """Traces into profiles/: the bench (args after -- go to it) and 2 GRPO steps of the embedded loop,
-  each summarised by bench.trace. Open them with `tensorboard --logdir profiles/<run>`."""
-  session.install("-e", ".[dev]")
-  platform = session.run(
-    "python", "-c", "import jax; print(jax.default_backend())", silent=True
-  ).strip()
+  """Traces into profiles/ (ignored by git): the bench (args after -- go to it) and 2 GRPO steps of the
+  embedded loop, each summarised by bench.trace. Open them with `nox -s tensorboard -- profiles/<run>`."""
+  platform = in_dev(session, "-c", "import jax; print(jax.default_backend())", silent=True).strip()
   # CPU: the interpreter's thread events would fill the trace export's 1M-event cap at the small size
   args = session.posargs or (["--size", "tiny"] if platform == "cpu" else [])
-  session.run("python", "-m", "bench", "--profile", "profiles/bench", *args)
-  session.run("python", "-m", "bench.trace", "profiles/bench")
-  session.run(
-    "python",
+  in_dev(session, "-m", "bench", "--profile", "profiles/bench", *args)
+  in_dev(session, "-m", "bench.trace", "profiles/bench")
+  in_dev(
+    session,
     "-m",
     "rl.train",
     "--config",
@@ -98,7 +134,7 @@ def profile(session: nox.Session):
     "run.profile_steps=2",
     "run.profile_dir=profiles/loop",
   )
-  session.run("python", "-m", "bench.trace", "profiles/loop")
+  in_dev(session, "-m", "bench.trace", "profiles/loop")
 
 
 @nox.session(python="3.12")

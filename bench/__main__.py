@@ -7,7 +7,7 @@ Examples::
     python -m bench --size small --size large        # both: time-vs-size curves over more shapes
     python -m bench --profile                        # also a jax.profiler trace in profiles/bench-<time>/
 
-Writes ``bench/results/<platform>-<device>-<time>/``: results.json, summary.md, roofline.png,
+Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import pathlib
+import re
 import sys
 
 from tqdm import tqdm
@@ -42,7 +43,7 @@ class BenchConfig:
   rollout_repeats: int = 3  # whole generate() calls per rollout backend and workload
   seed: int = 0
   measure_bandwidth: bool = True
-  out: pathlib.Path | None = None  # default bench/results/<platform>-<device>-<timestamp>
+  out: pathlib.Path | None = None  # default bench/results/<device kind>-<timestamp>
   profile: pathlib.Path | None = None  # capture a jax.profiler trace of the whole run here
   plots: bool = True
 
@@ -82,18 +83,27 @@ def parse_args(argv=None) -> BenchConfig:
     help="capture a profiler trace (default DIR: profiles/bench-<time>)",
   )
   a = p.parse_args(argv)
-  return BenchConfig(
-    tuple(dict.fromkeys(a.suite)) if a.suite else None,
-    tuple(dict.fromkeys(a.size)) if a.size else None,
-    a.repeats,
-    a.warmup,
-    a.rollout_repeats,
-    a.seed,
-    not a.no_measure_bandwidth,
-    a.out,
-    a.profile,
-    not a.no_plots,
-  )
+  try:
+    return BenchConfig(
+      tuple(dict.fromkeys(a.suite)) if a.suite else None,
+      tuple(dict.fromkeys(a.size)) if a.size else None,
+      a.repeats,
+      a.warmup,
+      a.rollout_repeats,
+      a.seed,
+      not a.no_measure_bandwidth,
+      a.out,
+      a.profile,
+      not a.no_plots,
+    )
+  except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
+    p.error(str(e))
+
+
+def device_slug(device_kind: str) -> str:
+  """A results folder's device part: jax's device kind, lower-case, runs of other characters as '-'
+  ("cpu", "nvidia-h100-80gb-hbm3", "tpu-v5-lite")."""
+  return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "unknown"
 
 
 def _profiling(path: pathlib.Path | None, stamp: str):
@@ -119,8 +129,7 @@ def main(argv=None) -> int:
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  kind = env["device_kind"].replace(" ", "_").replace("/", "_")
-  out = cfg.out or ROOT / "bench" / "results" / f"{target.platform}-{kind}-{stamp}"
+  out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
   print(
     f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
     f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
@@ -145,7 +154,10 @@ def main(argv=None) -> int:
     print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))
   print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
   if profile_dir:
-    print(f"profile: tensorboard --logdir {profile_dir}   |   python -m bench.trace {profile_dir}")
+    print(
+      f"profile: python -m bench.trace {profile_dir}   |   nox -s tensorboard -- {profile_dir} "
+      "(or tensorboard --logdir with the dev extra installed)"
+    )
   failed = [r.name for r in results if not r.ok]
   failed += [
     f"rollout/{run['size']}/{r.workload}/{r.backend}"

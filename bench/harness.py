@@ -19,6 +19,8 @@ class Timing:
   iqr_s: float  # interquartile range: the spread reported beside the median
   repeats: int
   compile_s: float
+  q1_s: float | None = None  # first and third quartiles (the IQR's ends; None in older reports)
+  q3_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,4 +75,6 @@ def time_compiled(
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t0)
   q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-  return Timing(statistics.median(times), min(times), max(times), q[2] - q[0], repeats, compile_s)
+  return Timing(
+    statistics.median(times), min(times), max(times), q[2] - q[0], repeats, compile_s, q[0], q[2]
+  )

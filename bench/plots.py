@@ -1,138 +1,256 @@
-"""Report figures (matplotlib, written next to results.json): the roofline chart, time vs size, rollout.
+"""Report figures (matplotlib, written next to results.json), each answering one question.
 
-* roofline.png: every case's kernel and reference as points at (arithmetic intensity = flops / ideal
-  bytes, achieved FLOP/s); the device's bandwidth and compute roofs when its peaks are known. Cases with
-  no flop count (pure bandwidth ops) are placed by bandwidth instead, on a second panel.
-* time_vs_size.png: median time (IQR as error bars) against ideal bytes moved, kernel vs reference, one
-  panel per op and mode.
-* rollout.png: generated tokens/s per backend and workload.
+* roofline.png — how close does each kernel come to the device's limits, and is it above or below its
+  reference? Ops with a flop count: one panel per op, a case's kernel (filled) and reference (hollow)
+  at the same arithmetic intensity joined by a line, its mode by marker (fwd o, fwd+bwd ^) and its
+  shape by one label per shape, under the bandwidth / compute roofs when the device's peaks are known. Ops with no flop count (bandwidth-bound): achieved bytes/s per case, one
+  row each, against the bandwidth line.
+* time_vs_size.png — is the kernel faster than its reference at each size? Per op family, every case
+  (sorted by ideal bytes within each variant) with kernel and reference median time (quartile whiskers) and the
+  speedup (reference / kernel) written above. Cases are categories, not points on a size axis: two
+  named sizes differ in dtype and shape, so no line joins them.
+* rollout.png — generated tokens/s per engine and workload.
+
+Every function takes the report's JSON form (`results.json`'s `cases` / rollout rows), so a committed
+report re-renders without re-measuring: ``python -m bench.report bench/results/<run>``.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import pathlib
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
-import matplotlib.ticker
+from matplotlib.lines import Line2D
 
-_STYLE = {
-  "kernel": dict(marker="o", color="tab:blue"),
-  "reference": dict(marker="s", color="tab:orange"),
-}
+KERNEL = dict(marker="o", color="tab:blue", markersize=7, linestyle="none")
+REFERENCE = dict(
+  marker="o", markerfacecolor="white", markeredgecolor="tab:orange", markeredgewidth=1.6,
+  color="tab:orange", markersize=7, linestyle="none",
+)  # fmt: skip
+MODE_MARKER = {"fwd": "o", "fwd+bwd": "^"}  # roofline: a case's mode by marker, its shape by label
+SIDES = (("kernel", KERNEL, "kernel (Pallas)"), ("reference", REFERENCE, "reference (pure JAX)"))
+DPI = 120
 
 
-def _timed(results):
-  return [r for r in results if r.kernel is not None]
+def timed(cases: list[dict]) -> list[dict]:
+  """Cases that produced timings (a failed case has no kernel / reference entry)."""
+  return [c for c in cases if c.get("kernel") and c.get("reference")]
 
 
-def roofline_chart(results, peaks: dict, path: pathlib.Path) -> pathlib.Path:
+def _median(case: dict, side: str) -> float:
+  return case[side]["timing"]["median_s"]
+
+
+def _case_label(case: dict, family: str | None = None) -> str:
+  """`<variant> <shape> <mode>` without the parts the panel title already says."""
+  parts = case["op"].split("/")[1:] if family else []
+  return " ".join([*parts, case["shape"], case["mode"]])
+
+
+def _legend_handles(extra=()):
+  return [Line2D([], [], **style, label=label) for _, style, label in SIDES] + list(extra)
+
+
+def _declutter(ax, texts, pad_px: float = 2.0):
+  """Shift overlapping annotations up, in drawing order by height, until none overlap."""
+  if not texts:
+    return
+  renderer = ax.figure.canvas.get_renderer()
+  placed = []
+  for t in sorted(texts, key=lambda t: t.get_window_extent(renderer).y0):
+    box = t.get_window_extent(renderer)
+    shift = 0.0
+    for other in placed:
+      moved = box.translated(0, shift)
+      if moved.overlaps(other):
+        shift += other.y1 - moved.y0 + pad_px
+    if shift:
+      dx, dy = t.xyann
+      t.xyann = (dx, dy + shift * 72.0 / ax.figure.dpi)
+    placed.append(box.translated(0, shift))
+
+
+def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathlib.Path:
   bw, fl = peaks.get("hbm_bytes_per_s"), peaks.get("bf16_flops_per_s")
-  with_flops = [r for r in _timed(results) if r.flops and r.bytes]
-  bytes_only = [r for r in _timed(results) if r.bytes and not r.flops]
-  panels = [p for p in (("flops", with_flops), ("bytes", bytes_only)) if p[1]]
-  fig, axes = plt.subplots(
-    1, max(len(panels), 1), figsize=(6.5 * max(len(panels), 1), 5), squeeze=False
+  with_flops = [c for c in timed(cases) if c["flops"] and c["bytes"]]
+  bytes_only = [c for c in timed(cases) if c["bytes"] and not c["flops"]]
+  by_op = collections.defaultdict(list)
+  for c in with_flops:
+    by_op[c["op"]].append(c)
+  n_top = max(len(by_op), 1) if with_flops else 0
+  top_h, bottom_h = (4.2 if n_top else 0), (1.2 + 0.32 * len(bytes_only) if bytes_only else 0)
+  fig = plt.figure(
+    figsize=(max(5.0 * n_top, 9.0), top_h + bottom_h + 0.9), dpi=DPI, layout="constrained"
   )
-  for ax, (kind, rows) in zip(axes.flat, panels):
-    for i, r in enumerate(rows):
-      for side in ("kernel", "reference"):
-        t = getattr(r, side).timing.median_s
-        x, y = (r.flops / r.bytes, r.flops / t) if kind == "flops" else (i, r.bytes / t)
-        ax.scatter(x, y, **_STYLE[side], label=side if i == 0 else None)
-      if kind == "flops":
-        ax.annotate(r.name, (r.flops / r.bytes, r.flops / r.kernel.timing.median_s), fontsize=6)
-    if kind == "flops":
+  subfigs = fig.subfigures(
+    2 if n_top and bytes_only else 1, 1, height_ratios=[h for h in (top_h, bottom_h) if h] or None
+  )
+  subfigs = list(subfigs) if hasattr(subfigs, "__len__") else [subfigs]
+  roof = []
+  if n_top:
+    sub = subfigs.pop(0)
+    sub.suptitle("ops with a flop count: achieved FLOP/s vs arithmetic intensity", fontsize=10)
+    axes = sub.subplots(1, n_top, sharex=True, sharey=True, squeeze=False)[0]
+    xs = [c["flops"] / c["bytes"] for c in with_flops]
+    lo, hi = min(xs) / 10, max(xs) * 10  # a decade each side: room for the outer labels
+    if bw and fl:
+      lo, hi = min(lo, fl / bw / 3), max(hi, fl / bw * 3)
+    for ax, (op, rows) in zip(axes, sorted(by_op.items())):
+      shapes = collections.defaultdict(list)
+      for c in rows:
+        x = c["flops"] / c["bytes"]
+        yk, yr = c["flops"] / _median(c, "kernel"), c["flops"] / _median(c, "reference")
+        marker = MODE_MARKER.get(c["mode"], "D")
+        ax.plot([x, x], [yk, yr], color="0.6", lw=1, zorder=1)
+        ax.plot([x], [yr], **dict(REFERENCE, marker=marker), zorder=2)
+        ax.plot([x], [yk], **dict(KERNEL, marker=marker), zorder=3)
+        shapes[c["shape"]].append((x, yk))
+      # one label per shape (its modes differ by marker), shapes alternating left and right in
+      # order of intensity, so a label does not run into the next shape's points
+      for j, (shape, pts) in enumerate(sorted(shapes.items(), key=lambda kv: min(kv[1])[0])):
+        side = 1 if j % 2 else -1
+        x = max(p[0] for p in pts) if side > 0 else min(p[0] for p in pts)
+        y = math.exp(sum(math.log(p[1]) for p in pts) / len(pts))
+        ax.annotate(
+          shape, (x, y), xytext=(9 * side, 0), textcoords="offset points", va="center",
+          ha="left" if side > 0 else "right", fontsize=7,
+        )  # fmt: skip
       if bw and fl:
-        xs = sorted(r.flops / r.bytes for r in rows)
-        lo, hi = min(xs[0], fl / bw) / 4, max(xs[-1], fl / bw) * 4
-        ax.plot(
-          [lo, fl / bw, hi], [lo * bw, fl, fl], "k--", lw=1, label=f"roof ({peaks.get('source')})"
+        ax.plot([lo, fl / bw, hi], [lo * bw, fl, fl], "k--", lw=1, zorder=0)
+      ax.set(xscale="log", yscale="log", xlim=(lo, hi), title=op, xlabel="flop / ideal byte")
+      ax.title.set_fontsize(9)
+      ax.grid(True, which="major", alpha=0.3)
+      ax.margins(y=0.25)
+    axes[0].set_ylabel("achieved FLOP/s")
+    fig.canvas.draw()  # text extents exist only after a draw
+    for ax in axes:
+      _declutter(ax, list(ax.texts))
+    modes = dict.fromkeys(c["mode"] for c in with_flops)
+    roof += [
+      Line2D([], [], marker=MODE_MARKER.get(m, "D"), color="0.45", ls="none", label=m)
+      for m in modes
+    ]
+    if bw and fl:
+      roof.append(Line2D([], [], color="k", ls="--", lw=1, label=f"roofs ({peaks.get('source')})"))
+  if bytes_only:
+    if bw and not (n_top and fl):  # else the roofs entry stands for this line too
+      roof.append(
+        Line2D([], [], color="k", ls="--", lw=1, label=f"bandwidth ({peaks.get('source')})")
+      )
+    sub = subfigs.pop(0)
+    sub.suptitle("bandwidth-bound ops (no flop count): ideal bytes / median time", fontsize=10)
+    ax = sub.subplots()
+    rows = list(reversed(bytes_only))  # first case at the top
+    for i, c in enumerate(rows):
+      xk, xr = c["bytes"] / _median(c, "kernel"), c["bytes"] / _median(c, "reference")
+      ax.plot([xk, xr], [i, i], color="0.6", lw=1, zorder=1)
+      ax.plot([xr], [i], **REFERENCE, zorder=2)
+      ax.plot([xk], [i], **KERNEL, zorder=3)
+    if bw:
+      ax.axvline(bw, color="k", ls="--", lw=1)
+    ax.set_yticks(range(len(rows)), [c["name"] for c in rows], fontsize=8)
+    ax.set(xscale="log", xlabel="achieved bytes/s", ylim=(-0.7, len(rows) - 0.3))
+    ax.grid(True, which="major", axis="x", alpha=0.3)
+  note = "" if (bw or fl) else "  —  no device peaks known (CPU, interpreter): no roofs"
+  fig.legend(
+    handles=_legend_handles(roof), loc="outside upper center", ncols=min(len(roof) + 2, 6), fontsize=8,
+    title=f"same case: kernel and reference joined by a line{note}", title_fontsize=8,
+  )  # fmt: skip
+  fig.savefig(path)
+  plt.close(fig)
+  return path
+
+
+def time_vs_size(cases: list[dict], path: pathlib.Path) -> pathlib.Path:
+  families = collections.defaultdict(list)
+  for c in timed(cases):
+    families[c["op"].split("/")[0]].append(c)
+  widest = max((len(v) for v in families.values()), default=1)
+  fig = plt.figure(
+    figsize=(max(6.0, 1.0 * widest + 1.8), 3.0 * max(len(families), 1) + 0.8), dpi=DPI,
+    layout="constrained",
+  )  # fmt: skip
+  # one row per op family, one grid column per case: every panel has the same spacing per case
+  grid = fig.add_gridspec(max(len(families), 1), max(widest, 2))
+  for row, (family, rows) in enumerate(sorted(families.items())):
+    span = max(len(rows), 2)  # a lone case gets two columns, centred: room for its labels
+    ax = fig.add_subplot(grid[row, :span])
+    # variants together, each by mode, then by size
+    rows = sorted(rows, key=lambda c: (c["op"], c["mode"], c["bytes"] or 0))
+    for i, c in enumerate(rows):
+      for dx, (side, style, _) in zip((-0.12, 0.12), SIDES):
+        lo, hi = spread(c[side]["timing"])
+        med = c[side]["timing"]["median_s"]
+        ax.errorbar(
+          [i + dx], [med], yerr=[[med - lo], [hi - med]], capsize=2, elinewidth=0.8, **style
         )
-      ax.set(
-        xscale="log",
-        xlabel="arithmetic intensity (flop / ideal byte)",
-        ylabel="achieved FLOP/s",
-        title="ops with a flop count",
-      )
-    else:
-      if bw:
-        ax.axhline(bw, color="k", ls="--", lw=1, label=f"bandwidth ({peaks.get('source')})")
-      ax.set_xticks(range(len(rows)), [r.name for r in rows], rotation=60, ha="right", fontsize=6)
-      ax.set(
-        ylabel="achieved bytes/s (ideal bytes / time)", title="bandwidth-bound ops (no flop count)"
-      )
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-  if not (bw or fl):
-    fig.suptitle("no device peaks known (CPU, interpreter): points only, no roofs", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def time_vs_size(results, path: pathlib.Path) -> pathlib.Path:
-  groups = collections.defaultdict(list)
-  for r in _timed(results):
-    if r.bytes:
-      groups[f"{r.op} {r.mode}"].append(r)
-  n = max(len(groups), 1)
-  cols = min(n, 3)
-  fig, axes = plt.subplots(
-    -(-n // cols), cols, figsize=(5 * cols, 4 * -(-n // cols)), squeeze=False
-  )
-  for ax, (title, rows) in zip(axes.flat, sorted(groups.items())):
-    rows = sorted(rows, key=lambda r: r.bytes)
-    for side in ("kernel", "reference"):
-      impls = [getattr(r, side) for r in rows]
-      ax.errorbar(
-        [r.bytes for r in rows],
-        [i.timing.median_s for i in impls],
-        yerr=[i.timing.iqr_s / 2 for i in impls],
-        label=side,
-        capsize=3,
-        **_STYLE[side],
-      )
-    for r in rows:
-      ax.annotate(r.shape, (r.bytes, r.kernel.timing.median_s), fontsize=6)
+      top = max(spread(c[s]["timing"])[1] for s, _, _ in SIDES)
+      ax.annotate(
+        f"{c['speedup']:.2f}x", (i, top), xytext=(0, 5), textcoords="offset points",
+        ha="center", fontsize=7, color=_speedup_color(c["speedup"]),
+      )  # fmt: skip
+    labels = ["\n".join([*c["op"].split("/")[1:], c["shape"], f"{c['mode']}, {_mib(c['bytes'])}"])
+              for c in rows]  # fmt: skip
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set(
-      xscale="log", yscale="log", xlabel="ideal bytes moved", ylabel="median time (s)", title=title
+      yscale="log",
+      ylabel="median time (s)",
+      xlim=(-0.5 - (span - len(rows)) / 2, len(rows) - 0.5 + (span - len(rows)) / 2),
     )
-    ax.xaxis.set_minor_formatter(
-      matplotlib.ticker.NullFormatter()
-    )  # decades only: minor labels collide
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-  for ax in list(axes.flat)[len(groups) :]:
-    ax.set_visible(False)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+    ax.set_title(family, fontsize=9, loc="left")
+    ax.margins(y=0.3)
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+  fig.legend(
+    handles=_legend_handles(), loc="outside upper center", ncols=2, fontsize=8,
+    title="median time per case (whiskers: quartiles; fastest to slowest repeat in reports that "
+    "predate quartiles)\nabove: speedup = "
+    "reference / kernel (green: kernel faster, red: slower); below: the case, its ideal bytes", title_fontsize=8,
+  )  # fmt: skip
+  fig.savefig(path)
   plt.close(fig)
   return path
 
 
-def rollout_chart(rows, path: pathlib.Path) -> pathlib.Path:
-  workloads = sorted({r.workload for r in rows})
-  backends = list(dict.fromkeys(r.backend for r in rows))
-  by = {(r.workload, r.backend): r.tokens_per_s for r in rows}
-  fig, ax = plt.subplots(figsize=(6, 4))
+def _speedup_color(speedup: float) -> str:
+  text = f"{speedup:.2f}"  # coloured as printed: "1.00x" is a tie, not a loss
+  return "0.35" if text == "1.00" else ("tab:green" if speedup > 1 else "tab:red")
+
+
+def spread(timing: dict) -> tuple[float, float]:
+  """The whiskers around a median: its quartiles, or the fastest and slowest repeat in a report
+  written before quartiles were recorded (median +- IQR / 2 could cross zero on a log axis)."""
+  if timing.get("q1_s") is not None:
+    return timing["q1_s"], timing["q3_s"]
+  return timing["min_s"], timing["max_s"]
+
+
+def _mib(b) -> str:
+  return "-" if not b else f"{b / 2**20:.3g} MiB"
+
+
+def rollout_chart(rows: list[dict], path: pathlib.Path) -> pathlib.Path:
+  workloads = sorted({r["workload"] for r in rows})
+  backends = list(dict.fromkeys(r["backend"] for r in rows))
+  by = {(r["workload"], r["backend"]): r for r in rows}
+  fig, ax = plt.subplots(figsize=(6.5, 4), dpi=DPI, layout="constrained")
   width = 0.8 / len(backends)
   for j, b in enumerate(backends):
-    ax.bar(
-      [i + j * width for i in range(len(workloads))],
-      [by.get((w, b), 0.0) for w in workloads],
-      width,
-      label=b,
-    )
+    xs = [i + j * width for i in range(len(workloads))]
+    bars = ax.bar(xs, [by[(w, b)]["tokens_per_s"] if (w, b) in by else 0.0 for w in workloads],
+                  width, label=b)  # fmt: skip
+    for bar, w in zip(bars, workloads):
+      if (w, b) in by and not by[(w, b)]["ok"]:
+        bar.set_hatch("//")  # failed parity: a fast wrong engine must not look like a win
   ax.set_xticks([i + width * (len(backends) - 1) / 2 for i in range(len(workloads))], workloads)
-  ax.set(ylabel="generated tokens / s (median)", title="rollout throughput")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  ax.set(
+    ylabel="generated tokens / s (median)", title="rollout throughput per engine (higher is better)"
+  )
+  ax.legend(fontsize=8)
+  fig.savefig(path)
   plt.close(fig)
   return path

@@ -1,7 +1,12 @@
-"""Bench reports: results.json (environment, every case, the rollout suite), summary.md, and plots."""
+"""Bench reports: results.json (environment, every case, the rollout suite), summary.md, and plots.
+
+``python -m bench.report bench/results/<run>`` re-renders a report's summary.md and figures from its
+results.json, measuring nothing (for a committed report after a change to the figures).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -60,26 +65,73 @@ def _fmt_bytes(b):
   return "-" if b is None else f"{b / 2**20:.1f} MiB"
 
 
-def markdown_table(results: list[CaseResult]) -> str:
+def as_dict(result) -> dict:
+  """A case result in results.json's form (a CaseResult, or already a dict)."""
+  return dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+
+
+def markdown_table(results) -> str:
+  """One row per case (CaseResults or their results.json dicts): kernel vs reference side by side."""
   head = (
     "| case | kernel median (IQR) | reference median | speedup | kernel roofline | reference roofline "
     "| TFLOP/s kernel / ref | kernel temp mem | reference temp mem | parity (err/tol) | ok |"
   )
   rows = [head, "|" + "---|" * 11]
-  for r in results:
-    if r.kernel is None:
-      rows.append(f"| {r.name} | failed: {r.error} |" + " - |" * 8 + " no |")
+  for r in map(as_dict, results):
+    if r["kernel"] is None:
+      rows.append(f"| {r['name']} | failed: {r['error']} |" + " - |" * 8 + " no |")
       continue
-    k, ref = r.kernel, r.reference
-    parity = ", ".join(f"{label} {err:.2g}" for label, err in r.parity.items())
+    k, ref = r["kernel"], r["reference"]
+    parity = ", ".join(f"{label} {err:.2g}" for label, err in r["parity"].items())
     rows.append(
-      f"| {r.name} | {_fmt_time(k.timing.median_s)} ({_fmt_time(k.timing.iqr_s)}) "
-      f"| {_fmt_time(ref.timing.median_s)} | {r.speedup:.2f}x | {_fmt_pct(k.roofline_fraction)} "
-      f"| {_fmt_pct(ref.roofline_fraction)} | {_fmt_flops(k)} / {_fmt_flops(ref)} "
-      f"| {_fmt_bytes(k.memory.temp_bytes)} "
-      f"| {_fmt_bytes(ref.memory.temp_bytes)} | {parity} | {'yes' if r.ok else 'NO'} |"
+      f"| {r['name']} | {_fmt_time(k['timing']['median_s'])} ({_fmt_time(k['timing']['iqr_s'])}) "
+      f"| {_fmt_time(ref['timing']['median_s'])} | {r['speedup']:.2f}x "
+      f"| {_fmt_pct(k['roofline_fraction'])} | {_fmt_pct(ref['roofline_fraction'])} "
+      f"| {_fmt_flops(k)} / {_fmt_flops(ref)} | {_fmt_bytes(k['memory']['temp_bytes'])} "
+      f"| {_fmt_bytes(ref['memory']['temp_bytes'])} | {parity} | {'yes' if r['ok'] else 'NO'} |"
     )
   return "\n".join(rows)
+
+
+SIZE_MEANING = {
+  "tiny": "the harness's own smoke test (seconds; what the test suite runs)",
+  "small": "CPU shapes: big enough to exercise tiling and ragged tails in the Pallas interpreter",
+  "large": "production shapes: 8k-16k completion tokens over V = 128256-151936, decode over 4k-16k "
+  "contexts, the Qwen2.5-0.5B / 1.5B parameter trees",
+}
+
+
+def describe_shape(params: dict) -> str:
+  """A case's shape in words, from the `params` its bench case records."""
+  p = params
+  if {"q_heads", "kv_heads", "ctx"} <= p.keys():
+    return (
+      f"{p['batch']} sequences decoding over up to {p['ctx']} cached tokens (3/4 ctx to ctx), "
+      f"{p['q_heads']} query / {p['kv_heads']} KV heads of {p['head_dim']}, pages of "
+      f"{p['page_size']}, {p['dtype']}"
+    )
+  if {"tokens", "vocab"} <= p.keys():
+    hidden = f", hidden H = {p['hidden']}" if "hidden" in p else ""
+    return (
+      f"N = {p['batch']} x {p['seq']} = {p['tokens']} tokens, vocabulary V = {p['vocab']}{hidden}, "
+      f"{p['dtype']}"
+    )
+  if {"model", "params"} <= p.keys():
+    return f"the `{p['model']}` model's parameter tree: {p['params']:,} {p['dtype']} parameters in {p['leaves']} arrays"
+  return ", ".join(f"{k} {v}" for k, v in p.items() if k != "impl")
+
+
+def sizes_section(env: dict, cases: list[dict]) -> str:
+  sizes = env.get("sizes") or []
+  lines = ["## Sizes", ""]
+  lines += [f"`--size {s}`: {SIZE_MEANING.get(s, s)}." for s in sizes]
+  lines += ["", "| op | shape | what it is |", "|---|---|---|"]
+  seen = {}
+  for c in cases:
+    family = c["op"].split("/")[0]
+    seen.setdefault((family, c["shape"]), describe_shape(c["params"]))
+  lines += [f"| {family} | {shape} | {text} |" for (family, shape), text in seen.items()]
+  return "\n".join(lines)
 
 
 def write(
@@ -89,17 +141,20 @@ def write(
   rollout_runs: list[dict] = (),
   plots: bool = True,
 ) -> pathlib.Path:
-  """results.json, summary.md and (with `plots`) roofline.png, time_vs_size.png, rollout.png."""
+  """results.json, then summary.md and (with `plots`) the figures rendered from it (`render`)."""
   out_dir.mkdir(parents=True, exist_ok=True)
   rollout_json = [
     dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs
   ]
-  payload = {
-    "environment": env,
-    "cases": [dataclasses.asdict(r) for r in results],
-    "rollout": rollout_json,
-  }
+  payload = {"environment": env, "cases": [as_dict(r) for r in results], "rollout": rollout_json}
   (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+  return render(out_dir, plots=plots)
+
+
+def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
+  """summary.md and the figures from `out_dir`/results.json (nothing is measured)."""
+  payload = json.loads((out_dir / "results.json").read_text())
+  env, cases, rollout_runs = payload["environment"], payload["cases"], payload.get("rollout", [])
   note = (
     "\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
     "and parity, and are not kernel performance.\n"
@@ -111,11 +166,16 @@ def write(
     f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
     f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n"
   )
-  body = markdown_table(results) if results else "(no kernel cases selected)"
+  body = (
+    markdown_table(cases) + "\n\n" + sizes_section(env, cases)
+    if cases
+    else "(no kernel cases selected)"
+  )
   for run in rollout_runs:
+    rows = [rollout.RolloutBenchRow(**r) for r in run["rows"]]
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
-    body += rollout.markdown(run["rows"], run)
-  figures = _plots(out_dir, env, results, rollout_runs) if plots else []
+    body += rollout.markdown(rows, run)
+  figures = _plots(out_dir, env, cases, rollout_runs) if plots else []
   body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
   (out_dir / "summary.md").write_text(header + body + "\n")
   return out_dir
@@ -128,16 +188,16 @@ def _rollout_shape(c: dict) -> str:
   )
 
 
-def _plots(out_dir, env, results, rollout_runs) -> list[pathlib.Path]:
+def _plots(out_dir, env, cases, rollout_runs) -> list[pathlib.Path]:
   from bench import plots  # matplotlib: imported only when figures are wanted
 
   figures = []
-  if results:
-    figures.append(plots.roofline_chart(results, env["peaks"], out_dir / "roofline.png"))
-    figures.append(plots.time_vs_size(results, out_dir / "time_vs_size.png"))
+  if plots.timed(cases):
+    figures.append(plots.roofline_chart(cases, env["peaks"], out_dir / "roofline.png"))
+    figures.append(plots.time_vs_size(cases, out_dir / "time_vs_size.png"))
   if rollout_runs:
     rows = [
-      dataclasses.replace(r, workload=f"{run['size']}/{r.workload}")
+      dict(r, workload=f"{run['size']}/{r['workload']}")
       for run in rollout_runs
       for r in run["rows"]
     ]
@@ -145,11 +205,30 @@ def _plots(out_dir, env, results, rollout_runs) -> list[pathlib.Path]:
   return figures
 
 
-def _fmt_flops(impl) -> str:
-  fps = impl.achieved_flops_per_s
+def _fmt_flops(impl: dict) -> str:
+  fps = impl.get("achieved_flops_per_s")
   return "-" if fps is None else f"{fps / 1e12:.3g}"
 
 
 def _bw(peaks: dict) -> str:
   bw = peaks.get("hbm_bytes_per_s")
   return "unknown" if bw is None else f"{bw / 1e9:.1f} GB/s"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(
+    prog="python -m bench.report",
+    description="Re-render a report's summary.md and figures from its results.json.",
+  )
+  p.add_argument("run_dir", type=pathlib.Path, help="a report directory holding results.json")
+  p.add_argument("--no-plots", action="store_true")
+  a = p.parse_args(argv)
+  if not (a.run_dir / "results.json").is_file():
+    p.error(f"run_dir: no results.json in {a.run_dir}")
+  render(a.run_dir, plots=not a.no_plots)
+  print(f"re-rendered {a.run_dir}/summary.md{'' if a.no_plots else ' and figures'}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

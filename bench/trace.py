@@ -13,9 +13,24 @@ The update is one compiled function, so its split into loss forward, loss backwa
 from the ops themselves: every executed op event names its HLO module and instruction, xprof's
 graph_viewer gives each module's HLO with the JAX name-scope path of every instruction, and the train
 step opens the scopes `rl.update.LOSS_SCOPE` / `OPTIMIZER_SCOPE` (backward ops sit under `transpose(`).
+That split is in wall time: XLA:CPU runs independent ops on several threads at once, so their summed
+per-thread times exceed the step's wall time; an instant k ops share counts 1/k to each (`wall_shares`).
+
+`python -m bench.trace` sets `TF_CPP_MIN_LOG_LEVEL=3` (unless set) before jax and xprof load: xprof's
+converters otherwise print absl errors about TensorFlow tool registrations that are not failures.
 """
 
 from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+  # `python -m bench.trace` only, before jax / xprof load their C++ logging (it reads this once, at
+  # load): xprof's converters log absl errors such as "No ProfileProcessor registered for tool:
+  # tool_names ... Please update to the latest version of Tensorflow" on every call, then fall back
+  # to the converter that works. Failures still surface as Python exceptions, which the summary
+  # reports. `TF_CPP_MIN_LOG_LEVEL=0 python -m bench.trace ...` shows them all again.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import collections
@@ -23,7 +38,6 @@ import contextlib
 import glob
 import gzip
 import json
-import os
 import re
 from collections.abc import Iterable, Sequence
 
@@ -136,40 +150,90 @@ def hlo_scopes(session: str, modules: Iterable[str]) -> dict[str, dict[str, str]
   return scopes
 
 
-def _self_times(events) -> list[tuple[dict, float]]:
-  """(event, its duration minus its children's) per timeline: XLA:CPU runs a while loop's body ops
-  inside the loop's own event, so totals would count them twice."""
+def innermost_segments(events) -> list[tuple[float, float, dict]]:
+  """(start, end, event) pieces of each timeline during which `event` is the innermost one running:
+  XLA:CPU runs a while loop's body ops inside the loop's own event, so totals would count them twice.
+  An event's pieces sum to its self time (its duration minus its children's)."""
   by_stream = collections.defaultdict(list)
   for e in events:
     by_stream[(e["pid"], e["tid"])].append(e)
-  out = []
-  for stream in by_stream.values():
-    stream.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
-    stack: list[list] = []  # [event, end, self time]
-    for e in stream:
-      end = e["ts"] + e.get("dur", 0.0)
-      while stack and stack[-1][1] <= e["ts"]:
-        out.append(tuple(stack.pop()[::2]))
-      if stack and end <= stack[-1][1]:
-        stack[-1][2] -= e.get("dur", 0.0)
-      stack.append([e, end, e.get("dur", 0.0)])
-    out += [tuple(x[::2]) for x in stack]
+  out = [seg for stream in by_stream.values() for seg in _stream_pieces(stream)]
+  return [seg for seg in out if seg[1] > seg[0]]
+
+
+def _stream_pieces(stream: list[dict]) -> list[tuple[float, float, dict]]:
+  out, stack = [], []  # stack: [event, end, start of its current piece]
+
+  def close_until(t):
+    while stack and stack[-1][1] <= t:
+      e, end, since = stack.pop()
+      out.append((since, end, e))
+      if stack:
+        stack[-1][2] = end  # the parent runs again from its child's end
+
+  for e in sorted(stream, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+    close_until(e["ts"])
+    end = e["ts"] + e.get("dur", 0.0)
+    if stack and end <= stack[-1][1]:
+      out.append((stack[-1][2], e["ts"], stack[-1][0]))  # the parent's piece up to this child
+    elif stack:  # overlapping but not nested (clock skew): close the open events, a sibling
+      close_until(float("inf"))
+    stack.append([e, end, e["ts"]])
+  close_until(float("inf"))
   return out
 
 
-def update_split(
-  scopes: dict[str, dict[str, str]], timed: list[tuple[dict, float]]
-) -> dict[str, float]:
-  """Self time of the train step's ops by phase (`step_phase`), plus its unscoped ops (copies, layout
-  changes) as `update/other`, over every module that holds a scoped op."""
+def self_times(events) -> list[tuple[dict, float]]:
+  """(event, its duration minus its children's) for every event, from `innermost_segments`."""
+  total = collections.defaultdict(float)
+  for start, end, e in innermost_segments(events):
+    total[id(e)] += end - start
+  return [(e, total[id(e)]) for e in events]
+
+
+def wall_shares(segments: list[tuple[float, float, dict]]) -> dict[int, float]:
+  """{id(event): wall time} where each instant is shared equally among the pieces running then (k
+  pieces on k threads: 1/k each). The shares sum to the time some thread was busy (the union of the
+  pieces), never more, whereas self times summed over threads count parallel work once per thread."""
+  edges = sorted(
+    [(s, 1, i) for i, (s, _, _) in enumerate(segments)]
+    + [(t, -1, i) for i, (_, t, _) in enumerate(segments)],
+    key=lambda x: (x[0], x[1]),  # at one instant, ends before starts
+  )
+  share = collections.defaultdict(float)
+  active: set[int] = set()
+  last = None
+  for t, kind, i in edges:
+    if active and t > last:
+      for j in active:
+        share[id(segments[j][2])] += (t - last) / len(active)
+    last = t
+    (active.add if kind > 0 else active.discard)(i)
+  return dict(share)
+
+
+def update_split(scopes: dict[str, dict[str, str]], op_events: list[dict]) -> tuple[dict, dict]:
+  """The train step's op time by phase (`step_phase`), plus its unscoped ops (copies, layout changes)
+  as `update/other`, over every module that holds a scoped op; and how it was counted.
+
+  XLA:CPU runs independent ops of one step on several threads at once, so the ops' self times summed
+  over threads exceed the step's wall time. The split is therefore in wall time (`wall_shares`: an
+  instant that k ops share counts 1/k for each) and sums to the time the step's ops kept some thread
+  busy; the per-thread sum is returned beside it as `thread_us`."""
   stepping = {m for m, table in scopes.items() if any(map(step_phase, table.values()))}
+  mine = [e for e in op_events if e["args"]["hlo_module"] in stepping]
+  segments = innermost_segments(mine)
+  shares = wall_shares(segments)
   split = collections.defaultdict(float)
-  for e, self_us in timed:
-    if e["args"]["hlo_module"] in stepping:
-      split[
-        step_phase(scopes[e["args"]["hlo_module"]].get(e["args"]["hlo_op"], "")) or "update/other"
-      ] += self_us
-  return dict(sorted(split.items()))
+  for e in mine:
+    phase = step_phase(scopes[e["args"]["hlo_module"]].get(e["args"]["hlo_op"], ""))
+    split[phase or "update/other"] += shares.get(id(e), 0.0)
+  how = {
+    "wall_us": sum(split.values()),
+    "thread_us": sum(end - start for start, end, _ in segments),
+    "threads": len({(e["pid"], e["tid"]) for e in mine}),
+  }
+  return dict(sorted(split.items())), how
 
 
 def _device_events(events, procs):
@@ -187,15 +251,15 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
   op_events = [
     e for e in (device or events) if {"hlo_op", "hlo_module"} <= e.get("args", {}).keys()
   ]
-  scopes, split = {}, {}
+  scopes, split, split_how = {}, {}, {}
   if op_events:
-    timed = _self_times(op_events)
+    timed = self_times(op_events)
     try:
       scopes = hlo_scopes(session, {e["args"]["hlo_module"] for e in op_events})
     except Exception as err:  # xprof missing, or HLO it cannot print: the rest still stands
       split = {"error": f"{type(err).__name__}: {err}"}
     else:
-      split = update_split(scopes, timed)
+      split, split_how = update_split(scopes, op_events)
   else:
     timed = [
       (e, e.get("dur", 0.0))
@@ -229,6 +293,7 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
     ],
     "phases_us": dict(sorted(phases.items())),
     "update_split_us": split,
+    "update_split_counting": split_how,
     "gaps": gaps,
     "op_stats": sorted(ops, key=lambda r: -(r.get("total_self_time") or 0))[:top],
   }
@@ -277,8 +342,17 @@ def format_summary(s: dict) -> str:
   if "error" in split:
     lines.append(f"update split: unavailable ({split['error']})")
   elif split:
-    lines.append(f"GRPO update by name scope (op self time, {s['timeline']}):")
+    how = s.get("update_split_counting") or {}
+    lines.append(f"GRPO update by name scope (wall time of its ops, {s['timeline']}):")
     lines += [f"  {us / 1e3:10.3f} ms  {name}" for name, us in split.items()]
+    if how.get("threads", 1) > 1:
+      lines += [
+        f"  (its ops ran on {how['threads']} threads, often several at once: an instant shared by k "
+        "ops counts 1/k to each,",
+        f"  so the split sums to the {how['wall_us'] / 1e3:.3f} ms some thread was busy with them, "
+        f"{how['thread_us'] / 1e3:.3f} ms summed per thread;",
+        "  the `update` phase also holds dispatch and host work between them)",
+      ]
   if s["gaps"] is not None:
     g = s["gaps"]
     lines.append(

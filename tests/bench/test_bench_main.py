@@ -3,6 +3,7 @@ README promises, the plots, a failed row for a wrong kernel, and a readable prof
 
 import dataclasses
 import json
+import pathlib
 
 import pytest
 
@@ -102,3 +103,35 @@ def test_bad_options_are_clear_errors():
     bench_main.parse_args(["--size", "huge"])
   with pytest.raises(ValueError, match="repeats"):
     bench_main.BenchConfig(repeats=0)
+
+
+def test_bad_values_on_the_command_line_are_one_line_and_exit_2(capsys):
+  with pytest.raises(SystemExit) as exc:
+    bench_main.parse_args(["--repeats", "0"])
+  assert exc.value.code == 2
+  err = capsys.readouterr().err
+  assert "repeats and rollout_repeats must be >= 1" in err and "Traceback" not in err
+
+
+def test_device_kind_names_the_results_folder():
+  assert bench_main.device_slug("cpu") == "cpu"
+  assert bench_main.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+  assert bench_main.device_slug("TPU v5 lite") == "tpu-v5-lite"
+
+
+def test_a_committed_report_re_renders_from_its_results_json(tmp_path):
+  """`python -m bench.report DIR`: summary.md and figures from results.json alone, a failed case
+  (no timings) listed as failed and left out of the figures instead of breaking them."""
+  src = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "example-cpu"
+  payload = json.loads((src / "results.json").read_text())
+  broken = dict(payload["cases"][0], name="grpo_loss/broken/fwd", kernel=None, reference=None)
+  payload["cases"].append(dict(broken, ok=False, speedup=None, error="ValueError: boom"))
+  (tmp_path / "results.json").write_text(json.dumps(payload))
+  assert report.main([str(tmp_path)]) == 0
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| grpo_loss/broken/fwd | failed: ValueError: boom |" in summary
+  assert "| fused_linear | cpu-mid | N = 8 x 256 = 2048 tokens, vocabulary V = 16000" in summary
+  for fig in ("roofline.png", "time_vs_size.png", "rollout.png"):
+    assert (tmp_path / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({fig})" in summary
+  with pytest.raises(SystemExit):
+    report.main([str(tmp_path / "missing")])

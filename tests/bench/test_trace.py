@@ -30,8 +30,18 @@ def test_step_phase_of_hand_written_scope_paths():
 def test_self_times_subtract_nested_events():
   ev = lambda ts, dur, tid=1: {"pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": f"{ts}"}
   outer, a, b, other = ev(0, 10), ev(1, 3), ev(5, 2), ev(2, 4, tid=2)
-  got = {e["name"]: t for e, t in trace._self_times([outer, a, b, other])}
+  got = {e["name"]: t for e, t in trace.self_times([outer, a, b, other])}
   assert got == {"0": 5, "1": 3, "5": 2, "2": 4}  # the other thread's event is not the loop's child
+
+
+def test_wall_shares_split_parallel_time_and_sum_to_the_busy_time():
+  """Two threads: ops running at once share the instant, so the split never exceeds wall time (the
+  per-thread sum, 15 here, is what made the update split exceed the update phase)."""
+  ev = lambda ts, dur, tid: {"pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": f"{tid}"}
+  a, b, c = ev(0, 10, 1), ev(5, 5, 2), ev(20, 4, 2)
+  shares = trace.wall_shares(trace.innermost_segments([a, b, c]))
+  assert shares == {id(a): 7.5, id(b): 2.5, id(c): 4.0}
+  assert sum(shares.values()) == 14  # the union of [0, 10] and [20, 24]
 
 
 def test_summary_of_a_captured_trace(tmp_path):
