@@ -26,9 +26,12 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.backend import Target
 from kernels.grpo_loss.blocks import LossBlocks
+from kernels.grpo_loss.reference import DEFAULT_MAX_LOG_RATIO
 
-# Finite "minus infinity" for the running max, so that (m_old - m_new) * l never forms inf * 0.
-_NEG_BIG = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The running max starts at the most negative finite f32, not -inf: a tile of -inf logits (a top-k
+# mask) then gives exp(-inf - m) = 0, never exp(-inf + inf) = NaN, and any finite logit (even -3e38)
+# raises it. The rescale term guards alpha == 0 itself (see _online_update).
+_NEG_BIG = -float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +47,41 @@ class LossConfig:
   epsilon_high: float
   temperature: float
   reuse_logits_buffer: bool = False
+  max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO
 
 
 def token_terms(logp, old, ref, adv, cfg: LossConfig):
   """Per-token loss terms and their analytic derivatives w.r.t. log p (any shape, f32).
 
   Returns (per_token, kl, is_clipped as f32, d per_token / d logp, d kl / d logp).
-  On-policy (old = stop_gradient(logp)) the ratio is exactly 1 and its derivative is 1.
+  On-policy (old = stop_gradient(logp)) the ratio is exactly 1 and its derivative is 1. Both log-ratios
+  are clamped to +-max_log_ratio before exp, with zero derivative at and beyond the bound, as in
+  :func:`kernels.grpo_loss.reference.clamp_log_ratio`.
   """
+  bound = cfg.max_log_ratio
+
+  def clamped(d):  # (clamp(d), where the clamp is inactive: d clamp(d) / dd is 1 there, else 0)
+    if bound is None:
+      return d, True
+    return jnp.clip(d, -bound, bound), jnp.abs(d) < bound
+
   if cfg.on_policy:  # ratio is exactly 1, but a NaN log p (bad id) must still poison the token
     ratio = jnp.where(logp == logp, jnp.float32(1.0), logp)  # logp != logp only for NaN
+    dratio = ratio
   else:
-    ratio = jnp.exp(logp - old)
+    d, inside = clamped(logp - old)
+    ratio = jnp.exp(d)
+    dratio = jnp.where(inside, ratio, 0.0)
   lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
   is_clipped = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
   per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
   # min() picks the constant clipped branch exactly when is_clipped; otherwise d/dlogp = -A * ratio.
-  dpt = jnp.where(is_clipped, 0.0, -adv * ratio)
+  dpt = jnp.where(is_clipped, 0.0, -adv * dratio)
   if cfg.beta != 0.0:
-    e = jnp.exp(ref - logp)
-    kl = e - (ref - logp) - 1.0
-    dkl = 1.0 - e
+    d, inside = clamped(ref - logp)
+    e = jnp.exp(d)
+    kl = e - d - 1.0
+    dkl = jnp.where(inside, 1.0 - e, 0.0)
     per_token = per_token + cfg.beta * kl
     dpt = dpt + cfg.beta * dkl
   else:
@@ -88,7 +105,11 @@ def _online_update(z, hit, valid, m, l, s, chosen, found, axis):
   p = jnp.exp(z - m_new)
   zc = jnp.where(valid, z - m_new, 0.0)
   keep = axis is not None
-  s = alpha * (s + (m - m_new) * l) + jnp.sum(p * zc, axis=axis, keepdims=keep)
+  # 0 * log 0 = 0: where p underflows (or z = -inf) the term is 0, not 0 * -inf; when alpha underflows
+  # (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish instead of forming 0 * -inf.
+  pz = jnp.where(p == 0, 0.0, p * zc)
+  rescaled = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l))
+  s = rescaled + jnp.sum(pz, axis=axis, keepdims=keep)
   l = alpha * l + jnp.sum(p, axis=axis, keepdims=keep)
   chosen = chosen + jnp.sum(jnp.where(hit, z, 0.0), axis=axis, keepdims=keep)
   found = found + jnp.sum(hit.astype(jnp.float32), axis=axis, keepdims=keep)
@@ -152,7 +173,10 @@ def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, g_ref, dx_ref, *, cfg: LossConfig
   col = j * cfg.blocks.block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
   p = jnp.exp(x * (1.0 / cfg.temperature) - lse_ref[...])
   onehot = (col == ids_ref[...]).astype(jnp.float32)
-  dx_ref[...] = (g_ref[...] * (onehot - p)).astype(dx_ref.dtype)  # out-of-range columns are dropped
+  g = g_ref[...]
+  # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf. Out-of-range columns are
+  # dropped by the store.
+  dx_ref[...] = jnp.where(g == 0, 0.0, g * (onehot - p)).astype(dx_ref.dtype)
 
 
 def _tiled_fwd(cfg: LossConfig, x, ids, old, ref, adv):
@@ -245,7 +269,7 @@ def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, g_ref, dx_ref, *, cfg: LossConf
     valid = cols < vocab
     x = backend.masked_load(x_ref.at[pl.ds(k * bv, bv)], mask=valid, other=0.0).astype(jnp.float32)
     p = jnp.exp(x * (1.0 / cfg.temperature) - lse)
-    d = g * ((cols == token).astype(jnp.float32) - p)
+    d = jnp.where(g == 0, 0.0, g * ((cols == token).astype(jnp.float32) - p))  # see _tiled_bwd
     backend.masked_store(dx_ref.at[pl.ds(k * bv, bv)], d.astype(dx_ref.dtype), mask=valid)
 
 
@@ -317,7 +341,9 @@ def _vjp_fwd(cfg, logits, ids, old, ref, adv):
 def _vjp_bwd(cfg, res, cts):
   logits, ids, lse, dpt, dkl = res
   ct_pt, ct_kl, ct_logp, _, _ = cts  # entropy and is_clipped carry no gradient
-  g = (ct_pt * dpt + ct_kl * dkl + ct_logp) * (1.0 / cfg.temperature)
+  # A zero cotangent (a masked token) contributes exactly 0, even where the token's terms are NaN.
+  times = lambda ct, d: jnp.where(ct == 0, 0.0, ct * d)
+  g = (times(ct_pt, dpt) + times(ct_kl, dkl) + ct_logp) * (1.0 / cfg.temperature)
   dlogits = _bwd_call(cfg, logits, ids, lse, g)
   return dlogits, None, None, None, None
 
