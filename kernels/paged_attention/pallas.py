@@ -38,7 +38,7 @@ class PagedConfig:
 
 
 def _online_update(q, k, v, valid, valid_kv, m, l, acc, scale):
-  """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] and valid_kv [bk, 1] bool (the
+  """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] and valid_kv [bk, 1 or D] bool (the
   same positions); m/l [G, 1], acc [G, D] f32."""
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [G, bk]
   s = jnp.where(valid, s, MASK)
@@ -83,7 +83,9 @@ def _tiled_kernel(lengths_ref, pages_ref, q_ref, *refs, ppb, page_size, blocks_p
     k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
     v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
     pos = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], bk), 1)
-    pos_kv = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    pos_kv = start + lax.broadcasted_iota(
+      jnp.int32, (bk, q.shape[1]), 0
+    )  # full tile: no i1 broadcast
     m, l, acc = _online_update(
       q, k, v, pos < length, pos_kv < length, m_sc[:, :1], l_sc[:, :1], acc_sc[...], scale
     )
