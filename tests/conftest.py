@@ -16,5 +16,16 @@ hypothesis.settings.register_profile(
   print_blob=True,
   suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
+# CI (`pytest --hypothesis-profile=ci`): 30 examples per property, derandomized so that a run is
+# reproducible from the commit alone (same examples every time); the kernel tests keep shapes tiny.
+hypothesis.settings.register_profile(
+  "ci",
+  max_examples=30,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  print_blob=True,
+  suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
 hypothesis.settings.register_profile("thorough", max_examples=60, deadline=None, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -27,3 +27,16 @@ def loss_scale(aux, mask, advantages, kw: dict) -> float:
   terms = np.abs(np.asarray(advantages, np.float64))[:, None] * ratio
   terms = terms + kw.get("beta", 0.0) * np.abs(np.asarray(aux.per_token_kl, np.float64))
   return float(np.max(np.where(np.asarray(mask), terms, 0.0), initial=0.0))
+
+
+def epsilon_sensitive_tokens(aux, mask, advantages, kw: dict) -> int:
+  """Unmasked tokens whose clipping would change if epsilon_low and epsilon_high were swapped. A parity
+  test needs some, or a kernel that mixes the two epsilons up would pass it."""
+  old = kw.get("old_logps")
+  if old is None:
+    return 0
+  ratio = np.exp(np.asarray(aux.per_token_logps, np.float64) - np.asarray(old, np.float64))
+  a = np.asarray(advantages, np.float64)[:, None]
+  lo, hi = kw.get("epsilon_low", 0.2), kw.get("epsilon_high", 0.2)
+  clipped = lambda el, eh: ((a > 0) & (ratio > 1 + eh)) | ((a < 0) & (ratio < 1 - el))
+  return int(np.sum((clipped(lo, hi) != clipped(hi, lo)) & np.asarray(mask)))

@@ -16,18 +16,22 @@ from bench.tolerances import assert_close
 from kernels.fused_linear import LinearBlocks, vocab_stats_reference
 from kernels.grpo_loss.reference import LOSS_TYPES
 from rl.sharding import make_mesh
-from tests.problems import loss_scale, policy_kwargs
+from tests.problems import epsilon_sensitive_tokens, loss_scale, policy_kwargs
 
 # (impl, platform): the fused kernels in the interpreter; the chunked path with grpo_loss's tiled
 # kernels (TPU family) and its rowloop kernels (the Triton family) in the interpreter.
 PATHS = [("pallas", "cpu"), ("chunked", "cpu"), ("chunked", "gpu")]
+# Unequal epsilons everywhere: a path that swaps or merges them must fail.
 OPTIONS = {
-  "on_policy": dict(),
-  "off_policy_kl_temp": dict(off_policy=True, beta=0.04, temperature=0.8, epsilon_high=0.28),
+  "on_policy": dict(epsilon_low=0.1, epsilon_high=0.3),
+  "off_policy_kl_temp": dict(
+    off_policy=True, beta=0.04, temperature=0.8, epsilon_low=0.12, epsilon_high=0.28
+  ),
 }
+IMPLS = [("xla", "cpu"), *PATHS]
 
 
-def make_problem(b, t, hd, v, dtype, *, off_policy=False, beta=0.0, seed=None, **options):
+def make_problem(b, t, hd, v, dtype, *, off_policy=False, beta=0.0, seed=0, **options):
   rng = np.random.default_rng(seed)
   hidden = jnp.asarray(rng.normal(size=(b, t, hd)), dtype)
   lm_head = jnp.asarray(rng.normal(size=(hd, v)) * 2.0 / np.sqrt(hd), dtype)
@@ -131,6 +135,7 @@ def assert_parity(args, kw, impl, platform, loss_types=("grpo",), **call_kw):
     )
     assert_close(dh, r_dh, "grad", dtype, hd + v, err_msg=f"{msg} dhidden", scale=dh_scale)
     assert_close(dw, r_dw, "grad", dtype, b * t + hd, err_msg=f"{msg} dlm_head", scale=dw_scale)
+  return r_aux
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -158,7 +163,7 @@ def test_parity(impl, platform, option, dtype):
   s = LINEAR_LOSS_SHAPES["tiny"]
   args, kw = make_problem(s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(dtype), **OPTIONS[option])
   blocks = LinearBlocks(8, 256, 32) if impl == "pallas" else None  # several tiles on every axis
-  assert_parity(
+  r_aux = assert_parity(
     args,
     kw,
     impl,
@@ -167,6 +172,8 @@ def test_parity(impl, platform, option, dtype):
     blocks=blocks,
     chunk_size=4,
   )
+  if "old_logps" in kw:  # the data must be able to tell epsilon_low from epsilon_high
+    assert epsilon_sensitive_tokens(r_aux, args[3], args[4], kw) > 0
 
 
 @given(
@@ -182,7 +189,7 @@ def test_parity(impl, platform, option, dtype):
   seed=st.integers(0, 2**31),
 )
 def test_parity_hypothesis(b, t, hd, v, bn, bv, chunk, dtype, path, seed):
-  args, kw = make_problem(b, t, hd, v, jnp.dtype(dtype), off_policy=True, beta=0.04, seed=seed)
+  args, kw = make_problem(b, t, hd, v, jnp.dtype(dtype), seed=seed, **OPTIONS["off_policy_kl_temp"])
   bh = 16 if hd % 32 else 32  # several hidden tiles when H allows
   assert_parity(
     args,
@@ -195,7 +202,9 @@ def test_parity_hypothesis(b, t, hd, v, bn, bv, chunk, dtype, path, seed):
 
 def test_default_blocks_and_chunk_at_cpu_size():
   s = LINEAR_LOSS_SHAPES["cpu-small"]
-  args, kw = make_problem(s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(s.dtype), off_policy=True)
+  args, kw = make_problem(
+    s.batch, s.seq, s.hidden, s.vocab, jnp.dtype(s.dtype), off_policy=True, epsilon_low=0.15
+  )
   assert_parity(args, kw, "pallas", "cpu")
   assert_parity(args, kw, "chunked", "cpu")
 
@@ -216,36 +225,151 @@ def test_matches_grpo_loss_on_materialised_logits():
 # ------------------------------------------------------------------------------ tensor parallel
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("impl,platform", PATHS)
-def test_vocab_sharded_equals_unsharded(tp, impl, platform):
+@pytest.mark.parametrize("offset", [0.0, 120.0])
+def test_vocab_sharded_equals_unsharded(tp, impl, platform, offset):
+  """offset 120: every logit ~120, so each shard's log-sum-exp is > 88 and exp(lse) overflows f32; the
+  cross-shard combination must subtract the max first, as a plain log(sum(exp)) would give inf."""
   args, kw = make_problem(
-    2, 6, 32, 512, jnp.float32, off_policy=True, beta=0.04, temperature=0.9, seed=tp
+    2, 6, 32, 512, jnp.float32, seed=tp, **dict(OPTIONS["off_policy_kl_temp"], temperature=0.9)
   )
+  h, w = np.array(args[0]), np.array(args[1])
+  h[..., 0], w[0] = 1.0, w[0] + offset  # logits = h @ w gain +offset on every column
+  args = (jnp.asarray(h), jnp.asarray(w), *args[2:])
+  if offset:  # old / ref log-probs near the new (shifted-logit) policy
+    _, aux0 = kernels.fused_linear_grpo_loss(*args, impl="xla")
+    rng = np.random.default_rng(tp)
+    near = lambda: (
+      aux0.per_token_logps + rng.normal(scale=0.25, size=h.shape[:2]).astype(np.float32)
+    )
+    kw = dict(kw, old_logps=near(), ref_logps=near())
   mesh = make_mesh(dp=1, fsdp=8 // tp, tp=tp)
   blocks = LinearBlocks(8, 128, 32) if impl == "pallas" else None
+  call = dict(impl=impl, platform=platform, interpret=True, blocks=blocks, chunk_size=4)
 
   @jax.jit
   def sharded(h, w):
     return value_and_grads(
-      kernels.fused_linear_grpo_loss,
-      (h, w) + args[2:],
-      kw,
-      impl=impl,
-      platform=platform,
-      interpret=True,
-      blocks=blocks,
-      chunk_size=4,
-      mesh=mesh,
-      vocab_axis="tp",
+      kernels.fused_linear_grpo_loss, (h, w) + args[2:], kw, mesh=mesh, vocab_axis="tp", **call
     )
 
   value, aux, (dh, dw) = sharded(*args[:2])
   assert dw.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
-  r_value, r_aux, (r_dh, r_dw) = reference(args, kw)
-  assert_close(value, r_value, "value", jnp.float32, 32 + 512)
-  assert_close(aux.entropy, r_aux.entropy, "value", jnp.float32, 32 + 512)
-  assert_close(aux.per_token_logps, r_aux.per_token_logps, "value", jnp.float32, 32 + 512)
-  assert_close(dh, r_dh, "grad", jnp.float32, 32 + 512)
-  assert_close(dw, r_dw, "grad", jnp.float32, 12 + 32)
+  z = float(np.max(np.abs(np.asarray(h[..., 0:1] * w[0]))))  # the logits' magnitude
+  # dh = dl @ w^T sums terms of size |dl| * |w| (~offset in column 0) to a cancelled result, dw = h^T dl
+  # terms of size |h| * |dl|: their rounding is relative to those terms, not to the result.
+  dl = np.abs(
+    np.asarray(
+      jax.grad(lambda x: kernels.grpo_loss(x, *args[2:], **kw, impl="xla")[0])(
+        jnp.einsum("bth,hv->btv", args[0], args[1])
+      )
+    )
+  ).reshape(-1, 512)
+  # And p = exp(z - lse) carries lse's absolute rounding, |z| eps: |z| / 8 times the table's 8-eps
+  # accumulation budget per term (1e-5 relative at z ~ 126, seen in dlm_head).
+  amp = max(1.0, z / 8.0)
+  dh_scale = float(np.max(dl.sum(-1))) * float(np.max(np.abs(w))) * amp
+  dw_scale = float(np.max(np.abs(h.reshape(-1, 32)).T @ dl)) * amp
+  for name, (r_value, r_aux, (r_dh, r_dw)) in (
+    ("reference", reference(args, kw)),
+    ("unsharded", value_and_grads(kernels.fused_linear_grpo_loss, args, kw, **call)),
+  ):
+    assert np.isfinite(float(value)), name
+    scale = max(loss_scale(r_aux, args[3], args[4], kw), float(abs(r_value)))
+    assert_close(value, r_value, "value", jnp.float32, 32 + 512, name, scale=scale)
+    # logp and entropy are differences of ~offset-sized terms: they round relative to the logits
+    for field in ("entropy", "per_token_logps"):
+      a, e = getattr(aux, field), getattr(r_aux, field)
+      assert_close(a, e, "value", jnp.float32, 32 + 512, f"{name} {field}", scale=max(z, 1.0))
+    assert_close(dh, r_dh, "grad", jnp.float32, 32 + 512, f"{name} dhidden", scale=dh_scale)
+    assert_close(dw, r_dw, "grad", jnp.float32, 12 + 32, f"{name} dlm_head", scale=dw_scale)
+
+
+# ------------------------------------------------------------------- extreme and non-finite input
+@pytest.mark.parametrize("impl,platform", IMPLS)
+def test_aux_carries_no_gradient_in_any_impl(impl, platform):
+  """Documented: aux is data. The xla path must agree with the fused ones (it autodiffs a reference
+  whose aux would otherwise carry a gradient)."""
+  args, kw = make_problem(2, 4, 16, 200, jnp.float32, seed=3, **OPTIONS["off_policy_kl_temp"])
+
+  def f(h, w):
+    aux = kernels.fused_linear_grpo_loss(
+      h, w, *args[2:], **kw, impl=impl, platform=platform, interpret=True
+    )[1]
+    return jnp.sum(aux.per_token_logps) + jnp.sum(aux.per_token_kl) + jnp.sum(aux.entropy)
+
+  for g in jax.grad(f, argnums=(0, 1))(*args[:2]):
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def _run(args, kw, impl, platform, **call_kw):
+  blocks = LinearBlocks(8, 128, 16) if impl == "pallas" else None
+  return value_and_grads(
+    kernels.fused_linear_grpo_loss,
+    args,
+    kw,
+    impl=impl,
+    platform=platform,
+    interpret=True,
+    blocks=blocks,
+    chunk_size=4,
+    **call_kw,
+  )
+
+
+@pytest.mark.parametrize("impl,platform", IMPLS)
+def test_nonfinite_masked_rows_never_reach_loss_or_gradient(impl, platform):
+  """NaN / inf hidden states, old and ref log-probs and junk ids at masked positions: loss, aux and
+  both gradients exactly equal those of the clean problem, and dhidden is exactly 0 there."""
+  args, kw = make_problem(3, 4, 16, 200, jnp.float32, seed=4, **OPTIONS["off_policy_kl_temp"])
+  hidden, lm_head, ids, mask, adv = args
+  masked = ~np.asarray(mask)
+  assert masked.any()
+  bad_h = np.array(hidden)
+  bad_h[masked] = np.nan
+  bad_h[np.nonzero(masked)[0][0], np.nonzero(masked)[1][0], :3] = np.inf
+  poison = lambda a: jnp.where(jnp.asarray(masked), jnp.nan, a)
+  bad_kw = dict(kw, old_logps=poison(kw["old_logps"]), ref_logps=poison(kw["ref_logps"]))
+  bad = (jnp.asarray(bad_h), lm_head, jnp.where(jnp.asarray(masked), -100, ids), mask, adv)
+  clean, dirty = _run(args, kw, impl, platform), _run(bad, bad_kw, impl, platform)
+  for a, e in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean)):
+    np.testing.assert_array_equal(a, e)
+  np.testing.assert_array_equal(np.asarray(dirty[2][0])[masked], 0.0)
+
+
+def test_stale_sampler_is_clamped_identically_in_every_impl():
+  """old = logp - 100, ref = logp + 100: finite loss and gradients, every impl equal to the reference;
+  and with the clamp inactive (max_log_ratio default vs None) the loss is bit for bit unchanged."""
+  args, kw = make_problem(2, 5, 16, 200, jnp.float32, seed=5, **OPTIONS["off_policy_kl_temp"])
+  logp = kernels.fused_linear_grpo_loss(*args, **kw, impl="xla")[1].per_token_logps
+  stale = dict(kw, old_logps=logp - 100.0, ref_logps=logp + 100.0)
+  r_value, _, (r_dh, r_dw) = reference(args, stale)
+  for impl, platform in PATHS:
+    value, aux, (dh, dw) = _run(args, stale, impl, platform)
+    for x in (value, dh, dw, *aux):
+      assert np.isfinite(np.asarray(x, np.float32)).all(), impl
+    assert_close(value, r_value, "value", jnp.float32, 216, impl, scale=abs(float(r_value)))
+    assert_close(dh, r_dh, "grad", jnp.float32, 216, f"{impl} dhidden")
+    assert_close(dw, r_dw, "grad", jnp.float32, 26, f"{impl} dlm_head")
+  for impl, platform in IMPLS:
+    on, off = _run(args, kw, impl, platform), _run(args, kw, impl, platform, max_log_ratio=None)
+    for a, e in zip(jax.tree.leaves(on[:2]), jax.tree.leaves(off[:2])):
+      np.testing.assert_array_equal(a, e, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl,platform", IMPLS)
+def test_unmasked_bad_ids_poison_under_jit(impl, platform):
+  """Under jit the id check cannot run: an unmasked id above V or negative (never wrapped to V - 1)
+  gives a NaN loss in every impl."""
+  args, _kw = make_problem(2, 3, 16, 100, jnp.float32, seed=6)
+  mask = jnp.ones((2, 3), bool)
+  f = jax.jit(
+    lambda i: kernels.fused_linear_grpo_loss(
+      args[0], args[1], i, mask, args[4], impl=impl, platform=platform, interpret=True
+    )[0]
+  )
+  assert np.isfinite(f(args[2]))
+  for bad_id in (100, -1):
+    assert np.isnan(f(args[2].at[1, 2].set(bad_id))), bad_id
 
 
 # ----------------------------------------------------------------------------------------- memory
@@ -309,6 +433,43 @@ def test_bad_input_raises_clearly():
     kernels.fused_linear_grpo_loss(
       *args, impl="pallas", interpret=True, blocks=LinearBlocks(8, 128, 12)
     )
+  with pytest.raises(TypeError, match="hidden must have a floating dtype"):
+    kernels.fused_linear_grpo_loss(h.astype(jnp.int32), w.astype(jnp.int32), *args[2:])
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    kernels.fused_linear_grpo_loss(*args, impl="chunked", chunk_size=0)
+
+
+# the loss arguments go through grpo_loss's one check (tested in full in test_grpo_loss.py): a few
+# here, per impl, show that the fused op reaches it before anything compiles
+@pytest.mark.parametrize("impl,platform", IMPLS)
+@pytest.mark.parametrize(
+  "bad,match",
+  [
+    (dict(advantages=[1.0, float("nan")]), "advantages has 1 NaN"),
+    (dict(beta=-0.5), r"beta must be finite and in \[0, inf\)"),
+    (dict(epsilon_low=1.0), r"epsilon_low must be finite and in \[0, 1\)"),
+    (dict(temperature=float("nan")), "temperature must be finite"),
+    (dict(loss_type="dapo", num_items_in_batch=0), "num_items_in_batch"),
+    (dict(max_log_ratio=-1.0), "max_log_ratio"),
+  ],
+)
+def test_loss_arguments_checked_in_every_impl(impl, platform, bad, match):
+  args, _ = make_problem(2, 3, 16, 100, jnp.float32)
+  kw = dict(bad)
+  adv = kw.pop("advantages", args[4])
+  with pytest.raises(ValueError, match=match):
+    kernels.fused_linear_grpo_loss(
+      *args[:4], adv, **kw, impl=impl, platform=platform, interpret=True
+    )
+
+
+@pytest.mark.parametrize("impl,platform", IMPLS)
+def test_python_list_advantages_in_every_impl(impl, platform):
+  args, _kw = make_problem(2, 3, 16, 100, jnp.float32, seed=2)
+  call = dict(impl=impl, platform=platform, interpret=True)
+  as_array = kernels.fused_linear_grpo_loss(*args, **call)[0]
+  as_list = kernels.fused_linear_grpo_loss(*args[:4], np.asarray(args[4]).tolist(), **call)[0]
+  np.testing.assert_array_equal(as_list, as_array)
 
 
 def test_no_recompile_across_calls():

@@ -90,7 +90,7 @@ def _numpy_f64(logits, ids, mask, adv, old, ref, beta, el, eh, temp, loss_type):
   "off_policy,beta,temp", [(False, 0.0, 1.0), (True, 0.0, 0.7), (True, 0.04, 1.3)]
 )
 def test_reference_matches_float64_numpy(loss_type, off_policy, beta, temp):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(7)
   b, t, v = 4, 6, 257
   logits = rng.normal(size=(b, t, v)).astype(np.float32) * 2
   ids = rng.integers(0, v, size=(b, t))
@@ -111,16 +111,75 @@ def test_reference_matches_float64_numpy(loss_type, off_policy, beta, temp):
     old_logps=None if old is None else jnp.asarray(old),
     ref_logps=None if ref is None else jnp.asarray(ref),
     beta=beta,
+    epsilon_low=0.15,
+    epsilon_high=0.3,
     temperature=temp,
     loss_type=loss_type,
   )
   e_loss, e_logp, e_ent, e_kl = _numpy_f64(
-    logits, ids, mask, adv, old, ref, beta, 0.2, 0.2, temp, loss_type
+    logits, ids, mask, adv, old, ref, beta, 0.15, 0.3, temp, loss_type
   )
-  kw = dict(old_logps=old, beta=beta)
+  kw = dict(old_logps=old, beta=beta, epsilon_low=0.15, epsilon_high=0.3)
   assert_close(
     loss, e_loss, "f64_check", np.float32, v, scale=max(loss_scale(aux, mask, adv, kw), abs(e_loss))
   )
   assert_close(aux.per_token_logps, e_logp, "f64_check", np.float32, v)
   assert_close(aux.entropy, e_ent, "f64_check", np.float32, v)
   assert_close(aux.per_token_kl, e_kl, "f64_check", np.float32, v)
+
+
+def test_log_ratio_clamp_by_hand():
+  """old = logp - 100: the log-ratio clamps to 20, ratio = e^20, zero gradient beyond the bound."""
+  logits = jnp.array([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+  ids, mask = jnp.array([[1, 1]]), jnp.array([[True, True]])
+  logp = math.log(0.75)
+  old = jnp.full((1, 2), logp - 100.0)
+  ref = jnp.full((1, 2), logp + 100.0)
+  e20 = math.exp(20.0)
+
+  def loss(x, adv, **kw):
+    return grpo_loss_reference(x, ids, mask, jnp.array([adv]), old_logps=old, **kw)[0]
+
+  # A > 0: ratio e^20 > 1 + eps_high, clipped: loss = -(1 + 0.2) A. A < 0: -min(e^20 A, 1.2 A) = -e^20 A.
+  assert float(loss(logits, 2.0)) == pytest.approx(-2.4, rel=1e-6)
+  assert float(loss(logits, -2.0)) == pytest.approx(2.0 * e20, rel=1e-6)
+  # Unclamped, the same input overflows: exp(100) is inf in f32.
+  assert not np.isfinite(float(loss(logits, -2.0, max_log_ratio=None)))
+  np.testing.assert_array_equal(jax.grad(loss)(logits, -2.0), 0.0)  # beyond the bound: no gradient
+  # A looser bound is honoured: max_log_ratio = 50 -> ratio e^50 (finite in f32: 5.2e21).
+  assert float(loss(logits, -1.0, max_log_ratio=50.0)) == pytest.approx(math.exp(50.0), rel=1e-5)
+  # k3 KL with ref = logp + 100 clamps to d = 20: e^20 - 20 - 1, and no gradient through it.
+  _, aux = grpo_loss_reference(
+    logits, ids, mask, jnp.array([0.0]), ref_logps=ref, beta=0.5, epsilon_low=0.1
+  )
+  np.testing.assert_allclose(aux.per_token_kl, e20 - 21.0, rtol=1e-6)
+  kl_grad = jax.grad(
+    lambda x: grpo_loss_reference(x, ids, mask, jnp.array([0.0]), ref_logps=ref, beta=0.5)[0]
+  )(logits)
+  np.testing.assert_array_equal(kl_grad, 0.0)
+  # Inside the bound the gradient is the unclamped one: log ratio 19 < 20.
+  near = jnp.full((1, 2), logp - 19.0)
+  g = jax.grad(lambda x: grpo_loss_reference(x, ids, mask, jnp.array([-1.0]), old_logps=near)[0])(
+    logits
+  )
+  # d/dlogits of -ratio * A / 2 per token (grpo mean over 2 tokens): e^19 / 2 * (onehot - p) each
+  np.testing.assert_allclose(
+    g[0, 0], [-0.25 * math.exp(19.0) / 2, 0.25 * math.exp(19.0) / 2], rtol=1e-5
+  )
+
+
+def test_entropy_of_a_top_k_masked_row_by_hand():
+  """Logits [0, ln 3, -inf, -inf]: p = [1/4, 3/4, 0, 0]; 0 * log 0 = 0, so H = the 2-token entropy."""
+  logits = jnp.array([[[0.0, math.log(3.0), -jnp.inf, -jnp.inf]]])
+  loss, aux = grpo_loss_reference(logits, jnp.array([[1]]), jnp.array([[True]]), jnp.array([1.0]))
+  assert float(aux.entropy[0, 0]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+  assert float(loss) == pytest.approx(-1.0)
+
+
+def test_dapo_divides_by_num_items_in_batch():
+  per_token = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+  mask = jnp.array([[True, False], [True, True]])
+  out = reduce_loss(per_token, mask, loss_type="dapo", num_items_in_batch=jnp.float32(16.0))
+  assert float(out) == pytest.approx(8.0 / 16.0)
+  # a traced count <= 0 cannot be rejected: NaN, never +-inf
+  assert np.isnan(reduce_loss(per_token, mask, loss_type="dapo", num_items_in_batch=0.0))

@@ -87,17 +87,25 @@ def _check(family, args, blocks=None, dtype=jnp.float32, ctx=None):
   return out
 
 
+# page_size 8, 5 pages per sequence (40 tokens). With 2 pages per block (16-token blocks): 13 ends
+# inside the first block's second page, 17 one token into the second block, 37 inside the third (last,
+# partial) block, 23 mid-page in the second block: none is a multiple of the page or the block.
+TINY_LENGTHS = [[0, 13, 37], [1, 17, 40], [23, 9, 31]]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_parity_tiny_shape(family, dtype):
+@pytest.mark.parametrize("blocks", [None, PagedBlocks(2, 1), PagedBlocks(2, 2), PagedBlocks(4, 1)])
+def test_parity_tiny_shape(family, dtype, blocks):
   s = PAGED_SHAPES["tiny"]
   rng = np.random.default_rng(1)
-  lengths = [0, 1, s.ctx]  # an idle slot, a single token, a full context
-  args = _draw(
-    rng, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_seq, lengths, dtype
-  )
-  out = _check(family, args, dtype=dtype)
-  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0 -> zeros
+  for lengths in TINY_LENGTHS:
+    args = _draw(
+      rng, s.batch, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_seq, lengths, dtype
+    )
+    out = _check(family, args, blocks, dtype=dtype)
+    if lengths[0] == 0:
+      np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0 -> zeros
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -147,7 +155,9 @@ def test_split_k_and_default_blocks_agree(family):
   _check(family, args)  # the heuristic's blocks
 
 
-def test_lengths_past_the_page_table_attend_to_its_capacity():
+def test_lengths_past_the_page_table_attend_to_its_capacity_under_jit():
+  """Concrete, such a length is an error (tested below); under jit (the rollout engine, whose finished
+  slots step past their last page) it attends to the capacity, in both impls."""
   s = PAGED_SHAPES["tiny"]
   args = _draw(
     np.random.default_rng(3),
@@ -162,13 +172,128 @@ def test_lengths_past_the_page_table_attend_to_its_capacity():
   )
   cap = s.pages_per_seq * s.page_size
   clamped = (*args[:3], jnp.minimum(args[3], cap), args[4])
-  for family in FAMILIES:
-    np.testing.assert_allclose(
-      kernels.paged_attention(*args, impl="pallas", platform=FAMILIES[family], interpret=True),
-      kernels.paged_attention_reference(*clamped),
-      rtol=1e-5,
-      atol=1e-6,
+  expected = kernels.paged_attention_reference(*clamped)
+  for call in IMPL_CALLS.values():
+    out = jax.jit(lambda *a: kernels.paged_attention(*a, **call))(*args)  # noqa: B023
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+IMPL_CALLS = {
+  "xla": dict(impl="xla"),
+  **{f: dict(impl="pallas", platform=FAMILIES[f], interpret=True) for f in FAMILIES},
+}
+
+
+def _tiny_args(lengths, seed=5):
+  s = PAGED_SHAPES["tiny"]
+  return _draw(
+    np.random.default_rng(seed),
+    s.batch,
+    s.q_heads,
+    s.kv_heads,
+    s.head_dim,
+    s.page_size,
+    s.pages_per_seq,
+    lengths,
+    jnp.float32,
+  )
+
+
+@pytest.mark.parametrize("impl", IMPL_CALLS)
+def test_stale_nonfinite_kv_past_the_length_is_never_read(impl):
+  """A recycled page keeps its old content: NaN / inf in K and V past a sequence's length (in its last,
+  partial page and in the unreached pages of its row) leaves the output exactly as with clean pages."""
+  lengths = [13, 37, 1]
+  q, k, v, lens, pages = _tiny_args(lengths)
+  ps = k.shape[2]
+  k_bad, v_bad = np.array(k), np.array(v)
+  for b, length in enumerate(lengths):
+    row = np.asarray(pages[b])
+    for t in range(length, row.size * ps):  # every slot past the length
+      k_bad[:, row[t // ps], t % ps] = np.nan if t % 2 else np.inf
+      v_bad[:, row[t // ps], t % ps] = np.inf if t % 2 else np.nan
+  call = IMPL_CALLS[impl]
+  clean = kernels.paged_attention(q, k, v, lens, pages, **call, blocks=None)
+  dirty = kernels.paged_attention(q, jnp.asarray(k_bad), jnp.asarray(v_bad), lens, pages, **call)
+  assert np.isfinite(np.asarray(dirty)).all()
+  np.testing.assert_array_equal(dirty, clean)
+  # with 2-page blocks the last block is partial: the mask must cover it too
+  if impl != "xla":
+    blocks = PagedBlocks(2, 2)
+    clean = kernels.paged_attention(q, k, v, lens, pages, **call, blocks=blocks)
+    dirty = kernels.paged_attention(
+      q, jnp.asarray(k_bad), jnp.asarray(v_bad), lens, pages, **call, blocks=blocks
     )
+    np.testing.assert_array_equal(dirty, clean)
+
+
+def test_overflowing_scores_are_nan_in_every_impl():
+  """q = 3e38 makes the scores overflow f32: every impl says NaN for that sequence (the kernels used
+  to return silent zeros), and the other sequences are untouched."""
+  q, k, v, lens, pages = _tiny_args([13, 37, 20])
+  q = q.at[1].set(3e38)
+  outs = {
+    name: kernels.paged_attention(q, k, v, lens, pages, **c) for name, c in IMPL_CALLS.items()
+  }
+  for name, out in outs.items():
+    out = np.asarray(out)
+    assert np.isnan(out[1]).all(), name
+    assert np.isfinite(out[[0, 2]]).all(), name
+    assert_close(out[[0, 2]], np.asarray(outs["xla"])[[0, 2]], "attention", jnp.float32, 40, name)
+
+
+@pytest.mark.parametrize("impl", IMPL_CALLS)
+def test_unreached_page_ids_are_never_used(impl):
+  """Ids past a sequence's length may be anything (-1, 99): the output equals that with filler 0."""
+  q, k, v, lens, pages = _tiny_args([13, 1, 40])
+  junk = pages.at[0, 2:].set(-1).at[1, 1:].set(99)
+  call = IMPL_CALLS[impl]
+  np.testing.assert_array_equal(
+    kernels.paged_attention(q, k, v, lens, junk, **call),
+    kernels.paged_attention(q, k, v, lens, pages, **call),
+  )
+
+
+@pytest.mark.parametrize("impl", IMPL_CALLS)
+@pytest.mark.parametrize(
+  "lengths,bad_page,match",
+  [
+    (
+      [13, -1, 40],
+      None,
+      r"lengths must be in \[0, pages_per_seq \* page_size = 40\], got lengths\[1\] = -1",
+    ),
+    ([13, 41, 40], None, r"lengths\[1\] = 41"),
+    ([13, 1, 40], (2, 4, 99), r"reached \(within lengths\) page_indices outside \[0, 18\)"),
+    ([13, 1, 40], (0, 1, -1), r"page_indices outside \[0, 18\); first at \(0, 1\): -1"),
+  ],
+)
+def test_bad_lengths_and_page_ids_raise(impl, lengths, bad_page, match):
+  q, k, v, lens, pages = _tiny_args(lengths)
+  if bad_page is not None:
+    pages = pages.at[bad_page[:2]].set(bad_page[2])
+  with pytest.raises(ValueError, match=match):
+    kernels.paged_attention(q, k, v, lens, pages, **IMPL_CALLS[impl])
+
+
+@pytest.mark.parametrize("impl", IMPL_CALLS)
+def test_bad_lengths_and_page_ids_poison_their_sequence_under_jit(impl):
+  """jit hides the values: a negative length or a reached page id outside [0, P) makes that sequence's
+  output NaN (never a read of another page, never zeros); the other sequences are unchanged."""
+  q, k, v, lens, pages = _tiny_args([13, 20, 40])
+  call = IMPL_CALLS[impl]
+  f = jax.jit(lambda ln, pg: kernels.paged_attention(q, k, v, ln, pg, **call))
+  good = np.asarray(f(lens, pages))
+  assert np.isfinite(good).all()
+  for new_lens, new_pages, row in (
+    (lens.at[0].set(-3), pages, 0),
+    (lens, pages.at[1, 2].set(18), 1),  # P = 18: one past the pool
+    (lens, pages.at[2, 0].set(-1), 2),
+  ):
+    out = np.asarray(f(new_lens, new_pages))
+    assert np.isnan(out[row]).all(), row
+    others = [i for i in range(3) if i != row]
+    np.testing.assert_array_equal(out[others], good[others])
 
 
 def test_bench_inputs_match_at_cpu_size():
@@ -212,6 +337,11 @@ def test_default_blocks():
     (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths"),
     (dict(lengths=jnp.zeros((2,), jnp.float32)), "lengths"),
     (dict(page_indices=jnp.zeros((2,), jnp.int32)), "page_indices"),
+    (dict(page_indices=jnp.zeros((3, 3), jnp.int32)), "page_indices must have shape"),
+    (dict(page_indices=jnp.zeros((2, 3), jnp.float32)), "page_indices must have a integer"),
+    (dict(q=jnp.zeros((2, 4, 16), jnp.int32)), "q must have a floating dtype"),
+    (dict(scale=0.0), r"scale must be finite and in \(0, inf\)"),
+    (dict(scale=float("nan")), "scale must be finite"),
     (dict(impl="triton"), "impl"),
   ],
 )
@@ -227,6 +357,17 @@ def test_bad_input_is_a_clear_error(bad, match):
   impl = args.pop("impl", "xla")
   with pytest.raises(ValueError, match=match):
     kernels.paged_attention(**args, impl=impl)
+
+
+def test_dtype_errors_are_type_errors():
+  with pytest.raises(TypeError, match="lengths must have a integer dtype"):
+    kernels.paged_attention(
+      jnp.zeros((2, 4, 16)),
+      jnp.zeros((2, 6, 8, 16)),
+      jnp.zeros((2, 6, 8, 16)),
+      jnp.zeros((2,), jnp.float32),
+      jnp.zeros((2, 3), jnp.int32),
+    )
 
 
 def test_illegal_blocks_are_rejected():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kernels import backend
+from kernels import backend, checks
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
@@ -19,7 +19,7 @@ from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, voc
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss import validate_loss_args
 from kernels.grpo_loss.pallas import LossConfig, token_terms
-from kernels.grpo_loss.reference import GRPOAux, make_aux, reduce_loss
+from kernels.grpo_loss.reference import DEFAULT_MAX_LOG_RATIO, GRPOAux, make_aux, reduce_loss
 
 __all__ = [
   "IMPLS",
@@ -66,6 +66,7 @@ def fused_linear_grpo_loss(
   loss_type: str = "grpo",
   max_completion_length: int | None = None,
   num_items_in_batch=None,
+  max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
   platform: backend.Platform | None = None,
   interpret: bool | None = None,
@@ -77,11 +78,14 @@ def fused_linear_grpo_loss(
   """``kernels.grpo_loss(hidden @ lm_head, ...)`` without the [B, T, V] logits; differentiable w.r.t.
   ``hidden`` and ``lm_head``.
 
-  Same loss, ``aux`` and keyword semantics as :func:`kernels.grpo_loss` (logits are accumulated in f32).
+  Same loss, ``aux``, keyword semantics (``max_log_ratio`` included), input checks and jit behaviour
+  as :func:`kernels.grpo_loss` (logits are accumulated in f32). ``hidden`` at masked positions may be
+  NaN / inf: it is replaced by 0 before the matmul, so it reaches neither the loss nor ``dhidden`` /
+  ``dlm_head``.
   The gradients are computed during the forward pass (the loss weights of every token are known before
   the vocabulary is seen) and scaled by the loss cotangent in the backward pass, so the logits are
   formed once (``chunked``) or recomputed tile by tile (``pallas``) — never stored. ``aux`` is data:
-  it carries no gradient.
+  it carries no gradient, in every impl (``xla`` included).
 
   Args:
     impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops).
@@ -97,16 +101,15 @@ def fused_linear_grpo_loss(
       arguments are replicated.
 
   Raises:
-    ValueError: everything ``grpo_loss`` rejects, and H or dtype mismatches between ``hidden`` and
-      ``lm_head``, an unknown ``impl``, ``impl="pallas"`` on GPU, a vocabulary the axis does not divide.
+    ValueError: everything ``grpo_loss`` rejects (:func:`kernels.grpo_loss.validate_loss_args`), and
+      H or dtype mismatches between ``hidden`` and ``lm_head``, a non-floating dtype, an unknown
+      ``impl``, ``impl="pallas"`` on GPU, a vocabulary the axis does not divide, ``chunk_size`` <= 0.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if getattr(hidden, "ndim", None) != 3 or getattr(lm_head, "ndim", None) != 2:
-    raise ValueError(
-      f"hidden must be [B, T, H] and lm_head [H, V]; got {jnp.shape(hidden)} and "
-      f"{jnp.shape(lm_head)}"
-    )
+  checks.choice("impl", impl, IMPLS)
+  hidden, lm_head = checks.as_array("hidden", hidden), checks.as_array("lm_head", lm_head)
+  checks.ndim_array("hidden", hidden, 3, "[B, T, H]")
+  checks.ndim_array("lm_head", lm_head, 2, "[H, V]")
+  checks.dtype_kind("hidden", hidden, "floating")
   b, t, hd = hidden.shape
   if lm_head.shape[0] != hd:
     raise ValueError(
@@ -118,21 +121,23 @@ def fused_linear_grpo_loss(
       f"hidden ({hidden.dtype}) and lm_head ({lm_head.dtype}) must have the same dtype"
     )
   v = lm_head.shape[1]
-  validate_loss_args(
+  args = validate_loss_args(
     jax.ShapeDtypeStruct((b, t, v), hidden.dtype),
     completion_ids,
     completion_mask,
     advantages,
-    old_logps,
-    ref_logps,
-    beta,
-    epsilon_low,
-    epsilon_high,
-    temperature,
-    loss_type,
-    max_completion_length,
-    "auto",
+    old_logps=old_logps,
+    ref_logps=ref_logps,
+    beta=beta,
+    epsilon_low=epsilon_low,
+    epsilon_high=epsilon_high,
+    temperature=temperature,
+    loss_type=loss_type,
+    max_completion_length=max_completion_length,
+    num_items_in_batch=num_items_in_batch,
+    max_log_ratio=max_log_ratio,
   )
+  checks.positive_int("chunk_size", chunk_size, allow_none=True)
   if (mesh is None) != (vocab_axis is None):
     raise ValueError("pass mesh and vocab_axis together (or neither)")
   tp = 1
@@ -144,8 +149,9 @@ def fused_linear_grpo_loss(
       raise ValueError(f"V={v} is not divisible by the {tp} shards of mesh axis {vocab_axis!r}")
 
   target = backend.resolve(platform, interpret)
-  mask = completion_mask if completion_mask.dtype == jnp.bool_ else completion_mask != 0
-  ids = jnp.where(mask, completion_ids.astype(jnp.int32), 0)
+  mask, ids, old_logps, ref_logps = args.mask, args.ids, args.old_logps, args.ref_logps
+  # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
+  hidden = jnp.where(mask[..., None], hidden, jnp.zeros((), hidden.dtype))
   reduce_kw = dict(
     loss_type=loss_type,
     max_completion_length=max_completion_length,
@@ -154,20 +160,18 @@ def fused_linear_grpo_loss(
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "chunked"
   if impl == "xla":
-    return fused_linear_grpo_loss_reference(
+    loss, aux = fused_linear_grpo_loss_reference(
       hidden,
       lm_head,
       ids,
       mask,
-      advantages,
+      args.advantages,
       old_logps=old_logps,
       ref_logps=ref_logps,
-      beta=beta,
-      epsilon_low=epsilon_low,
-      epsilon_high=epsilon_high,
-      temperature=temperature,
+      **args.options,
       **reduce_kw,
     )
+    return loss, jax.tree.map(jax.lax.stop_gradient, aux)
   if impl == "pallas" and target.family == "rowloop":
     raise ValueError(
       "impl='pallas' (the fully fused kernels) needs grid-axis accumulation, which GPU "
@@ -180,34 +184,28 @@ def fused_linear_grpo_loss(
     blocks = default_blocks(target, n, hd, vs) if blocks is None else blocks
     blocks.check(target, n, hd, vs)
     fused = _pallas.FusedConfig(target, blocks, vs, float(temperature))
-  chunk = default_chunk(n, vs) if chunk_size is None else int(chunk_size)
-  if chunk <= 0:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+  chunk = default_chunk(n, vs) if chunk_size is None else chunk_size
   loss_cfg = LossConfig(
     target=target,
     blocks=loss_blocks.default_blocks(target, chunk, vs),
     vocab=vs,
     on_policy=old_logps is None,
-    beta=float(beta),
-    epsilon_low=float(epsilon_low),
-    epsilon_high=float(epsilon_high),
-    temperature=float(temperature),
+    **args.options,
   )
   spec = _Spec(
     impl, fused, loss_cfg, chunk, mesh, vocab_axis, b, t, loss_type, max_completion_length
   )
-  flat = lambda a: jax.lax.stop_gradient(jnp.asarray(a, jnp.float32)).reshape(n)
   zeros = jnp.zeros((n,), jnp.float32)
-  adv = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], (b, t))
+  flat = lambda a: zeros if a is None else a.reshape(n)
   loss, (kl, logp, entropy, clipped) = _loss(
     spec,
     hidden.reshape(n, hd),
     lm_head,
     ids.reshape(n),
     mask,
-    zeros if old_logps is None else flat(old_logps),
-    zeros if ref_logps is None else flat(ref_logps),
-    flat(adv),
+    flat(old_logps),
+    flat(ref_logps),
+    flat(jnp.broadcast_to(args.advantages[:, None], (b, t))),
     num_items_in_batch,
   )
   shaped = lambda a: jax.lax.stop_gradient(a).reshape(b, t)

@@ -37,10 +37,13 @@ class PagedConfig:
   scale: float
 
 
-def _online_update(q, k, v, valid, m, l, acc, scale):
-  """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] bool; m/l [G, 1], acc [G, D] f32."""
+def _online_update(q, k, v, valid, valid_kv, m, l, acc, scale):
+  """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] and valid_kv [bk, 1 or D] bool (the
+  same positions); m/l [G, 1], acc [G, D] f32."""
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [G, bk]
   s = jnp.where(valid, s, MASK)
+  # Slots past the length may hold a recycled page's stale NaN / inf: p = 0 there, but 0 * NaN = NaN.
+  v = jnp.where(valid_kv, v, jnp.zeros((), v.dtype))
   m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
   alpha = jnp.exp(m - m_new)
   p = jnp.exp(s - m_new)
@@ -50,10 +53,11 @@ def _online_update(q, k, v, valid, m, l, acc, scale):
 
 
 def _finish(m, l, acc):
-  """(normalised output, log-sum-exp); a split that saw no token gives (0, -inf)."""
-  seen = l > 0
-  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
-  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  """(normalised output, log-sum-exp); a split that saw no token gives (0, -inf). A NaN l (scores
+  that overflowed, e.g. q = 3e38) stays NaN, as in the reference: never hidden as zeros."""
+  empty = l == 0
+  out = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l))
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   return out, lse
 
 
@@ -79,7 +83,12 @@ def _tiled_kernel(lengths_ref, pages_ref, q_ref, *refs, ppb, page_size, blocks_p
     k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
     v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
     pos = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], bk), 1)
-    m, l, acc = _online_update(q, k, v, pos < length, m_sc[:, :1], l_sc[:, :1], acc_sc[...], scale)
+    pos_kv = start + lax.broadcasted_iota(
+      jnp.int32, (bk, q.shape[1]), 0
+    )  # full tile: no i1 broadcast
+    m, l, acc = _online_update(
+      q, k, v, pos < length, pos_kv < length, m_sc[:, :1], l_sc[:, :1], acc_sc[...], scale
+    )
     m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
     l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
     acc_sc[...] = acc
@@ -175,7 +184,8 @@ def _rowloop_kernel(
     k = k_ref[pages].reshape(bk, d)
     v = v_ref[pages].reshape(bk, d)
     pos = split_start + j * bk + jnp.arange(bk)
-    return _online_update(q, k, v, (pos < length)[None, :], m, l, acc, scale)
+    valid = pos < length
+    return _online_update(q, k, v, valid[None, :], valid[:, None], m, l, acc, scale)
 
   init = (
     jnp.full((g, 1), MASK, jnp.float32),

@@ -26,7 +26,9 @@ def paged_attention_reference(
 ):  # -> [B, Hq, D] in q's dtype
   """Softmax attention of each sequence's one query per head over its first `lengths[b]` cached tokens.
 
-  Scores and the softmax are f32; a sequence with length 0 gets zeros (not NaN).
+  Scores and the softmax are f32; a sequence with length 0 gets zeros (not NaN); K / V past a
+  sequence's length never reach its result, even when NaN / inf. Page ids and lengths are assumed
+  valid (:func:`kernels.paged_attention` checks them).
   """
   b, hq, d = q.shape
   hkv = k_pages.shape[0]
@@ -37,6 +39,8 @@ def paged_attention_reference(
   s = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
   visible = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
   s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+  # Slots past the length may hold a recycled page's stale NaN / inf: p = 0 there, but 0 * NaN = NaN.
+  v = jnp.where(visible[:, None, :, None], v, jnp.zeros((), v.dtype))
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
   denom = jnp.sum(p, axis=-1, keepdims=True)
