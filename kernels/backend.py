@@ -10,7 +10,9 @@ Kernel families (a kernel module implements each):
   * ``rowloop``: one program per row with a ``fori_loop`` over vocabulary chunks and masked loads and
                  stores — the Triton shape (GPU programs are independent, so no grid-axis reduction).
 
-Also here: per-backend compiler params and the jax 0.10 / 0.11 shims.
+Also here: per-backend compiler params and the jax 0.10 / 0.11 shims (every ``jax`` version or
+``hasattr`` check in the project belongs in this module), and the abstract GPU that lets a GPU-less host
+lower for CUDA under jax 0.11 (:func:`abstract_gpu`).
 """
 
 from __future__ import annotations
@@ -82,12 +84,46 @@ def use_target(platform: Platform, interpret: bool | None = None):
 
       with use_target("tpu"):
         jax.jit(f).trace(*specs).lower(lowering_platforms=("tpu",))
+
+  A real (non-interpreted) GPU target on a host without a GPU also enters :func:`abstract_gpu`, so that
+  tracing and lowering inside the block can lower the GPU kernels for CUDA.
   """
-  token = _TARGET.set(make_target(platform, interpret))
+  target = make_target(platform, interpret)
+  token = _TARGET.set(target)
   try:
-    yield
+    real_gpu = target.platform == "gpu" and not target.interpret
+    with abstract_gpu() if real_gpu else contextlib.nullcontext():
+      yield
   finally:
     _TARGET.reset(token)
+
+
+# The GPU a GPU-less host lowers for: the production part (sm_90). jax 0.11's Triton lowering asks the
+# default device for its compute capability, which a CPU host lacks; an abstract device answers instead.
+ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
+ABSTRACT_GPU_CORES = 132
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = ABSTRACT_GPU_KIND, num_cores: int = ABSTRACT_GPU_CORES):
+  """Lower GPU kernels inside the block as if for ``device_kind`` (a no-op on a host with a GPU).
+
+  jax >= 0.11 reads the target GPU from ``jax.sharding.use_abstract_mesh``'s abstract device when the
+  default device is not a GPU; jax 0.10 needs nothing, and accepts the same context. Wrap both
+  ``.trace`` and ``.lower`` (or use :func:`use_target`)::
+
+      with backend.abstract_gpu():
+        jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+  """
+  if host_platform() == "gpu":
+    yield
+    return
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+  mesh = AbstractMesh((1,), ("_abstract_gpu",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
 
 
 def make_target(platform: Platform, interpret: bool | None = None) -> Target:
