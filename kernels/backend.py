@@ -196,3 +196,62 @@ def masked_load(ref, *, mask, other):
 
 def masked_store(ref, value, *, mask):
   return _triton_module().store(ref, value, mask=mask)
+
+
+# ------------------------------------------------------------------------ Mosaic GPU (impl="mosaic_gpu")
+# The GPU lowering is chosen per call by ``impl``: "pallas" is the Triton kernel (rowloop family), and
+# "mosaic_gpu" the Mosaic GPU kernel (TMA pipelines into shared memory, warpgroup layouts). This table
+# is the one switch: the custom call each lowers to, which tests assert on.
+GPU_LOWERINGS = {"pallas": "triton", "mosaic_gpu": "mosaic"}
+MOSAIC_GPU_MARKER = "mosaic_gpu_v2"
+
+
+def mosaic_gpu_module():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu
+
+
+def check_mosaic_gpu_target(target: Target) -> None:
+  """The Mosaic GPU kernels run on a GPU or in the Mosaic GPU interpreter (any host), never on TPU."""
+  if target.platform == "tpu":
+    raise ValueError("impl='mosaic_gpu' is a GPU kernel; on TPU use impl='pallas' (Mosaic TPU)")
+
+
+def mosaic_gpu_interpret(target: Target):
+  """``interpret=`` for ``plgpu.kernel``: the Mosaic GPU interpreter (simulated shared memory, threads,
+  barriers; jax >= 0.10) when the target interprets, else None (compile for the GPU)."""
+  if not target.interpret:
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+  return InterpretGPUParams()
+
+
+def mosaic_gpu_kernel(body, *, target: Target, out_type, scratch_types=(), grid, grid_names):
+  """``plgpu.kernel`` (``pl.pallas_call`` is deprecated for Mosaic GPU) for ``target``."""
+  plgpu = mosaic_gpu_module()
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=scratch_types,
+    grid=grid,
+    grid_names=grid_names,
+    interpret=mosaic_gpu_interpret(target),
+  )
+
+
+def layout_cast(x, layout, target: Target):
+  """``plgpu.layout_cast``; the identity in the interpreter, which has no register layouts (and no
+  lowering rule for the cast)."""
+  if target.interpret:
+    return x
+  return mosaic_gpu_module().layout_cast(x, layout)
+
+
+def smem_transforms(dtype, target: Target) -> tuple:
+  """(8, 128 bytes) tiles with the 128-byte swizzle: the shared-memory layout that a WGMMA-layout
+  register load / store or a wgmma operand reads without bank conflicts."""
+  plgpu = mosaic_gpu_module()
+  cols = 128 // jax.numpy.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))

@@ -14,7 +14,9 @@ from kernels import backend
 from kernels.grpo_loss import LossBlocks
 
 
-def lower_loss(platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04):
+def lower_loss(
+  platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04, impl="pallas"
+):
   b, t, v = shape.batch, shape.seq, shape.vocab
   specs = [
     jax.ShapeDtypeStruct((b, t, v), jnp.dtype(shape.dtype)),
@@ -34,7 +36,7 @@ def lower_loss(platform, shape, *, grad: bool, blocks=None, off_policy=True, bet
       old_logps=old if off_policy else None,
       ref_logps=ref,
       beta=beta,
-      impl="pallas",
+      impl=impl,
       blocks=blocks,
     )[0]
 
@@ -54,6 +56,16 @@ def test_lowers_real_kernel_at_production_shape(platform, shape_name, grad):
   assert text.count(marker) == (2 if grad else 1), (
     f"expected the {platform} kernel, not the interpreter"
   )
+
+
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_mosaic_gpu_loss_lowers_at_production_shape(shape_name, grad):
+  """The Mosaic GPU kernels (impl="mosaic_gpu") lower for sm_90: the WGMMA register layouts, the
+  swizzled TMA tiles and the pipelines are checked here, which the interpreter cannot do."""
+  text = lower_loss("gpu", LOSS_SHAPES[shape_name], grad=grad, impl="mosaic_gpu")
+  assert text.count(backend.MOSAIC_GPU_MARKER) == (2 if grad else 1)
+  assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text  # no Triton kernel on this path
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import backend
+from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
 from kernels.grpo_loss.blocks import LossBlocks, default_blocks
 from kernels.grpo_loss.reference import (
@@ -28,7 +29,7 @@ __all__ = [
   "grpo_loss_reference",
 ]
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
 
 
 def grpo_loss(
@@ -128,6 +129,8 @@ def grpo_loss(
       **options,
     )
 
+  if impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
+    return _mosaic_gpu.grpo_loss(logits, ids, mask, advantages, old_logps=old_logps, ref_logps=ref_logps, target=target, blocks=blocks, loss_type=loss_type, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch, reuse_logits_buffer=reuse_logits_buffer, **options)  # fmt: skip
   b, t, v = logits.shape
   n = b * t
   blocks = default_blocks(target, n, v) if blocks is None else blocks
