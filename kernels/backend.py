@@ -255,3 +255,8 @@ def smem_transforms(dtype, target: Target) -> tuple:
   plgpu = mosaic_gpu_module()
   cols = 128 // jax.numpy.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+
+
+# jax 0.10's Mosaic GPU interpreter cannot read a transposed shared-memory operand in wgmma
+# (``TransposeTransform`` has no ``indices``); jax 0.11's can. Kernels take a plain-dot path there.
+INTERPRETER_TRANSPOSED_WGMMA = JAX_VERSION >= (0, 11)

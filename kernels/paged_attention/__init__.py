@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import backend
+from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
 from kernels.paged_attention.blocks import PagedBlocks, default_blocks
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
 from kernels.paged_attention.reference import (
@@ -25,7 +26,7 @@ __all__ = [
   "paged_attention_reference",
 ]
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
 GPU_MIN_GROUP = (
   16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
 )
@@ -69,6 +70,8 @@ def paged_attention(
   lengths = jnp.minimum(lengths, pages_per_seq * page_size)
   if impl == "xla":
     return paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, scale=scale)
+  if impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
+    return _mosaic_gpu.paged_attention(q, k_pages, v_pages, lengths, page_indices, scale=scale, target=target, blocks=blocks)  # fmt: skip
   blocks = blocks or default_blocks(target, b, hkv, pages_per_seq, page_size)
   blocks.check(target, page_size, d, jnp.dtype(k_pages.dtype).itemsize)
   if target.platform == "gpu" and d & (d - 1):
