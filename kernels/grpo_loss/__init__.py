@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import backend
+from kernels import autotune, backend
 from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
 from kernels.grpo_loss.blocks import LossBlocks, default_blocks
@@ -115,6 +115,7 @@ def grpo_loss(
     temperature=float(temperature),
   )
   target = backend.resolve(platform, interpret)
+  impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, dict(dtype=jnp.dtype(logits.dtype).name, tokens=logits.shape[0] * logits.shape[1], vocab=logits.shape[2]))  # fmt: skip
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
     return grpo_loss_reference(
       logits,

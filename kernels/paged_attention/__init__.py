@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import backend
+from kernels import autotune, backend
 from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
 from kernels.paged_attention.blocks import PagedBlocks, default_blocks
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
@@ -65,6 +65,7 @@ def paged_attention(
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   scale = float(d**-0.5 if scale is None else scale)
   target = backend.resolve(platform, interpret)
+  impl, blocks = autotune.resolve("paged_attention", impl, blocks, target, dict(dtype=jnp.dtype(k_pages.dtype).name, batch=b, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size, ctx=pages_per_seq * page_size))  # fmt: skip
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "pallas"
   lengths = jnp.minimum(lengths, pages_per_seq * page_size)
