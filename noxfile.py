@@ -153,3 +153,12 @@ def tests_jax011(session: nox.Session):
   )
   args = session.posargs or ["-m", "not slow and not gpu and not tpu"]
   session.run("pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
+
+
+@nox.session(venv_backend="none")
+def device(session: nox.Session):
+  """On a lent GPU: gpu-marked tests, the autotuner, the bench at --size large and a short loop parity,
+  into one results dir + kernels/tuning/<device>.json (`python -m bench.device`; args after --).
+  No virtualenv: it runs on the machine's preinstalled jax (the GPU image has no package index)."""
+  session.env["PYTHONPATH"] = "."
+  session.run("python", "-m", "bench.device", *session.posargs, external=True)
