@@ -184,6 +184,11 @@ def compiler_params(
   return cls(**kw)
 
 
+def tpu_smem():
+  """The TPU scalar memory space (``pltpu.SMEM``), for kernels that keep scalars there."""
+  return _tpu_module().SMEM
+
+
 def scratch_vmem(shape, dtype):
   """A VMEM scratch buffer (the tiled family's accumulators; the interpreter accepts it too)."""
   return _tpu_module().VMEM(shape, dtype)
