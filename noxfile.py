@@ -174,3 +174,27 @@ def sglang(session: nox.Session):
     "--out",
     str(session.create_tmp()) + "/sglang-rollout",
   )
+
+
+JAX_011 = ("jax>=0.11,<0.12", "jaxlib>=0.11,<0.12")
+
+
+@nox.session(python="3.12")
+def tests_jax011(session: nox.Session):
+  """The default test selection under jax 0.11.x (it needs Python >= 3.12, so `tests` on 3.11 can only
+  ever resolve jax 0.10): the version shims, and CUDA lowering on a GPU-less host via the abstract GPU."""
+  session.install("-e", ".[dev]", *JAX_011)
+  session.run(
+    "python", "-c", "import jax; assert jax.__version__.startswith('0.11'), jax.__version__"
+  )
+  args = session.posargs or ["-m", "not slow and not gpu and not tpu"]
+  session.run("pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
+
+
+@nox.session(venv_backend="none")
+def device(session: nox.Session):
+  """On a lent GPU: gpu-marked tests, the autotuner, the bench at --size large and a short loop parity,
+  into one results dir + kernels/tuning/<device>.json (`python -m bench.device`; args after --).
+  No virtualenv: it runs on the machine's preinstalled jax (the GPU image has no package index)."""
+  session.env["PYTHONPATH"] = "."
+  session.run("python", "-m", "bench.device", *session.posargs, external=True)

@@ -10,7 +10,9 @@ Kernel families (a kernel module implements each):
   * ``rowloop``: one program per row with a ``fori_loop`` over vocabulary chunks and masked loads and
                  stores — the Triton shape (GPU programs are independent, so no grid-axis reduction).
 
-Also here: per-backend compiler params and the jax 0.10 / 0.11 shims.
+Also here: per-backend compiler params and the jax 0.10 / 0.11 shims (every ``jax`` version or
+``hasattr`` check in the project belongs in this module), and the abstract GPU that lets a GPU-less host
+lower for CUDA under jax 0.11 (:func:`abstract_gpu`).
 """
 
 from __future__ import annotations
@@ -82,12 +84,46 @@ def use_target(platform: Platform, interpret: bool | None = None):
 
       with use_target("tpu"):
         jax.jit(f).trace(*specs).lower(lowering_platforms=("tpu",))
+
+  A real (non-interpreted) GPU target on a host without a GPU also enters :func:`abstract_gpu`, so that
+  tracing and lowering inside the block can lower the GPU kernels for CUDA.
   """
-  token = _TARGET.set(make_target(platform, interpret))
+  target = make_target(platform, interpret)
+  token = _TARGET.set(target)
   try:
-    yield
+    real_gpu = target.platform == "gpu" and not target.interpret
+    with abstract_gpu() if real_gpu else contextlib.nullcontext():
+      yield
   finally:
     _TARGET.reset(token)
+
+
+# The GPU a GPU-less host lowers for: the production part (sm_90). jax 0.11's Triton lowering asks the
+# default device for its compute capability, which a CPU host lacks; an abstract device answers instead.
+ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
+ABSTRACT_GPU_CORES = 132
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = ABSTRACT_GPU_KIND, num_cores: int = ABSTRACT_GPU_CORES):
+  """Lower GPU kernels inside the block as if for ``device_kind`` (a no-op on a host with a GPU).
+
+  jax >= 0.11 reads the target GPU from ``jax.sharding.use_abstract_mesh``'s abstract device when the
+  default device is not a GPU; jax 0.10 needs nothing, and accepts the same context. Wrap both
+  ``.trace`` and ``.lower`` (or use :func:`use_target`)::
+
+      with backend.abstract_gpu():
+        jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+  """
+  if host_platform() == "gpu":
+    yield
+    return
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+  mesh = AbstractMesh((1,), ("_abstract_gpu",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
 
 
 def make_target(platform: Platform, interpret: bool | None = None) -> Target:
@@ -148,6 +184,11 @@ def compiler_params(
   return cls(**kw)
 
 
+def tpu_smem():
+  """The TPU scalar memory space (``pltpu.SMEM``), for kernels that keep scalars there."""
+  return _tpu_module().SMEM
+
+
 def scratch_vmem(shape, dtype):
   """A VMEM scratch buffer (the tiled family's accumulators; the interpreter accepts it too)."""
   return _tpu_module().VMEM(shape, dtype)
@@ -160,3 +201,67 @@ def masked_load(ref, *, mask, other):
 
 def masked_store(ref, value, *, mask):
   return _triton_module().store(ref, value, mask=mask)
+
+
+# ------------------------------------------------------------------------ Mosaic GPU (impl="mosaic_gpu")
+# The GPU lowering is chosen per call by ``impl``: "pallas" is the Triton kernel (rowloop family), and
+# "mosaic_gpu" the Mosaic GPU kernel (TMA pipelines into shared memory, warpgroup layouts). This table
+# is the one switch: the custom call each lowers to, which tests assert on.
+GPU_LOWERINGS = {"pallas": "triton", "mosaic_gpu": "mosaic"}
+MOSAIC_GPU_MARKER = "mosaic_gpu_v2"
+
+
+def mosaic_gpu_module():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu
+
+
+def check_mosaic_gpu_target(target: Target) -> None:
+  """The Mosaic GPU kernels run on a GPU or in the Mosaic GPU interpreter (any host), never on TPU."""
+  if target.platform == "tpu":
+    raise ValueError("impl='mosaic_gpu' is a GPU kernel; on TPU use impl='pallas' (Mosaic TPU)")
+
+
+def mosaic_gpu_interpret(target: Target):
+  """``interpret=`` for ``plgpu.kernel``: the Mosaic GPU interpreter (simulated shared memory, threads,
+  barriers; jax >= 0.10) when the target interprets, else None (compile for the GPU)."""
+  if not target.interpret:
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+  return InterpretGPUParams()
+
+
+def mosaic_gpu_kernel(body, *, target: Target, out_type, scratch_types=(), grid, grid_names):
+  """``plgpu.kernel`` (``pl.pallas_call`` is deprecated for Mosaic GPU) for ``target``."""
+  plgpu = mosaic_gpu_module()
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=scratch_types,
+    grid=grid,
+    grid_names=grid_names,
+    interpret=mosaic_gpu_interpret(target),
+  )
+
+
+def layout_cast(x, layout, target: Target):
+  """``plgpu.layout_cast``; the identity in the interpreter, which has no register layouts (and no
+  lowering rule for the cast)."""
+  if target.interpret:
+    return x
+  return mosaic_gpu_module().layout_cast(x, layout)
+
+
+def smem_transforms(dtype, target: Target) -> tuple:
+  """(8, 128 bytes) tiles with the 128-byte swizzle: the shared-memory layout that a WGMMA-layout
+  register load / store or a wgmma operand reads without bank conflicts."""
+  plgpu = mosaic_gpu_module()
+  cols = 128 // jax.numpy.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+
+
+# jax 0.10's Mosaic GPU interpreter cannot read a transposed shared-memory operand in wgmma
+# (``TransposeTransform`` has no ``indices``); jax 0.11's can. Kernels take a plain-dot path there.
+INTERPRETER_TRANSPOSED_WGMMA = JAX_VERSION >= (0, 11)

@@ -14,7 +14,9 @@ from kernels import backend
 from kernels.grpo_loss import LossBlocks
 
 
-def lower_loss(platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04):
+def lower_loss(
+  platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04, impl="pallas"
+):
   b, t, v = shape.batch, shape.seq, shape.vocab
   specs = [
     jax.ShapeDtypeStruct((b, t, v), jnp.dtype(shape.dtype)),
@@ -34,7 +36,7 @@ def lower_loss(platform, shape, *, grad: bool, blocks=None, off_policy=True, bet
       old_logps=old if off_policy else None,
       ref_logps=ref,
       beta=beta,
-      impl="pallas",
+      impl=impl,
       blocks=blocks,
     )[0]
 
@@ -54,6 +56,16 @@ def test_lowers_real_kernel_at_production_shape(platform, shape_name, grad):
   assert text.count(marker) == (2 if grad else 1), (
     f"expected the {platform} kernel, not the interpreter"
   )
+
+
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_mosaic_gpu_loss_lowers_at_production_shape(shape_name, grad):
+  """The Mosaic GPU kernels (impl="mosaic_gpu") lower for sm_90: the WGMMA register layouts, the
+  swizzled TMA tiles and the pipelines are checked here, which the interpreter cannot do."""
+  text = lower_loss("gpu", LOSS_SHAPES[shape_name], grad=grad, impl="mosaic_gpu")
+  assert text.count(backend.MOSAIC_GPU_MARKER) == (2 if grad else 1)
+  assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text  # no Triton kernel on this path
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
@@ -103,11 +115,14 @@ def test_fused_linear_lowers_at_production_shape(platform, impl, grad_kernels, g
   assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == (grad_kernels if grad else 1)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize(
+  "platform,impl", [("tpu", "pallas"), ("gpu", "pallas"), ("gpu", "mosaic_gpu")]
+)
 @pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
-def test_paged_attention_lowers_at_production_shape(platform, shape_name):
+def test_paged_attention_lowers_at_production_shape(platform, impl, shape_name):
   """B = 64, Hq = 16, Hkv = 2, D = 128, ctx = 4096 (and a long-context batch) with the default blocks:
-  one kernel call; the GPU one with split-K (its log-sum-exp merge is plain XLA)."""
+  one kernel call; the GPU ones with split-K (its log-sum-exp merge is plain XLA). The Mosaic GPU
+  kernel's wgmma with a transposed K operand is checked only here and on a GPU (interpreter gap)."""
   s = PAGED_SHAPES[shape_name]
   dtype = jnp.dtype(s.dtype)
   pool = s.batch * s.pages_per_seq
@@ -119,6 +134,8 @@ def test_paged_attention_lowers_at_production_shape(platform, shape_name):
     jax.ShapeDtypeStruct((s.batch, s.pages_per_seq), jnp.int32),
   ]
   target = backend.make_target(platform, interpret=False)
-  fn = lambda *a: kernels.paged_attention(*a, impl="pallas", platform=platform, interpret=False)
-  text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
-  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == 1
+  fn = lambda *a: kernels.paged_attention(*a, impl=impl, platform=platform, interpret=False)
+  with backend.use_target(platform, interpret=False):  # jax 0.11 + GPU: the abstract H100
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
+  marker = backend.MOSAIC_GPU_MARKER if impl == "mosaic_gpu" else None
+  assert text.count(marker or backend.LOWERED_KERNEL_MARKERS[platform]) == 1

@@ -45,18 +45,19 @@ class Case:
     return f"{self.op}/{self.shape_name}/{self.mode}"
 
 
-SUITES = ("grpo_loss", "fused_linear", "paged_attention", "optim")
+SUITES = ("grpo_loss", "fused_linear", "paged_attention", "optim", "mosaic_gpu")
 
 
 def all_cases(size: str, platform: str, suites: tuple[str, ...] | None = None) -> list[Case]:
   """Every selected suite's cases at ``size`` for kernels targeting ``platform``."""
-  from bench.cases import fused_linear, grpo_loss, optim, paged_attention
+  from bench.cases import fused_linear, grpo_loss, mosaic_gpu, optim, paged_attention
 
   registry = {
     "grpo_loss": grpo_loss.cases,
     "fused_linear": fused_linear.cases,
     "paged_attention": paged_attention.cases,
     "optim": optim.cases,
+    "mosaic_gpu": mosaic_gpu.cases,  # the Mosaic GPU rows of grpo_loss and paged_attention
   }
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")

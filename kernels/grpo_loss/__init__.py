@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import backend, checks
+from kernels import autotune, backend, checks
+from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
 from kernels.grpo_loss.blocks import LossBlocks, default_blocks
 from kernels.grpo_loss.reference import (
@@ -31,7 +32,7 @@ __all__ = [
   "token_logps_and_entropy",
 ]
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
 
 
 def grpo_loss(
@@ -136,6 +137,7 @@ def grpo_loss(
     args.ref_logps,
   )
   target = backend.resolve(platform, interpret)
+  impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, dict(dtype=jnp.dtype(logits.dtype).name, tokens=logits.shape[0] * logits.shape[1], vocab=logits.shape[2]))  # fmt: skip
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
     return grpo_loss_reference(
       logits,
@@ -150,6 +152,8 @@ def grpo_loss(
       **args.options,
     )
 
+  if impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
+    return _mosaic_gpu.grpo_loss(logits, ids, mask, adv, old_logps=old_logps, ref_logps=ref_logps, target=target, blocks=blocks, loss_type=loss_type, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch, reuse_logits_buffer=reuse_logits_buffer, **args.options)  # fmt: skip
   b, t, v = logits.shape
   n = b * t
   blocks = default_blocks(target, n, v) if blocks is None else blocks

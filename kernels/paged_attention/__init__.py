@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import backend, checks
+from kernels import autotune, backend, checks
+from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
 from kernels.paged_attention.blocks import PagedBlocks, default_blocks
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
 from kernels.paged_attention.reference import (
@@ -26,7 +27,7 @@ __all__ = [
   "paged_attention_reference",
 ]
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
 GPU_MIN_GROUP = (
   16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
 )
@@ -79,10 +80,13 @@ def paged_attention(
     lengths, page_indices, k_pages.shape[1], page_size
   )
   target = backend.resolve(platform, interpret)
+  impl, blocks = autotune.resolve("paged_attention", impl, blocks, target, dict(dtype=jnp.dtype(k_pages.dtype).name, batch=b, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size, ctx=pages_per_seq * page_size))  # fmt: skip
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "pallas"
   if impl == "xla":
     out = paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, scale=scale)
+  elif impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
+    out = _mosaic_gpu.paged_attention(q, k_pages, v_pages, lengths, page_indices, scale=scale, target=target, blocks=blocks)  # fmt: skip
   else:
     blocks = blocks or default_blocks(target, b, hkv, pages_per_seq, page_size)
     blocks.check(target, page_size, d, jnp.dtype(k_pages.dtype).itemsize)

@@ -1,0 +1,37 @@
+"""Mosaic GPU rows (impl="mosaic_gpu") beside the Triton ones: the grpo_loss and paged_attention cases
+with the kernel swapped, same inputs, reference, bytes and parity checks, so the two GPU lowerings are
+compared row by row in one report. On a GPU at every size; on CPU only at ``tiny`` (the Mosaic GPU
+interpreter is a correctness tool: its timings say nothing); never on TPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+
+from bench.cases import Case
+from bench.cases import grpo_loss as loss_cases
+from bench.cases import paged_attention as paged_cases
+from kernels.paged_attention.mosaic_gpu import DTYPES as PAGED_DTYPES
+
+
+def cases(size: str, platform: str) -> list[Case]:
+  if platform == "tpu" or (platform == "cpu" and size != "tiny"):
+    return []
+  out = []
+  for case in loss_cases.cases(size, platform):
+    run = loss_cases._fwd if case.mode == "fwd" else loss_cases._fwd_bwd
+    kernel = functools.partial(run, "mosaic_gpu", platform)
+    out.append(dataclasses.replace(case, op="grpo_loss/mosaic_gpu", kernel=kernel))
+  for case in paged_cases.cases(size, platform):
+    if not case.op.endswith("/pallas") or case.params["head_dim"] % 64:
+      continue
+    if jnp.dtype(case.params["dtype"]).name not in PAGED_DTYPES:  # wgmma on f32 would be tf32
+      continue
+    kernel = functools.partial(paged_cases._ours, "mosaic_gpu", platform)
+    params = {**case.params, "impl": "mosaic_gpu"}
+    out.append(
+      dataclasses.replace(case, op="paged_attention/mosaic_gpu", kernel=kernel, params=params)
+    )
+  return out

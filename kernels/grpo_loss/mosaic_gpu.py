@@ -1,0 +1,338 @@
+"""Mosaic GPU kernels for the GRPO loss (``impl="mosaic_gpu"``): the Hopper path beside Triton.
+
+Same math as :mod:`kernels.grpo_loss.pallas` (online max / sum-exp / entropy over vocabulary tiles, then
+dlogits = g / T * (onehot(id) - softmax(z)) from the saved log-sum-exp), laid out for Hopper:
+
+* one CTA (one warpgroup) owns ``block_n`` (64) token rows and streams their logits through a
+  ``stages``-deep ring of shared-memory tiles filled by TMA bulk copies (``plgpu.emit_pipeline``: the
+  copy of tile j + stages - 1 is in flight while tile j is reduced), so HBM reads overlap the math;
+* tiles sit in shared memory with (8, 128-byte) tiling and the 128-byte swizzle, and are read into the
+  WGMMA register layout, whose row reductions (max / sum over the vocab axis) are warpgroup-wide;
+* the backward writes dlogits through its own ring of shared-memory tiles with TMA stores
+  (``copy_smem_to_gmem``), waiting only until the store that last used a slot has *read* it.
+
+The per-token loss terms (ratio, clip, KL, their derivatives) are [N]-sized elementwise XLA ops on the
+kernel's (lse, logp, entropy): all [N, V] traffic is in the two kernels. Shapes that are not multiples
+of the tile (N % block_n, V % block_v) are padded by a copy in the wrapper — production shapes
+(N = 8192, V = 151936 = 1187 * 128) need none; the padded columns are masked in-kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels import backend
+from kernels.backend import Target
+from kernels.grpo_loss.pallas import _NEG_BIG, token_terms
+from kernels.grpo_loss.reference import make_aux, reduce_loss
+
+SMEM_BUDGET = 200 * 1024  # bytes of the H100's 227 KiB of shared memory the rings may use
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLossBlocks:
+  """Tiles of the Mosaic GPU kernels.
+
+  block_n: token rows per CTA, a multiple of 64 (the WGMMA register layout's row tile).
+  block_v: vocabulary columns per shared-memory tile; block_v * itemsize a multiple of 128 bytes (the
+    swizzle width).
+  stages: depth of the TMA ring (tiles in flight); the backward has one input and one output ring.
+  """
+
+  block_n: int = 64
+  block_v: int = 128
+  stages: int = 4
+
+  def __post_init__(self):
+    for name in ("block_n", "block_v", "stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MosaicLossBlocks.{name} must be a positive int, got {value!r}")
+
+  def check(self, dtype) -> None:
+    itemsize = jnp.dtype(dtype).itemsize
+    if self.block_n % 64:
+      raise ValueError(f"MosaicLossBlocks.block_n must be a multiple of 64, got {self.block_n}")
+    if (self.block_v * itemsize) % 128:
+      raise ValueError(
+        f"MosaicLossBlocks.block_v * itemsize must be a multiple of 128 bytes (the swizzle), got "
+        f"block_v={self.block_v} for {jnp.dtype(dtype).name}"
+      )
+    ring = 2 * self.stages * self.block_n * self.block_v * itemsize  # backward: in + out rings
+    if ring > SMEM_BUDGET:
+      raise ValueError(
+        f"MosaicLossBlocks use {ring} bytes of shared memory (2 rings of {self.stages} x "
+        f"{self.block_n} x {self.block_v}); at most {SMEM_BUDGET}"
+      )
+
+
+def default_blocks(dtype) -> MosaicLossBlocks:
+  """64 rows x 128 columns, as many stages as fit in half the budget (4 for bf16, 3 for f32).
+
+  Not tuned on hardware (none was available); the autotuner's cache overrides it per device.
+  """
+  tile = 64 * 128 * jnp.dtype(dtype).itemsize
+  return MosaicLossBlocks(64, 128, max(2, min(4, SMEM_BUDGET // (2 * tile))))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLossConfig:
+  target: Target
+  blocks: MosaicLossBlocks
+  vocab: int  # the real vocabulary; columns at or past it are padding
+  on_policy: bool
+  beta: float
+  epsilon_low: float
+  epsilon_high: float
+  temperature: float
+  max_log_ratio: float | None  # read by the shared token_terms
+
+
+# -------------------------------------------------------------------------------------------- kernels
+def _fwd_kernel(x_gmem, ids_gmem, lse_gmem, logp_gmem, ent_gmem, ids_s, out_s, bar, *, cfg):
+  plgpu = backend.mosaic_gpu_module()
+  wg = plgpu.Layout.WGMMA
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
+  rows = pl.ds(lax.axis_index("rows") * bn, bn)
+  plgpu.copy_gmem_to_smem(ids_gmem.at[rows], ids_s, bar)
+  plgpu.barrier_wait(bar)
+  ids = cast(ids_s[...], wg.reduce(1))  # [bn]
+  bcast = lambda a: lax.broadcast_in_dim(a, (bn, bv), [0])
+
+  def step(idx, x_smem, carry):
+    m, l, s, chosen, found = carry  # [bn] each
+    col = idx[0] * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
+    valid = col < cfg.vocab
+    z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
+    z = jnp.where(valid, z, -jnp.inf)
+    m_new = jnp.maximum(m, z.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(z - bcast(m_new))
+    zc = jnp.where(valid, z - bcast(m_new), 0.0)
+    # 0 * log 0 = 0 (a -inf logit from a vocabulary mask), as in the Pallas kernels' online update
+    pz = jnp.where(p == 0, 0.0, p * zc)
+    s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum(axis=1)
+    l = alpha * l + p.sum(axis=1)
+    hit = (col == bcast(ids)) & valid  # a padded column never matches an out-of-range id
+    chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
+    found = found + hit.astype(jnp.float32).sum(axis=1)
+    return m_new, l, s, chosen, found
+
+  row_vec = lambda value: cast(jnp.full((bn,), value, jnp.float32), wg.reduce(1))
+  init = (row_vec(_NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0), row_vec(0.0))
+  spec = plgpu.BlockSpec(
+    (bn, bv), lambda j: (0, j), transforms=backend.smem_transforms(x_gmem.dtype, cfg.target)
+  )
+  m, l, s, chosen, found = plgpu.emit_pipeline(
+    step,
+    grid=(x_gmem.shape[1] // bv,),
+    in_specs=[spec],
+    max_concurrent_steps=cfg.blocks.stages,
+    init_carry=init,
+  )(x_gmem.at[rows])
+  lse = m + jnp.log(l)
+  outs = (lse, jnp.where(found > 0, chosen - lse, jnp.nan), jnp.log(l) - s / l)
+  for k, (val, dst) in enumerate(zip(outs, (lse_gmem, logp_gmem, ent_gmem))):
+    out_s.at[k][...] = val
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s.at[k], dst.at[rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _bwd_kernel(x_gmem, ids_gmem, lse_gmem, g_gmem, dx_gmem, row_s, out_s, bar, *, cfg):
+  plgpu = backend.mosaic_gpu_module()
+  wg = plgpu.Layout.WGMMA
+  bn, bv, stages = cfg.blocks.block_n, cfg.blocks.block_v, cfg.blocks.stages
+  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
+  rows = pl.ds(lax.axis_index("rows") * bn, bn)
+  ids_s, lse_s, g_s = row_s
+  for src, dst in ((ids_gmem, ids_s), (lse_gmem, lse_s), (g_gmem, g_s)):
+    plgpu.copy_gmem_to_smem(src.at[rows], dst, bar)
+  plgpu.barrier_wait(bar)
+  bcast = lambda a: lax.broadcast_in_dim(cast(a, wg.reduce(1)), (bn, bv), [0])
+  ids, lse, g = bcast(ids_s[...]), bcast(lse_s[...]), bcast(g_s[...])
+
+  def step(idx, x_smem):
+    j = idx[0]
+    col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
+    z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
+    d = g * ((col == ids).astype(jnp.float32) - jnp.exp(z - lse))
+    slot = lax.rem(j, jnp.int32(stages))
+    # The TMA store that last used this slot (step j - stages) must have read it: <= stages - 1 pending.
+    plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+    out_s.at[slot][...] = d.astype(out_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s.at[slot], dx_gmem.at[rows, pl.ds(j * bv, bv)])
+
+  spec = plgpu.BlockSpec(
+    (bn, bv), lambda j: (0, j), transforms=backend.smem_transforms(x_gmem.dtype, cfg.target)
+  )
+  plgpu.emit_pipeline(
+    step, grid=(x_gmem.shape[1] // bv,), in_specs=[spec], max_concurrent_steps=stages
+  )(x_gmem.at[rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _fwd_call(cfg: MosaicLossConfig, x, ids):
+  """x [Np, Vp] (tile multiples), ids [Np] int32 -> (lse, logp, entropy), each [Np] f32."""
+  plgpu = backend.mosaic_gpu_module()
+  n = x.shape[0]
+  bn = cfg.blocks.block_n
+  vec = jax.ShapeDtypeStruct((n,), jnp.float32)
+  return backend.mosaic_gpu_kernel(
+    functools.partial(_fwd_kernel, cfg=cfg),
+    target=cfg.target,
+    out_type=(vec, vec, vec),
+    scratch_types=(
+      plgpu.SMEM((bn,), jnp.int32),
+      plgpu.SMEM((3, bn), jnp.float32),
+      plgpu.Barrier(num_arrivals=1),
+    ),
+    grid=(n // bn,),
+    grid_names=("rows",),
+  )(x, ids)
+
+
+def _bwd_call(cfg: MosaicLossConfig, x, ids, lse, g):
+  """dlogits [Np, Vp] in x's dtype; g [Np] f32 already includes 1 / temperature."""
+  plgpu = backend.mosaic_gpu_module()
+  n = x.shape[0]
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  return backend.mosaic_gpu_kernel(
+    functools.partial(_bwd_kernel, cfg=cfg),
+    target=cfg.target,
+    out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=(
+      (
+        plgpu.SMEM((bn,), jnp.int32),
+        plgpu.SMEM((bn,), jnp.float32),
+        plgpu.SMEM((bn,), jnp.float32),
+      ),
+      plgpu.SMEM(
+        (cfg.blocks.stages, bn, bv),
+        x.dtype,
+        transforms=backend.smem_transforms(x.dtype, cfg.target),
+      ),
+      plgpu.Barrier(num_arrivals=3),
+    ),
+    grid=(n // bn,),
+    grid_names=("rows",),
+  )(x, ids, lse, g)
+
+
+# ------------------------------------------------------------------------------ differentiable op
+def _pad_to(x, n, v):
+  pad = ((0, n - x.shape[0]),) + (((0, v - x.shape[1]),) if x.ndim == 2 else ())
+  return x if all(p == (0, 0) for p in pad) else jnp.pad(x, pad)
+
+
+def _padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  return -(-n // bn) * bn, -(-v // bv) * bv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def per_token_terms(cfg: MosaicLossConfig, logits, ids, old, ref, adv):
+  """(per_token_loss, kl, logp, entropy, is_clipped) for flat tokens, as :func:`pallas.per_token_terms`.
+
+  logits: [N, V] bf16/f32; ids: [N] int32; old, ref, adv: [N] f32 (placeholders when unused).
+  """
+  return _vjp_fwd(cfg, logits, ids, old, ref, adv)[0]
+
+
+def _vjp_fwd(cfg, logits, ids, old, ref, adv):
+  n, v = logits.shape
+  np_, vp = _padded_shape(cfg, n, v)
+  lse, logp, entropy = (
+    a[:n] for a in _fwd_call(cfg, _pad_to(logits, np_, vp), _pad_to(ids, np_, vp))
+  )
+  pt, kl, clipped, dpt, dkl = token_terms(logp, old, ref, adv, cfg)
+  return (pt, kl, logp, entropy, clipped), (logits, ids, lse, dpt, dkl)
+
+
+def _vjp_bwd(cfg, res, cts):
+  logits, ids, lse, dpt, dkl = res
+  ct_pt, ct_kl, ct_logp, _, _ = cts  # entropy and is_clipped carry no gradient
+  g = (ct_pt * dpt + ct_kl * dkl + ct_logp) * (1.0 / cfg.temperature)
+  n, v = logits.shape
+  np_, vp = _padded_shape(cfg, n, v)
+  pad = lambda a: _pad_to(a, np_, vp)
+  dlogits = _bwd_call(cfg, pad(logits), pad(ids), pad(lse), pad(g))
+  return dlogits[:n, :v], None, None, None, None
+
+
+per_token_terms.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def grpo_loss(
+  logits,  # [B, T, V] bf16/f32
+  ids,  # [B, T] int32, 0 at masked positions
+  mask,  # [B, T] bool
+  advantages,  # [B] f32
+  *,
+  old_logps,  # [B, T] f32 or None
+  ref_logps,  # [B, T] f32 or None
+  target: Target,
+  blocks: MosaicLossBlocks | None,
+  loss_type: str,
+  max_completion_length,
+  num_items_in_batch,
+  reuse_logits_buffer: bool,
+  beta: float,
+  epsilon_low: float,
+  epsilon_high: float,
+  temperature: float,
+  max_log_ratio: float | None,
+):
+  """The body of ``kernels.grpo_loss(..., impl="mosaic_gpu")`` after its validation."""
+  backend.check_mosaic_gpu_target(target)
+  if reuse_logits_buffer:
+    raise ValueError(
+      "reuse_logits_buffer is not supported by impl='mosaic_gpu' (plgpu.kernel has no output "
+      "aliasing); use impl='pallas' for in-place dlogits"
+    )
+  if blocks is None:
+    blocks = default_blocks(logits.dtype)
+  if not isinstance(blocks, MosaicLossBlocks):
+    raise TypeError(f"blocks for impl='mosaic_gpu' must be MosaicLossBlocks, got {type(blocks)}")
+  blocks.check(logits.dtype)
+  b, t, v = logits.shape
+  n = b * t
+  cfg = MosaicLossConfig(
+    target=target,
+    blocks=blocks,
+    vocab=v,
+    on_policy=old_logps is None,
+    beta=beta,
+    epsilon_low=epsilon_low,
+    epsilon_high=epsilon_high,
+    temperature=temperature,
+    max_log_ratio=max_log_ratio,
+  )
+  flat = lambda a: lax.stop_gradient(jnp.asarray(a, jnp.float32)).reshape(n)
+  zeros = jnp.zeros((n,), jnp.float32)
+  adv = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], (b, t))
+  per_token, kl, logp, entropy, clipped = per_token_terms(
+    cfg,
+    logits.reshape(n, v),
+    ids.reshape(n),
+    zeros if old_logps is None else flat(old_logps),
+    zeros if ref_logps is None else flat(ref_logps),
+    flat(adv),
+  )
+  shaped = lambda a: a.reshape(b, t)
+  loss = reduce_loss(
+    shaped(per_token),
+    mask,
+    loss_type=loss_type,
+    max_completion_length=max_completion_length,
+    num_items_in_batch=num_items_in_batch,
+  )
+  return loss, make_aux(mask, shaped(logp), shaped(entropy), shaped(clipped) > 0, shaped(kl))

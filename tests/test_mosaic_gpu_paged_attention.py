@@ -1,0 +1,160 @@
+"""Parity of the Mosaic GPU paged decode attention (impl="mosaic_gpu") against the reference, run on CPU
+through the Mosaic GPU interpreter (TMA page gathers, per-page barriers, the K/V ring, wgmma), and on a
+GPU when there is one.
+
+Untested by the interpreter, so covered by the AOT lowering (tests/test_lowering.py) and the
+`gpu`-marked test below: register layouts (``layout_cast`` is the identity there), the swizzled TMA
+tiles, and, under jax 0.10 only, the scores wgmma with its transposed K operand (the 0.10 interpreter
+cannot read a transposed operand, so the kernel takes a plain dot there; jax 0.11 runs the wgmma).
+"""
+
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+import kernels
+from bench.shapes import PAGED_SHAPES
+from bench.tolerances import assert_close
+from kernels import backend
+from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks, default_blocks
+from tests.test_paged_attention import _draw
+
+
+def _check(args, blocks=None, dtype=jnp.bfloat16, platform="cpu", interpret=True):
+  ref = kernels.paged_attention(*args, impl="xla")
+  out = kernels.paged_attention(
+    *args, impl="mosaic_gpu", platform=platform, interpret=interpret, blocks=blocks
+  )
+  assert out.shape == ref.shape and out.dtype == ref.dtype
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert_close(out, ref, "attention", dtype, args[4].shape[1] * args[1].shape[2], f"{blocks}")
+  return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_parity_idle_single_and_full_slots(dtype):
+  """Hq = 16 over Hkv = 2 (G = 8 of the 64 wgmma rows), lengths 0 / 1 / full, 2 splits x 2 blocks."""
+  rng = np.random.default_rng(1)
+  args = _draw(rng, 3, 16, 2, 64, 16, 8, [0, 1, 128], dtype)
+  out = _check(args, MosaicPagedBlocks(4, 2, 2), dtype)
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0 -> zeros
+
+
+@given(
+  data=st.data(),
+  b=st.integers(1, 3),
+  hkv=st.sampled_from([1, 2]),
+  group=st.sampled_from([1, 3, 8]),
+  d=st.sampled_from([64, 128]),
+  page_size=st.sampled_from([8, 16, 32, 64]),
+  tile=st.sampled_from([64, 128]),
+  pps=st.integers(1, 9),
+  splits=st.integers(1, 3),
+  stages=st.integers(1, 3),
+  dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_parity_hypothesis(
+  data, b, hkv, group, d, page_size, tile, pps, splits, stages, dtype, seed
+):
+  """Ragged lengths (0 to capacity), page tables not a multiple of the block (padded with page 0),
+  more stages than blocks, splits that see no token."""
+  cap = pps * page_size
+  lengths = data.draw(st.lists(st.integers(0, cap), min_size=b, max_size=b), label="lengths")
+  args = _draw(np.random.default_rng(seed), b, group * hkv, hkv, d, page_size, pps, lengths, dtype)
+  blocks = MosaicPagedBlocks(max(tile // page_size, 1), splits, stages)
+  while blocks.stages > 1 and not _fits(
+    blocks, page_size, d, dtype
+  ):  # the smem budget, tested below
+    blocks = MosaicPagedBlocks(blocks.pages_per_block, splits, blocks.stages - 1)
+  _check(args, blocks, dtype)
+
+
+def _fits(blocks, page_size, d, dtype) -> bool:
+  try:
+    blocks.check(page_size, d, dtype)
+  except ValueError:
+    return False
+  return True
+
+
+def test_default_blocks_at_tiny_and_production_shapes():
+  s = PAGED_SHAPES["tiny"]
+  args = _draw(
+    np.random.default_rng(2),
+    s.batch,
+    s.q_heads,
+    s.kv_heads,
+    64,
+    16,
+    s.pages_per_seq,
+    [7, 33, 17],
+    jnp.bfloat16,
+  )
+  _check(args)
+  prod = PAGED_SHAPES["decode-4k"]
+  dims = (prod.batch, prod.kv_heads, prod.pages_per_seq, prod.page_size, prod.head_dim)
+  blocks = default_blocks(*dims, jnp.bfloat16)
+  blocks.check(prod.page_size, prod.head_dim, jnp.bfloat16)
+  assert blocks.pages_per_block * prod.page_size == 128 and blocks.stages >= 2
+  assert prod.batch * prod.kv_heads * blocks.num_splits >= 256
+
+
+def test_recycled_pages_with_huge_stale_values_never_leak():
+  """Tokens past a sequence's length may hold anything a recycled page left there; huge stale keys
+  (scores ~1e6) must be masked before the running max, or they would swamp the softmax of the real
+  tokens (and overflow exp)."""
+  rng = np.random.default_rng(5)
+  q, k, v, lengths, pages = _draw(rng, 2, 4, 1, 64, 16, 8, [20, 64], jnp.bfloat16)
+  table = np.asarray(pages).copy()
+  stale = table[0, 1]  # seq 0 reads tokens 0-19: page 1 holds 4 real tokens, then stale ones
+  k = k.at[:, stale, 4:].set(1000.0)
+  v = v.at[:, stale, 4:].set(1000.0)
+  table[0, 2:] = table[1, 4:] = stale  # every page past the lengths is the stale one
+  args = (q, k, v, lengths, jnp.asarray(table))
+  out = _check(args, MosaicPagedBlocks(4, 2, 2))
+  assert np.abs(np.asarray(out, np.float32)).max() < 10.0  # |v| of the real tokens is O(1)
+
+
+@pytest.mark.parametrize(
+  "kw,error,match",
+  [
+    (dict(blocks=MosaicPagedBlocks(2, 1)), ValueError, "multiple of 64"),
+    (dict(blocks=MosaicPagedBlocks(32, 1)), ValueError, "<= 256"),
+    (dict(blocks=MosaicPagedBlocks(4, 1, 16)), ValueError, "shared memory"),
+    (dict(blocks=kernels.PagedBlocks(4, 1)), TypeError, "MosaicPagedBlocks"),
+    (dict(platform="tpu", interpret=False), ValueError, "GPU kernel"),
+  ],
+)
+def test_bad_settings_raise_before_lowering(kw, error, match):
+  args = _draw(np.random.default_rng(0), 1, 2, 1, 64, 16, 4, [9], jnp.bfloat16)
+  with pytest.raises(error, match=match):
+    kernels.paged_attention(*args, impl="mosaic_gpu", **dict(dict(platform="cpu"), **kw))
+
+
+@pytest.mark.parametrize(
+  "dtype,d,page_size,match",
+  [
+    (jnp.float32, 64, 16, "tf32"),
+    (jnp.bfloat16, 32, 16, "head_dim"),
+    (jnp.bfloat16, 64, 4, "page_size"),
+  ],
+)
+def test_unsupported_problems_raise(dtype, d, page_size, match):
+  args = _draw(np.random.default_rng(0), 1, 2, 1, d, page_size, 16, [9], dtype)
+  with pytest.raises(ValueError, match=match):
+    kernels.paged_attention(*args, impl="mosaic_gpu", platform="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend.host_platform() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
+def test_parity_on_gpu_production_shape(shape_name):
+  """On hardware: the scores wgmma with a transposed K tile, register layouts, swizzled TMA gathers."""
+  from bench.cases.paged_attention import make_inputs
+
+  s = PAGED_SHAPES[shape_name]
+  args = make_inputs(s, seed=0)
+  _check(args, dtype=jnp.dtype(s.dtype), platform="gpu", interpret=False)
