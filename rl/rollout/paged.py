@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ class PagedEngine(RolloutEngine):
   def __init__(self, model, config, tokenizer=None, eos_ids=None):
     super().__init__(model, config, tokenizer, eos_ids)
     self._spare_cache: PagedKVCache | None = self._new_cache()
+    self._spare_lock = threading.Lock()  # check-out / return of the spare cache across threads
 
   def _new_cache(self) -> PagedKVCache:
     cfg, ecfg = self.model.cfg, self.config
@@ -59,10 +61,12 @@ class PagedEngine(RolloutEngine):
       self.config.check_group(len(g), len(g[0].prompt), what=f"prompt {g[0].prompt_index}")
     # Take the spare cache (its buffers are donated step by step); a concurrent call finds none and
     # makes its own. An interrupted call's cache is dropped, never left half-donated on the engine.
-    cache, self._spare_cache = self._spare_cache, None
+    with self._spare_lock:
+      cache, self._spare_cache = self._spare_cache, None
     gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
     gen.run()
-    self._spare_cache = gen.cache
+    with self._spare_lock:
+      self._spare_cache = gen.cache
     return self._result(groups, gen.stats, t0)
 
 
