@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench import trace
 from bench.tolerances import parity_error
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
@@ -180,7 +181,11 @@ def bench_engine(model, size_name: str, backend: str):
 
 
 def run(
-  size_name: str, repeats: int = 3, backends=BACKENDS, warmup: int = 2
+  size_name: str,
+  repeats: int = 3,
+  backends=BACKENDS,
+  warmup: int = 2,
+  profile: pathlib.Path | None = None,
 ) -> tuple[list[RolloutBenchRow], dict]:
   """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}}).
 
@@ -188,6 +193,8 @@ def run(
   engine meets new batch shapes as requests finish; sglang-jax compiles them lazily on CPU). sglang_jax
   runs last whatever its place in the table: 0.1.0rc0's in-process scheduler thread keeps polling after
   `close()` until the process exits, and would slow every engine timed after it.
+  `profile`: after the timed runs, one more generate per backend and workload is traced into
+  `profile/<backend>-<workload>/` (read it with `python -m bench.trace`); the timings are untouched.
   """
   size = SIZES[size_name]
   model = bench_model(size_name)
@@ -219,6 +226,12 @@ def run(
           diff,
           err <= 1.0,
         )
+        if profile is not None:
+          with (
+            trace.capture(str(profile / f"{name}-{kind}")),
+            jax.profiler.TraceAnnotation(f"bench/rollout/{kind}/{name}"),
+          ):
+            engine.generate(prompts, params)
         outs[kind][name] = engine.generate(
           prompts, [dataclasses.replace(p, temperature=0.0) for p in params]
         )
@@ -278,9 +291,18 @@ def main(argv=None) -> int:
   p.add_argument(
     "--out", type=pathlib.Path, default=None, help="write results.json and summary.md here"
   )
+  p.add_argument(
+    "--profile",
+    type=pathlib.Path,
+    default=None,
+    help="trace one extra generate per backend and workload into PROFILE/<backend>-<workload>/ "
+    "(after the timed runs; summarise with python -m bench.trace)",
+  )
   a = p.parse_args(argv)
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  rows, extra = run(size, a.repeats, tuple(a.backend) if a.backend else BACKENDS, a.warmup)
+  rows, extra = run(
+    size, a.repeats, tuple(a.backend) if a.backend else BACKENDS, a.warmup, a.profile
+  )
   table = markdown(rows, extra)
   print(
     f"rollout bench, size {size!r} on {jax.devices()[0].device_kind} (jax {jax.__version__})\n{table}"

@@ -253,6 +253,7 @@ class GRPOConfig:
         f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="
         f"{self.rollout.max_slots}: a group is decoded together"
       )
+    self.rollout.check_group(self.sampling.group_size, what="sampling.group_size")
     if self.sampling.max_new_tokens >= self.rollout.max_seq_len:
       raise ValueError(
         f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no room for a prompt "

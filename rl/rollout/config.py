@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+from kernels.paged_attention import IMPLS as ATTN_IMPLS
+from rl.rollout.paged_cache import group_pages
+
 BACKENDS = ("paged", "dense", "sglang_jax")
 
 
@@ -21,7 +26,8 @@ class EngineConfig:
     pool is allowed: sequences then wait for pages, or the newest is preempted and later recomputed.
   steps_per_sync: decode steps per device call between host scheduling (finished slots are refilled at
     these boundaries; a slot that stops mid-chunk idles for the rest of it).
-  attn_impl: kernels.paged_attention impl for decode ("auto": Pallas on TPU/GPU, XLA on CPU).
+  attn_impl: kernels.paged_attention impl for decode, one of its IMPLS ("auto": Pallas on TPU/GPU, XLA
+    on CPU).
   cache_dtype: None = the model's compute dtype.
   sglang_mem_fraction: sglang_jax only: the fraction of device memory its weights + KV pool may take
     (None: sglang-jax's default). Its KV pool holds max_slots * max_seq_len tokens, its context
@@ -44,6 +50,17 @@ class EngineConfig:
     for name in ("max_seq_len", "max_slots", "page_size", "steps_per_sync"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.attn_impl not in ATTN_IMPLS:
+      raise ValueError(
+        f"EngineConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}"
+      )
+    if self.cache_dtype is not None:
+      try:
+        jnp.dtype(self.cache_dtype)
+      except TypeError as e:
+        raise ValueError(
+          f"EngineConfig.cache_dtype must be None or a dtype name, got {self.cache_dtype!r}"
+        ) from e
     if self.sglang_mem_fraction is not None and not 0.0 < self.sglang_mem_fraction <= 1.0:
       raise ValueError(
         f"EngineConfig.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}"
@@ -53,6 +70,31 @@ class EngineConfig:
         f"num_pages={self.num_pages} cannot hold one sequence of max_seq_len="
         f"{self.max_seq_len} ({self.pages_per_seq} pages of {self.page_size} + the reserved "
         "page 0)"
+      )
+
+  def check_group(
+    self, group_size: int, prompt_len: int | None = None, what: str = "a group"
+  ) -> None:
+    """ValueError unless a group of `group_size` samples of a `prompt_len`-token prompt can ever run
+    (None: the longest prompt the engine accepts, max_seq_len - 1, so a config that passes never fails
+    mid-run). Paged: a group is decoded together and admitted whole, so it needs `group_size` slots and
+    `rollout.paged_cache.group_pages` pages of the pool at once; dense batches rows, sglang_jax
+    schedules its own."""
+    if self.backend != "paged":
+      return
+    plen = self.max_seq_len - 1 if prompt_len is None else prompt_len
+    if group_size > self.max_slots:
+      raise ValueError(
+        f"{what} of {group_size} samples needs {group_size} decode slots, more than "
+        f"max_slots={self.max_slots}: a group is decoded together"
+      )
+    need, usable = group_pages(plen, group_size, self.page_size), self.pool_pages - 1
+    if need > usable:
+      raise ValueError(
+        f"{what} of {group_size} samples of a {plen}-token prompt needs {need} pages of "
+        f"{self.page_size} tokens at once (the shared prompt + a last-page copy per sample), more "
+        f"than the pool's {usable} (num_pages={self.pool_pages} with page 0 reserved): it could "
+        f"never run; raise num_pages to >= {need + 1} or use fewer samples"
       )
 
   @property

@@ -87,6 +87,9 @@ class RolloutEngine:
     """Validate and expand requests into their groups of samples."""
     if isinstance(params, SamplingParams):
       params = [params] * len(prompts)
+    bad = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+    if bad:
+      raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {bad[:3]}")
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
     vocab, limit = self.model.cfg.vocab_size, self.config.max_seq_len

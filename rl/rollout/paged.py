@@ -2,16 +2,24 @@
 
 Each scheduling round: (1) admit work into free slots — preempted sequences first, then new requests,
 a request's whole group at once — and prefill it in one batched call (a group's samples share the
-prompt's full pages and copy only its partial last page); (2) give every running sequence the pages
-its next `steps_per_sync` tokens need, preempting the newest sequences when the pool runs dry (they
-are recomputed later from their tokens: nothing is lost or cut); (3) run one decode chunk; (4) retire
-finished sequences, freeing their slots and pages for the next round.
+prompt's full pages and copy only its partial last page); sequences that finish on their first token
+(max_new_tokens=1, a first-token EOS, a prompt one token short of max_seq_len) retire right there and
+the round admits again; (2) give every running sequence the pages its next `steps_per_sync` tokens
+need, preempting the newest sequences when the pool runs dry (they are recomputed later from their
+tokens: nothing is lost or cut); (3) run one decode chunk; (4) retire finished sequences, freeing their
+slots and pages for the next round.
+
+One `generate` call's scheduler state (slots, queues, page pool, device cache) lives in a `_Generation`
+of its own; the engine keeps only its configuration and a spare KV cache between calls, so a call never
+touches an earlier call's result, and a call that starts while another holds the cache gets its own.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Sequence
 
@@ -26,22 +34,22 @@ from rl.rollout.paged_cache import NULL_PAGE, PagedKVCache, PagePool
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 class PagedEngine(RolloutEngine):
   def __init__(self, model, config, tokenizer=None, eos_ids=None):
     super().__init__(model, config, tokenizer, eos_ids)
-    cfg = model.cfg
-    self._cache = PagedKVCache.create(
+    self._spare_cache: PagedKVCache | None = self._new_cache()
+    self._spare_lock = threading.Lock()  # check-out / return of the spare cache across threads
+
+  def _new_cache(self) -> PagedKVCache:
+    cfg, ecfg = self.model.cfg, self.config
+    return PagedKVCache.create(
       cfg.num_layers,
-      config.pool_pages,
-      config.page_size,
+      ecfg.pool_pages,
+      ecfg.page_size,
       cfg.num_kv_heads,
       cfg.dim_per_head,
       self.cache_dtype,
-      config.attn_impl,
+      ecfg.attn_impl,
     )
 
   def generate(
@@ -49,172 +57,196 @@ class PagedEngine(RolloutEngine):
   ) -> RolloutResult:
     t0 = time.perf_counter()
     groups = self._requests(prompts, params)
-    too_big = [g[0].prompt_index for g in groups if len(g) > self.config.max_slots]
-    if too_big:
-      raise ValueError(
-        f"prompt(s) {too_big[:5]} ask for more samples than max_slots="
-        f"{self.config.max_slots}: a group is decoded together"
-      )
-    self._graph = nnx.split(self.model)  # the live parameters, by reference
-    self._pool = PagePool(self.config.pool_pages)
-    self._slots: list[Seq | None] = [None] * self.config.max_slots
-    self._waiting = collections.deque(groups)
-    self._resume: collections.deque[Seq] = collections.deque()
-    self._order = 0
-    stats = RolloutStats()
-    while self._waiting or self._resume or any(self._slots):
-      self._admit(stats)
-      if not any(self._slots):
-        raise RuntimeError(
-          "no sequence could be admitted: the page pool is smaller than one request needs "
-          f"({self._pool.free} pages free); raise rollout num_pages"
+    for g in groups:  # before any compile: a group the pool can never hold would stall the run
+      self.config.check_group(len(g), len(g[0].prompt), what=f"prompt {g[0].prompt_index}")
+    # Take the spare cache (its buffers are donated step by step); a concurrent call finds none and
+    # makes its own. An interrupted call's cache is dropped, never left half-donated on the engine.
+    with self._spare_lock:
+      cache, self._spare_cache = self._spare_cache, None
+    gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
+    gen.run()
+    with self._spare_lock:
+      self._spare_cache = gen.cache
+    return self._result(groups, gen.stats, t0)
+
+
+@dataclasses.dataclass
+class _Admission:
+  """One round's admitted work, prefilled together."""
+
+  rows: list[tuple[Seq, list[int]]] = dataclasses.field(default_factory=list)  # (seq, its tokens)
+  copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) pages
+  fresh: list[Seq] = dataclasses.field(default_factory=list)  # new samples: draw a first token
+  fresh_rows: list[int] = dataclasses.field(default_factory=list)  # the prefill row of their prompt
+
+
+class _Generation:
+  """The scheduler state of one `generate` call."""
+
+  def __init__(self, engine: PagedEngine, groups: list[list[Seq]], cache: PagedKVCache):
+    self.engine, self.config = engine, engine.config
+    self.graph = nnx.split(engine.model)  # the live parameters, by reference
+    self.cache = cache
+    self.pool = PagePool(self.config.pool_pages, self.config.page_size)
+    self.slots: list[Seq | None] = [None] * self.config.max_slots
+    self.waiting = collections.deque(groups)
+    self.resume: collections.deque[Seq] = collections.deque()
+    self.admissions = 0  # admission counter: preemption picks the newest
+    self.stats = RolloutStats()
+
+  @property
+  def running(self) -> list[Seq]:
+    return [s for s in self.slots if s is not None]
+
+  def run(self) -> None:
+    while self.waiting or self.resume or self.running:
+      admitted = self.admit()
+      if not self.running:
+        if admitted:  # all of it finished at prefill: admit the next work
+          continue
+        raise RuntimeError(  # unreachable: generate checks every group against the pool
+          f"nothing could be admitted into an idle engine ({self.pool.free} of "
+          f"{self.pool.usable} pages free)"
         )
-      self._reserve(stats)
-      self._decode(stats)
-    return self._result(groups, stats, t0)
+      self.reserve()
+      self.decode()
 
   # ----------------------------------------------------------------------------------- admission
-  def _admit(self, stats: RolloutStats) -> None:
-    ps, k = self.config.page_size, self.config.steps_per_sync
-    free_slots = [i for i, s in enumerate(self._slots) if s is None]
-    running = len(self._slots) - len(free_slots)
-    rows: list[
-      tuple[Seq, list[int]]
-    ] = []  # (sequence whose pages receive the tokens, tokens to cache)
-    copies: list[tuple[int, int]] = []
-    new_groups: list[list[Seq]] = []
+  def room(self, need: int, running: int, joining: int) -> bool:
+    """Whether `need` pages can be taken now while keeping a chunk's pages free for the
+    `running + joining` sequences that would then run, so admission does not force an immediate
+    preemption; nothing is kept back when nothing runs (the first work must always get in)."""
+    chunk = self.pool.pages_for(self.config.steps_per_sync)
+    keep = 0 if running == 0 else (running + joining) * chunk
+    return self.pool.free >= need + keep
 
-    def headroom(seqs: int) -> int:
-      """Pages kept free for the running sequences' next chunk, so admission does not force an
-      immediate preemption; none when the engine is idle (the first work must always get in)."""
-      return 0 if running == 0 and not rows else seqs * _cdiv(k, ps)
-
-    while self._resume and free_slots:
-      seq = self._resume[0]
-      need = _cdiv(seq.cached, ps)
-      if self._pool.free < need + headroom(running + 1):
+  def admit(self) -> int:
+    """Fill free slots (preempted sequences first, then whole groups) and prefill them; returns the
+    number of sequences admitted."""
+    free_slots = [i for i, s in enumerate(self.slots) if s is None]
+    running = before = len(self.slots) - len(free_slots)
+    batch = _Admission()
+    while self.resume and free_slots:
+      seq = self.resume[0]
+      need = self.pool.pages_for(seq.cached)
+      if not self.room(need, running, 1):
         break
-      self._resume.popleft()
-      seq.pages = self._pool.alloc(need)
-      self._place(seq, free_slots.pop(0))
-      rows.append((seq, seq.prompt + seq.gen[:-1]))
+      self.resume.popleft()
+      seq.pages = self.pool.alloc(need)
+      self.place(seq, free_slots.pop(0))
+      batch.rows.append((seq, seq.prompt + seq.gen[:-1]))
       running += 1
-    while self._waiting and not self._resume and len(free_slots) >= len(self._waiting[0]):
-      group = self._waiting[0]
-      plen = len(group[0].prompt)
-      full, partial = plen // ps, plen % ps > 0
-      need = full + partial + (len(group) - 1) * partial
-      if self._pool.free < need + headroom(running + len(group)):
+    while self.waiting and not self.resume and len(free_slots) >= len(self.waiting[0]):
+      group = self.waiting[0]
+      need = self.pool.group_pages(len(group[0].prompt), len(group))
+      if not self.room(need, running, len(group)):
         break
-      self._waiting.popleft()
-      lead = group[0]
-      lead.pages = self._pool.alloc(full + partial)
-      for seq in group[1:]:
-        self._pool.share(lead.pages[:full])
-        seq.pages = lead.pages[:full] + (self._pool.alloc(1) if partial else [])
-        if partial:
-          copies.append((lead.pages[-1], seq.pages[-1]))
-      for seq in group:
-        self._place(seq, free_slots.pop(0))
-      rows.append((lead, lead.prompt))
-      new_groups.append(group)
+      self.waiting.popleft()
+      tables, copies = self.pool.alloc_group(len(group[0].prompt), len(group))
+      for seq, pages in zip(group, tables):
+        seq.pages = pages
+        self.place(seq, free_slots.pop(0))
+      batch.copies += copies
+      batch.fresh += group
+      batch.fresh_rows += [len(batch.rows)] * len(group)
+      batch.rows.append((group[0], group[0].prompt))  # its pages receive the prompt
       running += len(group)
-    if rows:
-      self._prefill(rows, copies, new_groups, stats)
+    if batch.rows:
+      self.prefill(batch)
+    return running - before
 
-  def _place(self, seq: Seq, slot: int) -> None:
-    self._slots[slot] = seq
+  def place(self, seq: Seq, slot: int) -> None:
+    self.slots[slot] = seq
     seq.admitted = seq.admitted or time.perf_counter()
-    seq.order, self._order = self._order, self._order + 1
+    seq.order, self.admissions = self.admissions, self.admissions + 1
 
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/prefill")
-  def _prefill(self, rows, copies, new_groups, stats: RolloutStats) -> None:
+  def prefill(self, batch: _Admission) -> None:
     t = time.perf_counter()
+    ecfg = self.config
     width = min(
-      bucket(max(len(toks) for _, toks in rows)), self.config.pages_per_seq * self.config.page_size
+      bucket(max(len(toks) for _, toks in batch.rows)), ecfg.pages_per_seq * ecfg.page_size
     )
-    n = bucket(len(rows), minimum=1)
+    n = bucket(len(batch.rows), minimum=1)
     tokens = np.zeros((n, width), np.int32)
     last = np.zeros(n, np.int32)
-    table = np.full((n, self.config.pages_per_seq), NULL_PAGE, np.int32)
-    lead_row = {}
-    for i, (seq, toks) in enumerate(rows):
+    table = np.full((n, ecfg.pages_per_seq), NULL_PAGE, np.int32)
+    for i, (seq, toks) in enumerate(batch.rows):
       tokens[i, : len(toks)] = toks
       last[i] = len(toks) - 1
       table[i, : len(seq.pages)] = seq.pages
-      lead_row[id(seq)] = i
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
-    cache = self._cache.with_table(jnp.asarray(table))
+    cache = self.cache.with_table(jnp.asarray(table))
     logits, cache = steps.prefill(
-      *self._graph, cache, jnp.asarray(tokens), positions, jnp.asarray(last)
+      *self.graph, cache, jnp.asarray(tokens), positions, jnp.asarray(last)
     )
-    if copies:
-      src, dst = zip(*copies)
+    if batch.copies:
+      src, dst = zip(*batch.copies)
       cache = steps.copy_pages(cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
-    self._cache = cache
-    seqs = [s for g in new_groups for s in g]
-    if seqs:  # each sample of a new group draws its first token from its prompt's logits
-      idx = jnp.asarray([lead_row[id(g[0])] for g in new_groups for _ in g], jnp.int32)
-      first, lps = jax.device_get(steps.sample_first(logits[idx], *self._sampling_arrays(seqs)))
-      for i, s in enumerate(seqs):
-        self._accept(s, first[i : i + 1], lps[i : i + 1])
+    self.cache = cache
+    if batch.fresh:  # each sample of a new group draws its first token from its prompt's logits
+      rows = jnp.asarray(batch.fresh_rows, jnp.int32)
+      first, lps = jax.device_get(
+        steps.sample_first(logits[rows], *self.engine._sampling_arrays(batch.fresh))
+      )
+      for i, s in enumerate(batch.fresh):
+        self.engine._accept(s, first[i : i + 1], lps[i : i + 1])
     else:
       jax.block_until_ready(cache.k)
-    stats.prefill_s += time.perf_counter() - t
-    stats.prefill_tokens += sum(len(toks) for _, toks in rows)
-    self._retire()
+    self.stats.prefill_s += time.perf_counter() - t
+    self.stats.prefill_tokens += sum(len(toks) for _, toks in batch.rows)
+    self.retire()
 
   # ----------------------------------------------------------------------------------- pages
-  def _reserve(self, stats: RolloutStats) -> None:
+  def chunk_end(self, seq: Seq) -> int:
+    """Tokens `seq` will have cached after the next chunk (never past its last input token)."""
+    return min(seq.cached + self.config.steps_per_sync, len(seq.prompt) + seq.limit - 1)
+
+  def reserve(self) -> None:
     """Pages for every running sequence's next chunk; preempt the newest until they fit."""
-    ps, k = self.config.page_size, self.config.steps_per_sync
     while True:
-      running = [s for s in self._slots if s is not None]
-      want = {
-        id(s): _cdiv(min(s.cached + k, len(s.prompt) + s.limit - 1), ps) - len(s.pages)
-        for s in running
-      }
-      short = sum(max(w, 0) for w in want.values()) - self._pool.free
+      running = self.running
+      short = sum(self.pool.missing(s.pages, self.chunk_end(s)) for s in running) - self.pool.free
       if short <= 0:
         break
-      if len(running) == 1:  # cannot happen with a valid config: one sequence always fits
+      if len(running) == 1:  # unreachable with a valid config: one sequence always fits
         raise RuntimeError("page pool too small for a single sequence")
-      self._preempt(max(running, key=lambda s: s.order), stats)
-    for s in self._slots:
-      if s is not None and want[id(s)] > 0:
-        s.pages += self._pool.alloc(want[id(s)])
+      self.preempt(max(running, key=lambda s: s.order))
+    for s in running:
+      s.pages = self.pool.grow(s.pages, self.chunk_end(s))
 
-  def _preempt(self, seq: Seq, stats: RolloutStats) -> None:
-    self._pool.release(seq.pages)
+  def preempt(self, seq: Seq) -> None:
+    self.pool.release(seq.pages)
     seq.pages = []
     seq.preemptions += 1
-    stats.preemptions += 1
-    self._slots[self._slots.index(seq)] = None
-    self._resume.append(seq)
+    self.stats.preemptions += 1
+    self.slots[self.slots.index(seq)] = None
+    self.resume.append(seq)
 
   # ----------------------------------------------------------------------------------- decode
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/decode")
-  def _decode(self, stats: RolloutStats) -> None:
+  def decode(self) -> None:
     t = time.perf_counter()
-    table = np.full((len(self._slots), self.config.pages_per_seq), NULL_PAGE, np.int32)
-    for i, s in enumerate(self._slots):
+    ecfg = self.config
+    table = np.full((len(self.slots), ecfg.pages_per_seq), NULL_PAGE, np.int32)
+    for i, s in enumerate(self.slots):
       if s is not None:
         table[i, : len(s.pages)] = s.pages
-    cache = self._cache.with_table(jnp.asarray(table))
-    toks, logps, emitted, self._cache = steps.decode_chunk(
-      *self._graph, cache, self.config.steps_per_sync, **self._slot_arrays(self._slots)
+    cache = self.cache.with_table(jnp.asarray(table))
+    toks, logps, emitted, self.cache = steps.decode_chunk(
+      *self.graph, cache, ecfg.steps_per_sync, **self.engine._slot_arrays(self.slots)
     )
     toks, logps, emitted = jax.device_get((toks, logps, emitted))
-    for i, s in enumerate(self._slots):
+    for i, s in enumerate(self.slots):
       if s is not None:
-        self._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
-    stats.decode_steps += self.config.steps_per_sync
-    stats.decode_s += time.perf_counter() - t
-    self._retire()
+        self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+    self.stats.decode_steps += ecfg.steps_per_sync
+    self.stats.decode_s += time.perf_counter() - t
+    self.retire()
 
-  def _retire(self) -> None:
-    for i, s in enumerate(self._slots):
+  def retire(self) -> None:
+    for i, s in enumerate(self.slots):
       if s is not None and s.finish is not None:
-        self._pool.release(s.pages)
+        self.pool.release(s.pages)
         s.pages = []
-        self._slots[i] = None
+        self.slots[i] = None

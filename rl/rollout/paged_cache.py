@@ -87,18 +87,36 @@ jax.tree_util.register_dataclass(
 
 
 class PagePool:
-  """Host-side page allocator with reference counts (a GRPO group shares its prompt's full pages)."""
+  """Host-side page accounting for one generate call: which pages are free, how many references each
+  holds (a GRPO group shares its prompt's full pages), and how many pages a number of tokens takes."""
 
-  def __init__(self, num_pages: int):
+  def __init__(self, num_pages: int, page_size: int):
     if num_pages < 2:
       raise ValueError(f"a page pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
-    self.num_pages = num_pages
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
+    self.num_pages, self.page_size = num_pages, page_size
     self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
     self._refs = np.zeros(num_pages, np.int32)
 
   @property
   def free(self) -> int:
     return len(self._free)
+
+  @property
+  def usable(self) -> int:
+    """Pages that can ever be handed out (all but the reserved page 0)."""
+    return self.num_pages - 1
+
+  def pages_for(self, tokens: int) -> int:
+    return -(-tokens // self.page_size)
+
+  def group_pages(self, prompt_len: int, n: int) -> int:
+    return group_pages(prompt_len, n, self.page_size)
+
+  def missing(self, pages: list[int], tokens: int) -> int:
+    """Pages a sequence holding `pages` still needs to cache `tokens` tokens."""
+    return max(self.pages_for(tokens) - len(pages), 0)
 
   def alloc(self, n: int) -> list[int]:
     if n > len(self._free):
@@ -108,6 +126,24 @@ class PagePool:
     pages = [self._free.pop() for _ in range(n)]
     self._refs[pages] = 1
     return pages
+
+  def grow(self, pages: list[int], tokens: int) -> list[int]:
+    """`pages` extended with fresh pages until they hold `tokens` tokens."""
+    return pages + self.alloc(self.missing(pages, tokens))
+
+  def alloc_group(self, prompt_len: int, n: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Page tables for the `n` samples of one prompt: they share its full pages; each sample after the
+    first gets its own copy of the partial last page. Returns (tables, [(src, dst)] pages to copy
+    once the first sample's pages hold the prefilled prompt)."""
+    full, partial = divmod(prompt_len, self.page_size)
+    lead = self.alloc(full + (partial > 0))
+    tables, copies = [lead], []
+    for _ in range(n - 1):
+      self.share(lead[:full])
+      own = self.alloc(1) if partial else []
+      tables.append(lead[:full] + own)
+      copies += [(lead[-1], own[0])] if partial else []
+    return tables, copies
 
   def share(self, pages: list[int]) -> None:
     for p in pages:
@@ -120,3 +156,10 @@ class PagePool:
       self._refs[p] -= 1
       if self._refs[p] == 0:
         self._free.append(p)
+
+
+def group_pages(prompt_len: int, n: int, page_size: int) -> int:
+  """Pages `PagePool.alloc_group` takes: the prompt's pages once, plus a partial last page per extra
+  sample. A group is admitted whole, so a pool with fewer usable pages can never run it."""
+  full, partial = divmod(prompt_len, page_size)
+  return full + (partial > 0) * n

@@ -30,16 +30,52 @@ class SamplingParams:
   # completes the string (kept, so its log-prob stays aligned)
 
   def __post_init__(self):
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.n < 1:
-      raise ValueError(f"n must be >= 1, got {self.n}")
+    check_sampling(
+      max_new_tokens=self.max_new_tokens,
+      temperature=self.temperature,
+      top_k=self.top_k,
+      top_p=self.top_p,
+      n=self.n,
+      seed=self.seed,
+    )
+    if self.stop_token_ids is not None and not all(
+      _is_int(t) and t >= 0 for t in self.stop_token_ids
+    ):
+      raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+
+
+SEED_RANGE = (0, 2**32 - 1)  # a request's seed becomes a uint32 PRNG seed
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+  if not _is_int(value):
+    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+  if value < lo or (hi is not None and value > hi):
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def check_sampling(
+  *, max_new_tokens, temperature, top_k, top_p, n=1, seed=0, prefix: str = ""
+) -> None:
+  """The one check of sampling settings (SamplingParams; a config section may call it with
+  `prefix="sampling."` so the error names its key): ValueError / TypeError naming the field and its
+  allowed range. NaN fails every range."""
+  _check_int(f"{prefix}max_new_tokens", max_new_tokens, 1)
+  _check_int(f"{prefix}top_k", top_k, 0)  # 0 = off
+  _check_int(f"{prefix}n", n, 1)
+  _check_int(f"{prefix}seed", seed, *SEED_RANGE)
+  for name, value in (("temperature", temperature), ("top_p", top_p)):
+    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
+      raise TypeError(f"{prefix}{name} must be a number, got {type(value).__name__} {value!r}")
+  if not (0.0 <= temperature < float("inf")):
+    raise ValueError(f"{prefix}temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+  if not (0.0 < top_p <= 1.0):
+    raise ValueError(f"{prefix}top_p must be in (0, 1] (1 = off), got {top_p}")
 
 
 @dataclasses.dataclass

@@ -1,12 +1,17 @@
 """Rollout engines: paged (continuous batching) against the dense reference sampler, sampler log-probs
 against a teacher-forced forward, preemption, stop rules, live weights, and bad input."""
 
+import concurrent.futures
+import dataclasses
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from rl.config import GRPOConfig, SamplingSection
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine
 from rl.rollout.paged_cache import PagePool
@@ -183,7 +188,7 @@ def test_processed_logprobs_by_hand():
 
 
 def test_page_pool_refcounts():
-  pool = PagePool(5)
+  pool = PagePool(5, page_size=4)
   a = pool.alloc(2)
   assert 0 not in a and pool.free == 2
   pool.share(a)
@@ -216,6 +221,8 @@ def test_bad_requests_are_clear_errors(model, prompt, params, match):
     (dict(backend="vllm"), "backend"),
     (dict(num_pages=5, max_seq_len=64, page_size=8), "cannot hold"),
     (dict(max_slots=0), "max_slots"),
+    (dict(attn_impl="bogus"), r"attn_impl must be one of \('auto', 'pallas', 'xla'\)"),
+    (dict(cache_dtype="float77"), "cache_dtype"),
   ],
 )
 def test_bad_engine_config(kwargs, match):
@@ -224,12 +231,44 @@ def test_bad_engine_config(kwargs, match):
 
 
 @pytest.mark.parametrize(
-  "kwargs",
-  [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-1), dict(n=0), dict(max_new_tokens=0)],
+  "kwargs,exc,match",
+  [
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 4294967295\]"),  # was a uint32 OverflowError
+    (dict(seed=2**32), ValueError, r"seed must be in \[0, 4294967295\]"),
+    (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be finite and >= 0"),
+    (dict(temperature=-1), ValueError, "temperature must be finite and >= 0"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be finite and >= 0"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=2.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-3), ValueError, "top_k must be >= 0"),
+    (dict(top_k=2.5), TypeError, "top_k must be an int"),
+    (dict(n=0), ValueError, "n must be >= 1"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=-2), ValueError, "max_new_tokens must be >= 1"),
+    (dict(stop_token_ids=(3, -1)), ValueError, "stop_token_ids"),
+  ],
 )
-def test_bad_sampling_params(kwargs):
-  with pytest.raises(ValueError):
+def test_bad_sampling_params(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
     SamplingParams(**kwargs)
+
+
+def test_seed_range_ends_are_accepted_and_differ(model, prompts):
+  """The range the error names is the one the sampler takes: both ends run, and draw differently."""
+  eng = _engine(model, "paged")
+  lo, hi = (
+    eng.generate(prompts[:2], SamplingParams(max_new_tokens=6, n=2, seed=s)) for s in (0, 2**32 - 1)
+  )
+  assert any(
+    not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(lo.completions, hi.completions)
+  )
+
+
+def test_generate_rejects_params_that_are_not_sampling_params(model, prompts):
+  with pytest.raises(TypeError, match="SamplingParams"):
+    _engine(model, "paged").generate(prompts[:1], [dict(temperature=1.0)])
 
 
 def test_sglang_backend_without_its_extra_is_a_clear_error():
@@ -241,3 +280,122 @@ def test_sglang_backend_without_its_extra_is_a_clear_error():
     pass
   with pytest.raises(ImportError, match=r"pip install -e '\.\[sglang\]'"):
     make_engine(init_model(preset("tiny-h128")), EngineConfig(backend="sglang_jax", max_seq_len=64))
+
+
+# ------------------------------------------------------------------- finishing during prefill (#16)
+def _finish_at_prefill_cases(greedy, prompts):
+  first_tokens = tuple(sorted({int(c.token_ids[0]) for c in greedy["dense"].completions}))
+  long = [list(map(int, np.random.default_rng(1).integers(3, 300, size=63))) for _ in range(5)]
+  return {
+    # every sequence of every round finishes on its first token: 12 samples through 4 slots
+    "max_new_tokens=1": (prompts, SamplingParams(max_new_tokens=1, n=2, seed=4), ()),
+    "first_token_eos": (
+      prompts,
+      SamplingParams(max_new_tokens=20, temperature=0.0, n=2),
+      first_tokens,
+    ),
+    "prompt_max_seq_len-1": (long, SamplingParams(max_new_tokens=20, n=2, seed=5), ()),
+    # rounds where some sequences finish at prefill and others decode beside them
+    "mixed": (
+      prompts,
+      [SamplingParams(max_new_tokens=1 + 7 * (i % 2), n=2, seed=6) for i in range(len(prompts))],
+      (),
+    ),
+  }
+
+
+@pytest.mark.parametrize(
+  "case", ["max_new_tokens=1", "first_token_eos", "prompt_max_seq_len-1", "mixed"]
+)
+def test_sequences_that_finish_during_prefill_match_dense(model, prompts, greedy, case):
+  batch, params, eos = _finish_at_prefill_cases(greedy, prompts)[case]
+  dense, paged = (
+    _engine(model, b, eos_ids=eos).generate(batch, params) for b in ("dense", "paged")
+  )
+  assert len(paged.completions) == len(dense.completions) == 2 * len(batch)
+  for d, p in zip(dense.completions, paged.completions):
+    assert (p.prompt_index, p.sample_index, p.finish_reason) == (
+      d.prompt_index,
+      d.sample_index,
+      d.finish_reason,
+    )
+    np.testing.assert_array_equal(p.token_ids, d.token_ids)
+    np.testing.assert_allclose(p.logprobs, d.logprobs, atol=1e-4)
+  lens = [len(c.token_ids) for c in paged.completions]
+  if case == "mixed":
+    assert set(lens) == {1, 8}
+  else:
+    assert lens == [1] * len(lens)  # the case really finishes every sequence at its first token
+    reason = "eos" if case == "first_token_eos" else "length"
+    assert {c.finish_reason for c in paged.completions} == {reason}
+
+
+# ------------------------------------------------------------------- groups vs the page pool (#16)
+def test_group_that_can_never_fit_the_pool_is_rejected_up_front(model):
+  """12 pages (11 usable) of 8 tokens: a 60-token prompt takes 8 pages, each further sample one more."""
+  eng = _engine(model, "paged", num_pages=12, max_slots=8)
+  prompt = list(map(int, np.random.default_rng(2).integers(3, 300, size=60)))
+  with pytest.raises(ValueError, match=r"prompt 1 of 5 samples .* needs 12 pages .* the pool's 11"):
+    eng.generate([prompt[:10], prompt], SamplingParams(max_new_tokens=2, n=5))
+  # the largest group that fits (8 + 3 = 11 pages) runs, and runs right: equal to dense
+  sp = SamplingParams(max_new_tokens=4, n=4, seed=2)
+  res, ref = eng.generate([prompt], sp), _engine(model, "dense").generate([prompt], sp)
+  for a, b in zip(res.completions, ref.completions, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+
+
+def test_config_rejects_a_group_size_the_pool_can_never_hold():
+  small = EngineConfig(max_seq_len=64, max_slots=8, page_size=8, num_pages=12)
+  with pytest.raises(
+    ValueError, match=r"sampling.group_size of 8 samples .* 15 pages .* pool's 11"
+  ):
+    GRPOConfig(rollout=small, sampling=SamplingSection(group_size=8, max_new_tokens=16))
+  # 63-token prompt: 8 pages + 1 per extra sample; 4 samples fit 11 pages
+  GRPOConfig(rollout=small, sampling=SamplingSection(group_size=4, max_new_tokens=16))
+
+
+# ------------------------------------------------------------------- re-entrant engine (#19)
+def _snapshot(res):
+  return [(c.token_ids.copy(), c.logprobs.copy(), c.finish_reason) for c in res.completions]
+
+
+def test_engine_called_again_leaves_an_earlier_result_unchanged(model, prompts):
+  eng = _engine(
+    model, "paged", num_pages=13
+  )  # small pool: the second call preempts and reuses pages
+  first = eng.generate(prompts[:3], SamplingParams(max_new_tokens=12, n=2, seed=7))
+  before, stats = _snapshot(first), dataclasses.asdict(first.stats)
+  second = eng.generate(prompts[3:], SamplingParams(max_new_tokens=20, n=2, seed=8))
+  assert second.stats.preemptions > 0 and len(second.completions) == 6
+  for (ids, lps, why), c in zip(before, first.completions, strict=True):
+    np.testing.assert_array_equal(c.token_ids, ids)
+    np.testing.assert_array_equal(c.logprobs, lps)
+    assert c.finish_reason == why
+  assert dataclasses.asdict(first.stats) == stats
+  again = eng.generate(prompts[:3], SamplingParams(max_new_tokens=12, n=2, seed=7))
+  for (ids, _, _), c in zip(before, again.completions, strict=True):  # nothing stale carried over
+    np.testing.assert_array_equal(c.token_ids, ids)
+
+
+def test_concurrent_generate_calls_do_not_share_scheduler_state(model, prompts):
+  """Two threads on one engine: each call schedules its own slots, queues and pages (the second
+  finds the spare cache taken and makes its own) and gets what it would get alone."""
+  eng = _engine(model, "paged")
+  jobs = [
+    (prompts[:3], SamplingParams(max_new_tokens=16, n=2, seed=9)),
+    (prompts[3:], SamplingParams(max_new_tokens=10, n=2, seed=10)),
+  ]
+  alone = [_snapshot(eng.generate(*job)) for job in jobs]
+  start = threading.Barrier(2)
+
+  def call(job):
+    start.wait()
+    return eng.generate(*job)
+
+  with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    together = [_snapshot(r) for r in ex.map(call, jobs)]
+  for a, b in zip(alone, together, strict=True):
+    for (ids, lps, why), (ids2, lps2, why2) in zip(a, b, strict=True):
+      np.testing.assert_array_equal(ids, ids2)
+      np.testing.assert_allclose(lps, lps2, atol=1e-5)
+      assert why == why2

@@ -1,0 +1,143 @@
+"""The sort-free sampler against the sort-based reference definition (`processed_logprobs_sorted`):
+the same probability vectors on every path (no filter, candidates, fallback sort), the same sample
+frequencies from seeded draws, and the candidate path taken exactly when it is exact."""
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl.rollout.sampling import (
+  candidate_logprobs,
+  processed_logprobs,
+  processed_logprobs_sorted,
+  sample,
+)
+
+ATOL = 1e-6  # probabilities: both sides are float32 softmaxes of the same logits
+
+
+def _rows(rng, b, v, scale):  # [B, V] f32 logits
+  return jnp.asarray(rng.normal(size=(b, v)) * scale, jnp.float32)
+
+
+def _compare(logits, temperature, top_k, top_p, candidates):
+  args = (
+    logits,
+    jnp.asarray(temperature, jnp.float32),
+    jnp.asarray(top_k, jnp.int32),
+    jnp.asarray(top_p, jnp.float32),
+  )
+  new = np.asarray(jax.jit(processed_logprobs, static_argnums=4)(*args, candidates))
+  ref = np.asarray(processed_logprobs_sorted(*args))
+  # The kept sets agree, except that at p = 1 the reference's float32 cumulative sum may drop tail
+  # tokens (see the p = 1 test below): those must be negligible and absent only from the reference.
+  extra = np.isfinite(new) & ~np.isfinite(ref)
+  tail = (np.asarray(top_p) >= 1)[:, None] & (np.exp(new) < 1e-6)
+  np.testing.assert_array_equal(extra & ~tail, False)
+  np.testing.assert_array_equal(np.isfinite(ref) & ~np.isfinite(new), False)
+  # the reference renormalises over the rest: its probabilities are larger by up to that tail mass
+  dropped = np.where(extra, np.exp(new), 0.0).sum(-1, keepdims=True)
+  # log-space rounding: z - logsumexp(z) carries an absolute error of a few ulps of the largest |z|
+  t = np.where(np.asarray(temperature) > 0, temperature, 1.0)  # greedy rows: z = logits
+  z = np.abs(np.asarray(logits) / t[:, None])
+  rel = 4 * np.finfo(np.float32).eps * np.maximum(z.max(-1, keepdims=True), 1.0)
+  err = np.abs(np.exp(new) - np.exp(ref)) - (ATOL + dropped + rel * np.exp(ref))
+  assert (err <= 0).all(), (
+    f"probabilities differ beyond rounding: {err.max():.3g} at {np.argmax(err)}"
+  )
+  np.testing.assert_allclose(np.exp(new).sum(-1), 1.0, atol=1e-5)
+  return new, ref
+
+
+# (top_k, top_p) per row: off, top-k inside / beyond the candidates / >= V, nucleus, both
+PARAMS = [(0, 1.0), (5, 1.0), (50, 1.0), (400, 1.0), (0, 0.9), (0, 0.3), (10, 0.7), (3, 0.99)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
+@pytest.mark.parametrize("candidates", [16, 64])
+def test_matches_the_sorted_reference_per_row(scale, candidates):
+  rng = np.random.default_rng(0)
+  b = len(PARAMS)
+  logits = _rows(rng, b, 384, scale)
+  top_k, top_p = zip(*PARAMS)
+  temperature = rng.uniform(0.5, 1.5, size=b)
+  temperature[0] = 0.0  # a greedy row: plain softmax
+  new, _ = _compare(logits, temperature, top_k, top_p, candidates)
+  kept = np.isfinite(new).sum(-1)
+  assert kept[1] == 5 and kept[6] <= 10 and kept[7] <= 3  # the filters did act
+  assert kept[0] == 384 and kept[3] == 384  # off, and top_k >= V is off
+
+
+def test_batches_of_uniform_settings_take_each_path():
+  """One setting for the whole batch, as a GRPO step samples: no filter (no sort), candidates
+  (top-k <= C, or a nucleus inside C), fallback sort (top-k > C, or a nucleus wider than C)."""
+  rng = np.random.default_rng(1)
+  peaked, flat = _rows(rng, 6, 384, 6.0), _rows(rng, 6, 384, 0.5)
+  ones = np.ones(6)
+  for logits, k, p, exact in [
+    (flat, 0, 1.0, None),
+    (flat, 8, 1.0, True),
+    (flat, 100, 1.0, False),
+    (peaked, 0, 0.9, True),
+    (flat, 0, 0.9, False),
+    (flat, 100, 0.5, False),
+  ]:
+    top_k, top_p = np.full(6, k), np.full(6, p)
+    _compare(logits, ones, top_k, top_p, 32)
+    flags = np.asarray(
+      candidate_logprobs(logits, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p), 32)[1]
+    )
+    if exact is not None:  # whether the sampler may skip the sort (exact) or must sort (not)
+      assert flags.all() if exact else not flags.any(), (k, p)
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(
+  v=st.integers(2, 200),
+  candidates=st.integers(1, 40),
+  seed=st.integers(0, 2**32 - 1),
+  ties=st.booleans(),
+)
+def test_matches_the_sorted_reference_on_drawn_shapes(v, candidates, seed, ties):
+  rng = np.random.default_rng(seed)
+  b = 6
+  logits = rng.normal(size=(b, v)) * rng.uniform(0.3, 8.0)
+  if ties:  # equal logits: both sides must break ties toward the lower token id
+    logits = np.round(logits) + 0.0  # no -0.0: lax.top_k orders +0.0 before -0.0, a sort ties them
+  top_k = rng.integers(0, v + 3, size=b) * (rng.random(b) < 0.6)
+  top_p = np.where(rng.random(b) < 0.6, rng.uniform(0.05, 1.0, size=b), 1.0)
+  _compare(
+    jnp.asarray(logits, jnp.float32), rng.uniform(0.3, 2.0, size=b), top_k, top_p, candidates
+  )
+
+
+def test_top_p_one_keeps_the_tail_the_sorted_form_drops():
+  """Documented difference: with p = 1 the sorted cumulative sum reaches 1.0 in float32 before the
+  tail, so the reference drops tokens of probability ~e^-30; p = 1 is exactly "off" here."""
+  logits = jnp.zeros((1, 384)).at[0, 7].set(30.0)
+  args = (logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+  new, ref = processed_logprobs(*args), processed_logprobs_sorted(*args)
+  assert np.isfinite(np.asarray(new)).all() and np.isfinite(np.asarray(ref)).sum() == 1
+  np.testing.assert_allclose(np.asarray(new), np.asarray(jax.nn.log_softmax(logits)), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (4, 1.0), (0, 0.8), (6, 0.9)])
+def test_sample_frequencies_follow_the_reference_distribution(top_k, top_p):
+  """20000 seeded draws of one row: empirical frequencies within 5 standard errors of the reference
+  probabilities, nothing drawn outside its kept set, and each draw's log-prob the reference's."""
+  n, v = 20_000, 12
+  logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, v)) * 1.5, jnp.float32)
+  logits = jnp.repeat(logits, n, axis=0)
+  t, k, p = jnp.full(n, 0.9), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p)
+  keys = jax.random.split(jax.random.key(3), n)
+  tokens, logps = jax.jit(sample)(logits, keys, t, k, p)
+  ref = np.asarray(processed_logprobs_sorted(logits[:1], t[:1], k[:1], p[:1]))[0]
+  probs = np.exp(ref)
+  freq = np.bincount(np.asarray(tokens), minlength=v) / n
+  assert (freq[probs == 0] == 0).all()
+  assert (probs < 1).sum() >= 2  # a real distribution, not a point mass
+  np.testing.assert_array_less(np.abs(freq - probs), 5 * np.sqrt(probs * (1 - probs) / n) + 1e-9)
+  np.testing.assert_allclose(np.asarray(logps), ref[np.asarray(tokens)], atol=1e-5)
