@@ -301,14 +301,14 @@ def test_bench_inputs_match_at_cpu_size():
   _check("tiled", args, dtype=jnp.bfloat16, ctx=PAGED_SHAPES["cpu-small"].ctx)
 
 
-def test_reference_agrees_with_jax_shipped_gpu_op():
+def test_reference_agrees_withjax_shipped_paged_attention_gpu_op():
   """Cross-check against JAX's own GPU paged-attention op (run in the interpreter), through the
   bench's wrapper — which is also what the GPU bench rows time."""
-  from bench.cases.paged_attention import _jax_shipped
+  from bench.cases.paged_attention import jax_shipped_paged_attention
 
   args = _draw(np.random.default_rng(4), 2, 4, 2, 16, 16, 8, [37, 128], jnp.float32)
   assert_close(
-    _jax_shipped("gpu", *args, interpret=True),
+    jax_shipped_paged_attention("gpu", *args, interpret=True),
     kernels.paged_attention_reference(*args),
     "attention",
     jnp.float32,

@@ -42,7 +42,9 @@ def _ours(impl, platform, q, k_pages, v_pages, lengths, page_indices):
   )
 
 
-def _jax_shipped(platform, q, k_pages, v_pages, lengths, page_indices, interpret=False):
+def jax_shipped_paged_attention(
+  platform, q, k_pages, v_pages, lengths, page_indices, interpret=False
+):
   """JAX's own op for this backend (jax.experimental.pallas.ops.{gpu,tpu}.paged_attention). Neither
   scales the scores, so q arrives pre-scaled by 1/sqrt(D)."""
   q = (q * q.shape[-1] ** -0.5).astype(q.dtype)
@@ -109,7 +111,7 @@ def cases(size: str, platform: str) -> list[Case]:
           name,
           "fwd",
           inputs,
-          functools.partial(_jax_shipped, platform),
+          functools.partial(jax_shipped_paged_attention, platform),
           reference,
           io,
           flops,
