@@ -60,7 +60,8 @@ SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .no
 @nox.session(**SHARED)
 def tests(session: nox.Session):
   """Unit, parity, lowering and bench-smoke tests on CPU (interpret mode). Slow tests: -- -m slow."""
-  args = session.posargs or ["-m", "not slow and not gpu and not tpu"]
+  # the `ci` hypothesis profile: 30 derandomized examples per property (tests/conftest.py)
+  args = session.posargs or ["-m", "not slow and not gpu and not tpu", "--hypothesis-profile=ci"]
   in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.configlib import check_range
 from rl.data.synthetic import LEVELS
 from rl.prompts import TEMPLATES
@@ -244,10 +243,6 @@ class GRPOConfig:
   dist: DistributedSection = DistributedSection()
 
   def __post_init__(self):
-    if self.rollout.attn_impl not in ATTN_IMPLS:
-      raise ValueError(
-        f"rollout.attn_impl must be one of {list(ATTN_IMPLS)}, got {self.rollout.attn_impl!r}"
-      )
     if self.sampling.group_size > self.rollout.max_slots:
       raise ValueError(
         f"sampling.group_size={self.sampling.group_size} exceeds rollout.max_slots="

@@ -40,3 +40,32 @@ def epsilon_sensitive_tokens(aux, mask, advantages, kw: dict) -> int:
   lo, hi = kw.get("epsilon_low", 0.2), kw.get("epsilon_high", 0.2)
   clipped = lambda el, eh: ((a > 0) & (ratio > 1 + eh)) | ((a < 0) & (ratio < 1 - el))
   return int(np.sum((clipped(lo, hi) != clipped(hi, lo)) & np.asarray(mask)))
+
+
+def assert_loss_parity(ours, ref, args, kw, msg: str):
+  """(loss, aux, dlogits) of a kernel against the reference's, each on the scale its rounding has."""
+  from bench.tolerances import assert_close
+
+  v = args[0].shape[-1]
+  scale = max(loss_scale(ref[1], args[2], args[3], kw), float(abs(ref[0])))
+  assert_close(ours[0], ref[0], "value", jnp.float32, v, msg, scale=scale)
+  for name, a, e in zip(ours[1]._fields, ours[1], ref[1]):
+    if name == "is_clipped":
+      np.testing.assert_array_equal(a, e, err_msg=msg)
+    elif name in ("entropy", "per_token_logps"):
+      # lse - E[z] and z_id - lse: differences of logit-sized terms, which set their rounding (an
+      # entropy of 0 at V = 1 came out as 1e-9 from logits ~2)
+      zmax = float(np.max(np.abs(np.asarray(args[0], np.float32)))) / kw.get("temperature", 1.0)
+      aux_scale = max(float(np.max(np.abs(e), initial=0.0)), zmax)
+      assert_close(a, e, "value", jnp.float32, v, f"{msg} {name}", scale=aux_scale)
+    else:
+      assert_close(a, e, "value", jnp.float32, v, f"{msg} {name}")
+  assert ours[2].dtype == args[0].dtype
+  # dlogits = g (onehot - p): where every p_y ~ 1 (V = 1) all of it cancels to ~0 and its rounding is
+  # relative to g, about the loss's largest term over the token count (a token's weight is about
+  # 1 / tokens); elsewhere max |dlogits| is the larger scale.
+  g_floor = loss_scale(ref[1], args[2], args[3], kw) / (
+    kw.get("temperature", 1.0) * max(int(np.sum(np.asarray(args[2]) != 0)), 1)
+  )
+  grad_scale = max(float(np.max(np.abs(np.asarray(ref[2], np.float64)))), g_floor)
+  assert_close(ours[2], ref[2], "grad", args[0].dtype, v, f"{msg} dlogits", scale=grad_scale)

@@ -60,7 +60,10 @@ def test_yaml_then_overrides(tmp_path):
     (["sampling.max_new_tokens=0"], r"sampling\.max_new_tokens must be >= 1, got 0"),
     (["sampling.temperature=nan"], r"sampling\.temperature must be finite and > 0, got nan"),
     (["sampling.temperature=0"], r"sampling\.temperature must be finite and > 0"),
-    (["rollout.attn_impl=bogus"], r"rollout\.attn_impl must be one of \['auto', 'pallas', 'xla'\]"),
+    (
+      ["rollout.attn_impl=bogus"],
+      r"rollout: EngineConfig\.attn_impl must be one of \('auto', 'pallas', 'xla', 'mosaic_gpu'\)",
+    ),
     (["train.learning_rate=nan"], r"train\.learning_rate must be finite and > 0, got nan"),
     (["train.learning_rate=.inf"], r"train\.learning_rate must be finite and > 0, got inf"),
     (["train.learning_rate=0"], r"train\.learning_rate must be finite and > 0, got 0"),

@@ -221,7 +221,10 @@ def test_bad_requests_are_clear_errors(model, prompt, params, match):
     (dict(backend="vllm"), "backend"),
     (dict(num_pages=5, max_seq_len=64, page_size=8), "cannot hold"),
     (dict(max_slots=0), "max_slots"),
-    (dict(attn_impl="bogus"), r"attn_impl must be one of \('auto', 'pallas', 'xla'\)"),
+    (
+      dict(attn_impl="bogus"),
+      r"attn_impl must be one of \('auto', 'pallas', 'xla', 'mosaic_gpu'\)",
+    ),
     (dict(cache_dtype="float77"), "cache_dtype"),
   ],
 )

@@ -169,7 +169,7 @@ def _final_weights(run_dir):
     (["model.checkpoint=/nonexistent"], "model.checkpoint=/nonexistent"),
     (["data.template=chat"], "template"),
     (["sampling.top_p=2", "train.warmup_sft_steps=2"], r"sampling\.top_p must be in \(0, 1\]"),
-    (["rollout.attn_impl=bogus", "train.warmup_sft_steps=2"], "rollout.attn_impl"),
+    (["rollout.attn_impl=bogus", "train.warmup_sft_steps=2"], r"rollout: EngineConfig\.attn_impl"),
     (["train.learning_rate=nan"], "train.learning_rate"),
   ],
 )

@@ -139,7 +139,7 @@ def test_train_step_descends_and_does_not_recompile(name, fused):
   assert step._cache_size() == 1
 
 
-def _sft_step(fused: bool, learning_rate: float = 3e-3):
+def _sft_step(fused: bool, learning_rate=3e-3):  # a float or an optax schedule
   model, _, tokens, mask, _ = _problem(6)
   graphdef, params = nnx.split(model, nnx.Param)
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -178,8 +178,9 @@ def test_non_finite_step_leaves_weights_and_optimizer_state_untouched(fused):
 
 def test_update_that_overflows_the_weights_is_skipped():
   """Finite loss and gradients but an infinite learning rate: the new weights would be inf, so the
-  step is skipped too (the guard looks at the result, not only at the inputs)."""
-  step, params, state, tokens, mask = _sft_step(fused=True, learning_rate=float("inf"))
+  step is skipped too (the guard looks at the result, not only at the inputs). A concrete inf rate
+  is refused by the optimizer's own check; a schedule's value is traced, so it reaches the step."""
+  step, params, state, tokens, mask = _sft_step(fused=True, learning_rate=lambda count: jnp.inf)
   adv = np.random.default_rng(8).normal(size=8).astype(np.float32)
   before = _host(params)
   params, state, m = step(params, state, _batch(tokens, mask, adv, 2))
