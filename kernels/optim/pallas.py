@@ -108,7 +108,7 @@ def elementwise_call(
     bm, bc = blocks.block_rows, blocks.block_cols
     spec = pl.BlockSpec((bm, bc), lambda i, j: (i, j))
     scalar_spec = (
-      pl.BlockSpec(memory_space=_smem())
+      pl.BlockSpec(memory_space=backend.tpu_smem())
       if target.platform == "tpu" and not target.interpret
       else pl.BlockSpec(scalars.shape, lambda i, j: (0,))
     )
@@ -140,12 +140,6 @@ def elementwise_call(
       name=name,
     )(scalars, *(a.reshape(n) for a in arrays))
   return {k: o.reshape(shape) for k, o in zip(outputs, outs)}
-
-
-def _smem():
-  from jax.experimental.pallas import tpu as pltpu
-
-  return pltpu.SMEM
 
 
 def _tiled_body(body, n_in, s_ref, *refs):
