@@ -7,6 +7,7 @@ is a clear error naming the key, not a surprise deep in a compiled step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import types
@@ -189,3 +190,15 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequenc
 def dump(obj, path: str | os.PathLike) -> None:
   with open(path, "w") as f:
     yaml.safe_dump(to_dict(obj), f, sort_keys=False)
+
+
+def read_json_object(path: str) -> dict:
+  """A JSON file's object; a truncated or half-written file is a ValueError naming it."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}): truncated or half-written?") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data

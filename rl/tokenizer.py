@@ -4,11 +4,12 @@ files. Both speak Qwen's ChatML chat format and share one interface, so the loop
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
 from typing import Protocol
+
+from rl.configlib import read_json_object
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
@@ -131,16 +132,7 @@ class HFTokenizer:
 
 def _read_json(path: str) -> dict:
   """An optional JSON file ({} when absent); a truncated one is a ValueError naming it."""
-  if not os.path.exists(path):
-    return {}
-  try:
-    with open(path) as f:
-      data = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}): truncated or half-written?") from e
-  if not isinstance(data, dict):
-    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-  return data
+  return read_json_object(path) if os.path.exists(path) else {}
 
 
 def _token_text(token) -> str | None:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from rl.configlib import read_json_object
 from rl.model import partition
 from rl.model.config import ModelConfig
 from rl.model.qwen import Qwen, abstract_model
@@ -40,18 +41,6 @@ def hf_name(name: str) -> tuple[str, bool]:
   return f"model.{base}{hf_leaf}", leaf == "kernel"
 
 
-def _read_json(path: str) -> dict:
-  """A JSON file's object; a truncated or half-written file is a ValueError naming it."""
-  try:
-    with open(path) as f:
-      data = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}): truncated or half-written?") from e
-  if not isinstance(data, dict):
-    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-  return data
-
-
 def _open_safetensors(path: str):
   """A safetensors handle; a truncated or foreign file is a ValueError naming it."""
   try:
@@ -65,7 +54,7 @@ def _model_config(directory: str, **overrides: Any) -> ModelConfig:
   if not os.path.exists(path):
     raise FileNotFoundError(f"no config.json in {directory}")
   try:
-    return ModelConfig.from_hf(_read_json(path), **overrides)
+    return ModelConfig.from_hf(read_json_object(path), **overrides)
   except (KeyError, TypeError) as e:
     raise ValueError(f"{path} lacks or mistypes a field the model needs: {e}") from e
 
@@ -74,7 +63,7 @@ def _checkpoint_files(directory: str) -> dict[str, str]:
   """HF tensor name -> file holding it, from the index if there is one, else from every shard's header."""
   index = os.path.join(directory, INDEX_FILE)
   if os.path.exists(index):
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index} has no weight_map object")
     return {name: os.path.join(directory, file) for name, file in weight_map.items()}
