@@ -20,8 +20,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from bench import learning
 from rl import train
-from rl.metrics import read_metrics
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
 _T975 = {
@@ -73,14 +73,10 @@ def _arm(text: str) -> list[str]:
 
 
 def run_summary(run_dir: str) -> dict:
-  lines = read_metrics(run_dir)
-  steps = [m for m in lines if "time/train/step_s" in m]
-  full = [m for m in lines if "eval_full/accuracy" in m]
-  return {
-    "step_avg_s": statistics.median([m["time/train/step_s"] for m in steps[-10:]]),
-    "eval_full_accuracy": full[-1]["eval_full/accuracy"] if full else float("nan"),
-    "reward_curve": [m["reward/total/mean"] for m in steps],
-  }
+  """`bench.learning.summarize` of one run, plus the two figures the arms are compared on."""
+  out = learning.summarize(run_dir)
+  out["eval_full_accuracy"] = out["eval_after"]
+  return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -150,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "parity.json"), "w") as f:
     json.dump(report, f, indent=1)
-  _plot(results, os.path.join(out, "reward_curves.png"))
+  learning.plot_curves(results, os.path.join(out, "reward_curves.png"))
   with open(os.path.join(out, "parity.md"), "w") as f:
     f.write(markdown(report))
   print(markdown(report))
@@ -158,10 +154,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def markdown(report: dict) -> str:
-  lines = ["| arm | seed | step_avg (s) | eval_full accuracy |", "|---|---|---|---|"]
+  """Each run's learning figures (does every arm learn?), then the paired comparisons."""
+  lines = [
+    "| arm | seed | step_avg (s) | correct reward first -> last steps | eval_full before -> after |",
+    "|---|---|---|---|---|",
+  ]
   for name, runs in report["runs"].items():
     for seed, r in runs.items():
-      lines.append(f"| {name} | {seed} | {r['step_avg_s']:.4f} | {r['eval_full_accuracy']:.4f} |")
+      lines.append(
+        f"| {name} | {seed} | {r['step_avg_s']:.4f} | {r['reward_first']:.3f} -> "
+        f"{r['reward_last']:.3f} ({r['reward_gain']:+.3f}) | {r['eval_before']:.3f} -> "
+        f"{r['eval_after']:.3f} ({r['eval_gain_se']:+.1f} SE) |"
+      )
   lines += [
     "",
     "| comparison | metric | mean diff | 95% CI | margin | verdict |",
@@ -174,32 +178,6 @@ def markdown(report: dict) -> str:
         f"±{c['margin']:.4f} | {c['verdict']} |"
       )
   return "\n".join(lines) + "\n"
-
-
-def _plot(results: dict, path: str) -> None:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return  # the numbers are in parity.json; the plot needs matplotlib (the dev extra)
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for i, (name, runs) in enumerate(results.items()):
-    for j, r in enumerate(runs.values()):
-      ax.plot(
-        range(1, len(r["reward_curve"]) + 1),
-        r["reward_curve"],
-        color=f"C{i}",
-        alpha=0.7,
-        label=name if j == 0 else None,
-      )
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("mean total reward")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 if __name__ == "__main__":

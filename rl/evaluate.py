@@ -6,8 +6,9 @@ the accuracy is over every example exactly once whatever the process count.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -69,3 +70,44 @@ def evaluate(
     "examples": totals[3],
     "seconds": time.perf_counter() - t0,
   }
+
+
+def binomial_se(p: float, n: float) -> float:
+  """The standard error of an accuracy p measured on n independent examples."""
+  return math.sqrt(max(p * (1.0 - p), 0.0) / max(n, 1.0))
+
+
+def accuracy_change(before: float, after: float, n: float) -> tuple[float, float]:
+  """(after - before, that change in standard errors of the difference of two independent accuracies
+  on n examples each). Both runs answer the same examples, so treating them as independent is
+  conservative: the paired error is smaller."""
+  se = math.hypot(binomial_se(before, n), binomial_se(after, n))
+  diff = after - before
+  return diff, (diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff)))
+
+
+def before_after_table(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+  """eval_full before and after GRPO side by side (the rows `Trainer.eval_full` returns)."""
+  n = after["eval_full/examples"]
+  diff, z = accuracy_change(before["eval_full/accuracy"], after["eval_full/accuracy"], n)
+  rows = [
+    (
+      "accuracy",
+      before["eval_full/accuracy"],
+      after["eval_full/accuracy"],
+      f"{diff:+.3f} ({z:+.1f} SE)",
+    ),
+    ("format", before["eval_full/format"], after["eval_full/format"], ""),
+    (
+      "completion length",
+      before["eval_full/completion_length"],
+      after["eval_full/completion_length"],
+      "",
+    ),
+  ]
+  lines = [
+    f"eval_full: {int(n)} examples, greedy pass@1",
+    f"  {'':<18}{'before GRPO':>12}{'after GRPO':>12}  change",
+  ]
+  lines += [f"  {name:<18}{b:>12.3f}{a:>12.3f}  {note}".rstrip() for name, b, a, note in rows]
+  return "\n".join(lines)

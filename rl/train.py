@@ -36,9 +36,9 @@ from rl.checkpointing import Checkpointer, CheckpointError
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
-from rl.evaluate import evaluate
+from rl.evaluate import before_after_table, evaluate
 from rl.evaluate import process_slice as _share
-from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options
+from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options, read_metrics
 from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
@@ -179,6 +179,7 @@ class Trainer:
     # warm-up, checkpointed with the run), kept only when the KL term is on.
     self.ref_params = jax.tree.map(jnp.copy, self.params) if train_cfg.beta > 0 else None
     self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
+    self.baseline: dict[str, float] | None = None  # eval_full before the first GRPO step
 
     self.timer, self.step_avg = StepTimer(), StepAverage(10)
     self.writer = MetricsWriter(
@@ -424,6 +425,9 @@ class Trainer:
     dropped = self.writer.rewind(start)
     if dropped:
       log(f"{self.writer.path}: dropped the rows of steps {sorted(set(dropped))} (they run again)")
+    if start and self.is_main and os.path.exists(self.writer.path):  # the pre-GRPO eval_full row
+      rows = [m for m in read_metrics(self.cfg.run.out_dir) if m.get("step") == 0]
+      self.baseline = next((m for m in rows if "eval_full/accuracy" in m), None)
     return start
 
   def run(self) -> dict[str, float]:
@@ -435,8 +439,9 @@ class Trainer:
       self.sft(cfg.train.warmup_sft_steps, progress)
       if self.ref_params is not None:  # the KL term anchors GRPO to the warmed-up policy
         self.ref_params = jax.tree.map(jnp.copy, self.params)
-      if cfg.eval.full_at_end or cfg.eval.full_every:  # the baseline GRPO starts from
-        self.writer.write(0, self.eval_full(progress))
+    if start == 0 and (cfg.eval.full_at_end or cfg.eval.full_every):  # what GRPO starts from
+      self.baseline = self.eval_full(progress)
+      self.writer.write(0, self.baseline)
     last: dict[str, float] = {}
     bar = tqdm(
       range(start, cfg.train.steps),
@@ -539,6 +544,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   finally:
     trainer.close()
   if trainer.is_main and "eval_full/accuracy" in metrics:
+    if trainer.baseline is not None:
+      print(before_after_table(trainer.baseline, metrics))
     print(
       f"eval_full/accuracy = {metrics['eval_full/accuracy']:.4f} "
       f"({int(metrics['eval_full/examples'])} examples)"

@@ -64,7 +64,7 @@ def _run(tmp_path, name, *overrides):
   return train.main(TINY + [f"run.out_dir={tmp_path / name}", *overrides])
 
 
-def test_two_step_run_writes_every_metric(tmp_path):
+def test_two_step_run_writes_every_metric(tmp_path, capsys):
   metrics = _run(
     tmp_path,
     "run",
@@ -84,6 +84,13 @@ def test_two_step_run_writes_every_metric(tmp_path):
   assert any("sft/loss" in m for m in lines) and any(
     "eval_full/accuracy" in m and m["step"] == 0 for m in lines
   )
+  # the console's last words: eval_full before and after GRPO side by side
+  before = next(m for m in lines if m["step"] == 0 and "eval_full/accuracy" in m)
+  out = capsys.readouterr().out
+  row = re.search(r"accuracy\s+([\d.]+)\s+([\d.]+)", out)
+  assert "before GRPO" in out and "after GRPO" in out and row, out
+  assert float(row[1]) == pytest.approx(before["eval_full/accuracy"], abs=5e-4)
+  assert float(row[2]) == pytest.approx(metrics["eval_full/accuracy"], abs=5e-4)
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   events = EventAccumulator(str(run_dir / "tb"))
