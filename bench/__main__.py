@@ -23,6 +23,7 @@ import sys
 
 from tqdm import tqdm
 
+from bench import loop as loop_bench
 from bench import report, roofline
 from bench import rollout as rollout_bench
 from bench.cases import SIZES, SUITES, all_cases
@@ -30,7 +31,8 @@ from bench.run import run_case
 from kernels import backend
 
 ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
-ALL_SUITES = SUITES + (ROLLOUT,)
+LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
+ALL_SUITES = SUITES + (ROLLOUT, LOOP)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -46,6 +48,7 @@ class BenchConfig:
   out: pathlib.Path | None = None  # default bench/results/<device kind>-<timestamp>
   profile: pathlib.Path | None = None  # capture a jax.profiler trace of the whole run here
   plots: bool = True
+  history: pathlib.Path | None = loop_bench.HISTORY  # the loop suite's rows (None: keep none)
 
   def __post_init__(self):
     if self.repeats < 1 or self.warmup < 0 or self.rollout_repeats < 1:
@@ -72,6 +75,9 @@ def parse_args(argv=None) -> BenchConfig:
   p.add_argument("--seed", type=int, default=BenchConfig.seed)
   p.add_argument("--no-measure-bandwidth", action="store_true", help="use datasheet peaks only")
   p.add_argument("--no-plots", action="store_true")
+  p.add_argument(
+    "--no-history", action="store_true", help="the loop suite compares and appends to no history"
+  )
   p.add_argument("--out", type=pathlib.Path)
   p.add_argument(
     "--profile",
@@ -95,6 +101,7 @@ def parse_args(argv=None) -> BenchConfig:
       a.out,
       a.profile,
       not a.no_plots,
+      None if a.no_history else loop_bench.HISTORY,
     )
   except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
     p.error(str(e))
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
-  kernel_suites = tuple(s for s in suites if s != ROLLOUT)
+  kernel_suites = tuple(s for s in suites if s not in (ROLLOUT, LOOP))
   cases = (
     [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
     if kernel_suites
@@ -146,6 +153,10 @@ def main(argv=None) -> int:
         print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
         rows, extra = rollout_bench.run(size, cfg.rollout_repeats)
         rollout_runs.append(dict(size=size, config=rollout_bench.SIZES[size], rows=rows, **extra))
+    if LOOP in suites:
+      print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)
+      row, cmp = loop_bench.run(history=cfg.history)
+      env["loop"] = {"row": row, "comparison": cmp}
   if profile_dir:
     env["profile"] = str(profile_dir)
   report.write(out, env, results, rollout_runs, plots=cfg.plots)
@@ -165,6 +176,8 @@ def main(argv=None) -> int:
     for r in run["rows"]
     if not r.ok
   ]
+  if LOOP in suites:
+    print("\n" + loop_bench.describe(env["loop"]["row"], env["loop"]["comparison"]))
   if failed:
     print(f"FAILED (parity or error): {failed}", file=sys.stderr)
   return 1 if failed else 0

@@ -175,6 +175,11 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
     rows = [rollout.RolloutBenchRow(**r) for r in run["rows"]]
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
     body += rollout.markdown(rows, run)
+  if env.get("loop"):
+    from bench import loop  # it imports this module (git_commit)
+
+    body += "\n\n## GRPO loop step time (regression benchmark, `bench/history/loop.jsonl`)\n\n"
+    body += loop.describe(env["loop"]["row"], env["loop"]["comparison"]) + "\n"
   figures = _plots(out_dir, env, cases, rollout_runs) if plots else []
   body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
   (out_dir / "summary.md").write_text(header + body + "\n")

@@ -126,11 +126,21 @@ def test_a_committed_report_re_renders_from_its_results_json(tmp_path):
   payload = json.loads((src / "results.json").read_text())
   broken = dict(payload["cases"][0], name="grpo_loss/broken/fwd", kernel=None, reference=None)
   payload["cases"].append(dict(broken, ok=False, speedup=None, error="ValueError: boom"))
+  row = dict(config="configs/cpu-default.yaml", timed_steps=10, device_kind="cpu", step_s=1.5)
+  row.update(step_s_min=1.2, step_s_max=2.0, rollout_s=0.7, update_s=0.6, date="d")
+  previous = dict(row, step_s=1.0, commit="0123456789abcdef")
+  payload["environment"]["loop"] = {
+    "row": row,
+    "comparison": {"previous": previous, "ratio": 1.5, "verdict": "regression"},
+  }
   (tmp_path / "results.json").write_text(json.dumps(payload))
   assert report.main([str(tmp_path)]) == 0
   summary = (tmp_path / "summary.md").read_text()
   assert "| grpo_loss/broken/fwd | failed: ValueError: boom |" in summary
   assert "| fused_linear | cpu-mid | N = 8 x 256 = 2048 tokens, vocabulary V = 16000" in summary
+  assert "## GRPO loop step time" in summary
+  assert "median 1.500 s [1.200, 2.000]" in summary and "1.50x the previous row" in summary
+  assert "commit 0123456789, d): regression" in summary
   for fig in ("roofline.png", "time_vs_size.png", "rollout.png"):
     assert (tmp_path / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({fig})" in summary
   with pytest.raises(SystemExit):
