@@ -38,7 +38,8 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class DataSection:
   dataset: Literal["synthetic", "gsm8k"] = "synthetic"
-  path: str | None = None  # gsm8k: a directory with train.jsonl / test.jsonl
+  # gsm8k: a directory with train.jsonl / test.jsonl (None: rl.data.gsm8k.DEFAULT_DIRS, the first found)
+  path: str | None = None
   template: str = "compact"  # rl.prompts.TEMPLATES
   train_limit: int | None = None  # keep the first N train examples (None: all)
   eval_limit: int | None = None  # eval_full on the first N test examples (None: the whole split)
@@ -47,10 +48,6 @@ class DataSection:
   synthetic_test: int = 200
 
   def __post_init__(self):
-    if self.dataset == "gsm8k" and not self.path:
-      raise ValueError(
-        "data.path must name the GSM8K directory (train.jsonl / test.jsonl) when data.dataset=gsm8k"
-      )
     for name in ("train_limit", "eval_limit"):
       check_range(f"data.{name}", getattr(self, name), ge=1, optional=True)
     for name in ("synthetic_train", "synthetic_test"):

@@ -36,6 +36,7 @@ from rl.checkpointing import Checkpointer, CheckpointError
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
+from rl.data.gsm8k import default_dir as gsm8k_default_dir
 from rl.evaluate import before_after_table, evaluate
 from rl.evaluate import process_slice as _share
 from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options, read_metrics
@@ -63,8 +64,9 @@ def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
   data_cfg = cfg.data
   if data_cfg.dataset == "gsm8k":
     with _reading("data.path", data_cfg.path):
-      train = load_gsm8k(data_cfg.path, "train", data_cfg.train_limit)
-      test = load_gsm8k(data_cfg.path, "test", data_cfg.eval_limit)
+      path = data_cfg.path or gsm8k_default_dir()
+      train = load_gsm8k(path, "train", data_cfg.train_limit)
+      test = load_gsm8k(path, "test", data_cfg.eval_limit)
   else:
     levels = data_cfg.synthetic_levels
     train = generate_synthetic(data_cfg.train_limit or data_cfg.synthetic_train, 1, levels)

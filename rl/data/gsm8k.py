@@ -16,6 +16,27 @@ class Example:
   gold: str  # the normalised final answer
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where `data.dataset=gsm8k` looks when `data.path` is not given, in order: a copy inside the checkout
+# (ignored by git), then the data directory shared beside it.
+DEFAULT_DIRS = (
+  os.path.join(_ROOT, "data", "gsm8k"),
+  os.path.join(os.path.dirname(_ROOT), "shared", "data", "gsm8k"),
+)
+
+
+def default_dir() -> str:
+  """The first of DEFAULT_DIRS holding a test.jsonl; FileNotFoundError listing them otherwise."""
+  for d in DEFAULT_DIRS:
+    if os.path.isfile(os.path.join(d, "test.jsonl")):
+      return d
+  raise FileNotFoundError(
+    "no GSM8K directory given and none found at "
+    + " or ".join(DEFAULT_DIRS)
+    + " (train.jsonl / test.jsonl): set data.path"
+  )
+
+
 def gold_answer(answer: str) -> str:
   """The normalised text after the last `####` of a GSM8K solution."""
   if "####" not in answer:

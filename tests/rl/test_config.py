@@ -49,7 +49,6 @@ def test_yaml_then_overrides(tmp_path):
     (["train.policy_loss_impl=chunked"], "fused_lm_head"),
     (["sampling.max_new_tokens=256"], "no room for a prompt"),
     (["reward.correct=0", "reward.format=0"], "nothing to learn"),
-    (["data.dataset=gsm8k"], "data.path"),
     (["eval.batch=0"], "eval.batch"),
     (["sampling.group_size=128"], "max_slots"),
     (["train.steps"], "key.sub=value"),

@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 from rl.data import generate_synthetic, gold_answer, load_gsm8k
+from rl.data import gsm8k as gsm8k_module
 from rl.rewards import correctness_reward, format_reward
 
 GSM8K = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
@@ -22,6 +23,18 @@ def test_real_gsm8k_splits():
   for ex in train + test:  # every gold answer scores 1 on its own worked solution
     assert correctness_reward(ex.answer, ex.gold) == 1.0
   assert len(load_gsm8k(GSM8K / "test.jsonl", limit=5)) == 5
+
+
+@needs_gsm8k
+def test_gsm8k_is_found_without_a_path():
+  """`data.dataset=gsm8k` alone: the copy beside the checkout is the default directory."""
+  assert pathlib.Path(gsm8k_module.default_dir()) == GSM8K
+
+
+def test_no_default_gsm8k_directory_names_the_places_searched(tmp_path, monkeypatch):
+  monkeypatch.setattr(gsm8k_module, "DEFAULT_DIRS", (str(tmp_path / "a"), str(tmp_path / "b")))
+  with pytest.raises(FileNotFoundError, match=r"none found at .*a or .*b .*set data\.path"):
+    gsm8k_module.default_dir()
 
 
 def test_gold_normalisation_and_errors(tmp_path):
