@@ -129,6 +129,7 @@ class Trainer:
     self.template = TEMPLATES[cfg.data.template]  # the config checked the name
     self.train_data, self.test_data = load_data(cfg)
     self._encoded: dict[str, list[int]] = {}
+    self._check_prompt_room()
 
     self.model = build_model(cfg, self.mesh)
     if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
@@ -194,6 +195,23 @@ class Trainer:
       configlib.dump(cfg, os.path.join(cfg.run.out_dir, "config.yaml"))
 
   # ---------------------------------------------------------------------------------------- data
+  def _check_prompt_room(self) -> None:
+    """A ConfigError now, before anything compiles, if the longest prompt of either split and
+    sampling.max_new_tokens do not fit rollout.max_seq_len (GSM8K's byte-level prompts reach ~930
+    tokens: the embedded default's 256 fits only the synthetic task)."""
+    longest = max(
+      (len(self.encode(e.question)), e.question) for e in (*self.train_data, *self.test_data)
+    )
+    need = longest[0] + self.cfg.sampling.max_new_tokens
+    if need > self.cfg.rollout.max_seq_len:
+      page = self.cfg.rollout.page_size
+      raise ConfigError(
+        f"rollout.max_seq_len={self.cfg.rollout.max_seq_len} is too short for "
+        f"data.dataset={self.cfg.data.dataset}: its longest prompt is {longest[0]} tokens, plus "
+        f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}; set rollout.max_seq_len >= "
+        f"{round_up(need, page)}"
+      )
+
   def encode(self, question: str) -> list[int]:
     if question not in self._encoded:
       self._encoded[question] = self.template.encode(question, self.tokenizer)

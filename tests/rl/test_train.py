@@ -178,6 +178,10 @@ def _final_weights(run_dir):
     (["sampling.top_p=2", "train.warmup_sft_steps=2"], r"sampling\.top_p must be in \(0, 1\]"),
     (["rollout.attn_impl=bogus", "train.warmup_sft_steps=2"], r"rollout: EngineConfig\.attn_impl"),
     (["train.learning_rate=nan"], "train.learning_rate"),
+    (
+      ["rollout.max_seq_len=64", "sampling.max_new_tokens=8"],
+      r"rollout\.max_seq_len=64 is too short",
+    ),
   ],
 )
 def test_bad_config_fails_before_compiling(tmp_path, overrides, match):
