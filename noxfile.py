@@ -114,6 +114,25 @@ def parity(session: nox.Session):
 
 
 @nox.session(**SHARED)
+def learning(session: nox.Session):
+  """Does the embedded default learn? Its run over seeds 0 1 2: training reward first vs last 10 steps,
+  eval_full before vs after GRPO in standard errors, reward_curve.png (mean and band over seeds).
+  Own config / seeds / overrides after --, e.g. -- --config configs/cpu-default.yaml --seeds 0 1."""
+  in_dev(
+    session,
+    "-m",
+    "bench.learning",
+    *(session.posargs or ["--config", "configs/cpu-default.yaml", "--seeds", "0", "1", "2"]),
+  )
+
+
+@nox.session(**SHARED)
+def loop(session: nox.Session):
+  """The loop step-time regression benchmark (bench/history/loop.jsonl; args after -- to bench.loop)."""
+  in_dev(session, "-m", "bench.loop", *session.posargs)
+
+
+@nox.session(**SHARED)
 def profile(session: nox.Session):
   """Traces into profiles/ (ignored by git): the bench (args after -- go to it) and 2 GRPO steps of the
   embedded loop, each summarised by bench.trace. Open them with `nox -s tensorboard -- profiles/<run>`."""
