@@ -255,13 +255,17 @@ def _compute(static: _Spec, h, w, ids, mask, adv, old, ref, sampler, num_items, 
   else:
     (lse, logp, entropy), _, _ = _sharded(static, _local_stats, False, h, w, ids, ())
   logp = logp.reshape(b, t)
-  loss, obj = objective(logp)
+  if with_grads and not one_pass:
+    # a token's weight depends on its whole sequence: g = d loss / d logp from the [B, T] objective,
+    # then the gradient pass over the vocabulary
+    (loss, obj), dlogp = jax.value_and_grad(objective, has_aux=True)(logp)
+    g = dlogp.reshape(-1) * (1.0 / spec.temperature)
+    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, (lse, g))
+  else:
+    loss, obj = objective(logp)
   aux = make_aux(mask, logp, entropy.reshape(b, t), obj)
   if not with_grads:
     return (loss, aux), None
-  if not one_pass:
-    g = jax.grad(lambda lp: objective(lp)[0])(logp).reshape(-1) * (1.0 / spec.temperature)
-    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, (lse, g))
   return (loss, aux), (dh.astype(h.dtype), dw.astype(w.dtype))
 
 

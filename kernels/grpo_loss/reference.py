@@ -1,8 +1,10 @@
 """The pure-JAX definition of the GRPO policy loss: the spec the Pallas kernels are tested against.
 
 Everything is computed in float32 whatever the logits dtype, with plain autodiff for gradients. The
-reduction (:func:`reduce_loss`) and the aux packaging (:func:`make_aux`) are shared with the kernel path:
-they are cheap [B, T] arithmetic, and the kernels only replace the per-token work over the vocabulary.
+policy objective (:func:`kernels.objective.policy_objective`), the reduction (:func:`reduce_loss`) and
+the aux packaging (:func:`make_aux`) are shared with the kernel paths (:func:`objective_and_loss`):
+they are cheap [B, T] arithmetic, and the kernels only replace the per-token log-softmax over the
+vocabulary.
 """
 
 from __future__ import annotations
