@@ -18,12 +18,15 @@ def policy_kwargs(rng, logp, options: dict, *, off_policy: bool, beta: float) ->
 
 def loss_scale(aux, mask, advantages, kw: dict) -> float:
   """The magnitude the GRPO loss's rounding is relative to: its largest per-token term
-  |A| * max(ratio, clip) + beta * KL. The loss is a weighted mean of such terms of either sign, so it
+  |A| * max(ratio, clip) * max(w, 1) + beta * KL (advantages: [B]). The loss is a weighted mean of such terms of either sign, so it
   can cancel to far below them (a 4.6e-4 loss from O(1) terms failed a check scaled by the result)."""
   logp = np.asarray(aux.per_token_logps, np.float64)
   old = kw.get("old_logps")
   ratio = np.exp(logp - np.asarray(old, np.float64)) if old is not None else np.ones_like(logp)
   ratio = np.maximum(ratio, 1.0 + kw.get("epsilon_high", 0.2))
+  weight = getattr(aux, "is_weight", None)  # importance weights (<= is_cap) scale the surrogate
+  if weight is not None:
+    ratio = ratio * np.maximum(np.asarray(weight, np.float64), 1.0)
   terms = np.abs(np.asarray(advantages, np.float64))[:, None] * ratio
   terms = terms + kw.get("beta", 0.0) * np.abs(np.asarray(aux.per_token_kl, np.float64))
   return float(np.max(np.where(np.asarray(mask), terms, 0.0), initial=0.0))

@@ -274,11 +274,20 @@ def test_default_clamp_is_bit_identical_where_inactive():
     return per_seq.mean()
 
   today, today_grad = jax.value_and_grad(todays_reference)(args[0])
-  now, _, now_grad = loss_and_grad(args, kw, impl="xla")
-  np.testing.assert_array_equal(now, today)
-  np.testing.assert_array_equal(
-    np.asarray(now_grad)[np.asarray(args[2])], np.asarray(today_grad)[np.asarray(args[2])]
+  unmasked = np.asarray(args[2])
+  spec = kernels.LossSpec(
+    beta=kw["beta"],
+    epsilon_low=kw["epsilon_low"],
+    epsilon_high=kw["epsilon_high"],
+    temperature=kw["temperature"],
   )
+  logps = {k: kw[k] for k in ("old_logps", "ref_logps")}
+  # keywords; an explicit LossSpec; sampler log-probs given without is_mode (a metric only): all are
+  # today's loss and gradient, bit for bit
+  for variant in (kw, dict(logps, spec=spec), dict(kw, sampler_logps=kw["old_logps"] - 0.3)):
+    now, _, now_grad = loss_and_grad(args, variant, impl="xla")
+    np.testing.assert_array_equal(now, today)
+    np.testing.assert_array_equal(np.asarray(now_grad)[unmasked], np.asarray(today_grad)[unmasked])
 
 
 # ------------------------------------------------------------------------------ values under jit
@@ -370,6 +379,26 @@ BAD_INPUTS = [
   (dict(loss_type="dapo", num_items_in_batch=-4.0), ValueError, "num_items_in_batch"),
   (dict(loss_type="dapo", num_items_in_batch=float("nan")), ValueError, "num_items_in_batch"),
   (dict(loss_type="dapo", num_items_in_batch=jnp.ones(2)), ValueError, "must be a scalar"),
+  # the LossSpec options and per-token advantages
+  (dict(is_mode="token_truncate"), ValueError, "is_mode='token_truncate' needs sampler_logps"),
+  (dict(is_mode="sequence_mask"), ValueError, "needs sampler_logps"),
+  (dict(is_mode="tis", sampler_logps=jnp.zeros((2, 3))), ValueError, "is_mode must be one of"),
+  (dict(is_cap=0.0), ValueError, r"is_cap must be finite and in \(0, inf\)"),
+  (dict(is_cap=-2.0), ValueError, "is_cap"),
+  (dict(epsilon_c=1.0), ValueError, r"epsilon_c must be finite and in \(1, inf\)"),
+  (dict(epsilon_c=0.9), ValueError, "epsilon_c"),
+  (dict(importance_sampling_level="seq"), ValueError, "importance_sampling_level must be one of"),
+  (dict(sampler_logps=jnp.zeros((2,))), ValueError, "sampler_logps must have shape"),
+  (dict(sampler_logps=jnp.zeros((3, 2))), ValueError, "sampler_logps must have shape"),
+  (dict(sampler_logps=jnp.full((2, 3), jnp.nan)), ValueError, "sampler_logps has 6 NaN or inf"),
+  (dict(sampler_logps=[[0.0, 0.0, float("-inf")]] * 2), ValueError, "sampler_logps has 2 NaN"),
+  (dict(advantages=jnp.ones((2, 4))), ValueError, "advantages must have shape"),
+  (dict(advantages=jnp.ones((2, 3, 1))), ValueError, "advantages must have shape"),
+  (dict(advantages=jnp.full((2, 3), jnp.inf)), ValueError, "advantages has 6 NaN or inf"),
+  (dict(spec=kernels.LossSpec(beta=0.0), beta=0.5), ValueError, "beta=0.5 conflicts with spec"),
+  (dict(spec=kernels.LossSpec(), loss_type="dapo"), ValueError, "loss_type='dapo' conflicts"),
+  (dict(spec="grpo"), TypeError, "spec must be a kernels.LossSpec"),
+  (dict(spec=kernels.LossSpec(is_mode="token_mask")), ValueError, "needs sampler_logps"),
 ]
 
 

@@ -15,7 +15,7 @@ from kernels.grpo_loss import LossBlocks
 
 
 def lower_loss(
-  platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04, impl="pallas"
+  platform, shape, *, grad: bool, blocks=None, off_policy=True, beta=0.04, impl="pallas", **options
 ):
   b, t, v = shape.batch, shape.seq, shape.vocab
   specs = [
@@ -25,9 +25,10 @@ def lower_loss(
     jax.ShapeDtypeStruct((b,), jnp.float32),
     jax.ShapeDtypeStruct((b, t), jnp.float32),
     jax.ShapeDtypeStruct((b, t), jnp.float32),
+    jax.ShapeDtypeStruct((b, t), jnp.float32),
   ]
 
-  def loss(logits, ids, mask, adv, old, ref):
+  def loss(logits, ids, mask, adv, old, ref, sampler):
     return kernels.grpo_loss(
       logits,
       ids,
@@ -35,9 +36,11 @@ def lower_loss(
       adv,
       old_logps=old if off_policy else None,
       ref_logps=ref,
+      sampler_logps=sampler if options.get("is_mode") else None,
       beta=beta,
       impl=impl,
       blocks=blocks,
+      **options,
     )[0]
 
   fn = jax.grad(loss) if grad else loss
@@ -68,6 +71,23 @@ def test_mosaic_gpu_loss_lowers_at_production_shape(shape_name, grad):
   assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text  # no Triton kernel on this path
 
 
+# The sequence-level options (importance weights per sequence, GSPO ratio) and the dual clip: the
+# per-sequence sums are [B, T] XLA math around the same two kernels.
+SPEC_OPTIONS = dict(
+  is_mode="sequence_truncate", importance_sampling_level="sequence", epsilon_c=3.0, is_cap=2.0
+)
+
+
+@pytest.mark.parametrize(
+  "platform,impl", [("tpu", "pallas"), ("gpu", "pallas"), ("gpu", "mosaic_gpu")]
+)
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+def test_loss_spec_options_lower_at_production_shape(platform, impl, shape_name):
+  text = lower_loss(platform, LOSS_SHAPES[shape_name], grad=True, impl=impl, **SPEC_OPTIONS)
+  marker = backend.MOSAIC_GPU_MARKER if impl == "mosaic_gpu" else None
+  assert text.count(marker or backend.LOWERED_KERNEL_MARKERS[platform]) == 2
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_on_policy_lowers(platform):
   text = lower_loss(platform, LOSS_SHAPES["qwen2.5-8k"], grad=True, off_policy=False, beta=0.0)
@@ -83,7 +103,7 @@ def test_mosaic_itself_rejects_what_our_check_rejects():
   assert "tpu_custom_call" in lower_loss("tpu", shape, grad=False, blocks=LossBlocks(8, 1024))
 
 
-def lower_fused_linear(platform, shape, impl, *, grad: bool):
+def lower_fused_linear(platform, shape, impl, *, grad: bool, **options):
   b, t, hd, v = shape.batch, shape.seq, shape.hidden, shape.vocab
   dtype = jnp.dtype(shape.dtype)
   specs = [
@@ -93,10 +113,14 @@ def lower_fused_linear(platform, shape, impl, *, grad: bool):
     jax.ShapeDtypeStruct((b, t), jnp.bool_),
     jax.ShapeDtypeStruct((b,), jnp.float32),
     jax.ShapeDtypeStruct((b, t), jnp.float32),
+    jax.ShapeDtypeStruct((b, t), jnp.float32),
   ]
 
-  def loss(h, w, ids, mask, adv, old):
-    return kernels.fused_linear_grpo_loss(h, w, ids, mask, adv, old_logps=old, impl=impl)[0]
+  def loss(h, w, ids, mask, adv, old, sampler):
+    s = sampler if options.get("is_mode") else None
+    return kernels.fused_linear_grpo_loss(
+      h, w, ids, mask, adv, old_logps=old, sampler_logps=s, impl=impl, **options
+    )[0]
 
   fn = jax.value_and_grad(loss, argnums=(0, 1)) if grad else loss
   target = backend.make_target(platform, interpret=False)
@@ -113,6 +137,17 @@ def test_fused_linear_lowers_at_production_shape(platform, impl, grad_kernels, g
   kernel; differentiated, the gradient kernels too (pallas: dhidden + dweight; chunked: softmax grad)."""
   text = lower_fused_linear(platform, LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"], impl, grad=grad)
   assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == (grad_kernels if grad else 1)
+
+
+@pytest.mark.parametrize(
+  "platform,impl,grad_kernels", [("tpu", "pallas", 3), ("tpu", "chunked", 2), ("gpu", "chunked", 2)]
+)
+def test_fused_linear_spec_options_lower_at_production_shape(platform, impl, grad_kernels):
+  """Sequence-level options: the chunked path runs its statistics kernel in a first pass and the
+  softmax-gradient kernel in a second one (recomputing the logits), the same kernels as in one pass."""
+  shape = LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"]
+  text = lower_fused_linear(platform, shape, impl, grad=True, **SPEC_OPTIONS)
+  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == grad_kernels
 
 
 @pytest.mark.parametrize(

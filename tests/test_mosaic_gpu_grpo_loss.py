@@ -19,6 +19,7 @@ from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks, default_blocks
 from kernels.grpo_loss.reference import LOSS_TYPES
 from tests.problems import assert_loss_parity
 from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
+from tests.test_grpo_loss_options import options_problem
 
 # Smallest legal vocab tile per dtype: 128 bytes (the swizzle width).
 MIN_BV = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}
@@ -62,6 +63,17 @@ def test_parity_ragged_shapes(b, t, v, bv_mult, stages, dtype, option, loss_type
   args, kw = make_problem(b, t, v, dtype, **OPTIONS[option])
   blocks = MosaicLossBlocks(64, bv_mult * MIN_BV[jnp.dtype(dtype)], stages)
   assert_parity(args, kw, blocks=blocks, loss_types=(loss_type,))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+  "option", ["mis_sequence_gspo", "dual_clip_seq_trunc", "gspo_on_policy_kl"]
+)
+def test_parity_loss_spec_options(dtype, option):
+  """The LossSpec options (the shared [B, T] objective on the kernel's logp): values, aux and dlogits
+  for every loss type, over several pipelined tiles."""
+  args, kw = options_problem(3, 5, 300, dtype, option, seed=4)
+  assert_parity(args, kw, blocks=MosaicLossBlocks(64, 2 * MIN_BV[jnp.dtype(dtype)], 2))
 
 
 def test_default_blocks_fit_and_are_legal():
