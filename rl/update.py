@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
+from rl import mismatch
 from rl.model.partition import path_name
 
 Objective = Literal["grpo", "sft"]
@@ -39,6 +40,7 @@ Objective = Literal["grpo", "sft"]
 # clipping + the optimizer. Backward ops carry `transpose(` in their scope path (how JAX names VJPs).
 LOSS_SCOPE = "grpo_loss_and_grads"
 OPTIMIZER_SCOPE = "grpo_optimizer"
+MISMATCH_SUM = "mismatch_sum/"  # micro-batch sums of rl.mismatch, reduced after the scan
 
 
 class Batch(NamedTuple):
@@ -49,6 +51,7 @@ class Batch(NamedTuple):
   advantages: jax.Array  # [K, M] f32 (ones for SFT)
   old_logps: jax.Array | None = None  # [K, M, C] f32: the policy before this step's first epoch
   ref_logps: jax.Array | None = None  # [K, M, C] f32: the reference model, when beta > 0
+  sampler_logps: jax.Array | None = None  # [K, M, C] f32: the rollout engine's, 0 on padding
 
 
 def pack(
@@ -183,6 +186,10 @@ def _micro_loss(
     "kl": jnp.sum(aux.per_token_kl),
     "clip_fraction": jnp.sum(aux.is_clipped.astype(jnp.float32)),
   }
+  if mb.sampler_logps is not None:  # the engine's log-probs against the loss's `old`
+    old = mb.old_logps if mb.old_logps is not None else aux.per_token_logps
+    found = mismatch.mismatch_sums(mb.sampler_logps, jax.lax.stop_gradient(old), mask)
+    sums.update({MISMATCH_SUM + k: v for k, v in found.items()})
   return loss, sums
 
 
@@ -192,7 +199,9 @@ def batch_loss_and_grads(
   """Sum over the K micro-batches (a scan) of each one's scaled loss and gradient.
 
   Returns (grads like params, metrics): metrics are global-batch means per completion token (entropy,
-  KL, clip fraction) and the total loss.
+  KL, clip fraction), the total loss, and with `batch.sampler_logps` the `rl.mismatch` statistics of
+  the engine's log-probs against the loss's `old` (`mismatch/*`; with ppo_epochs = 1 `old` is the
+  trainer's own forward, so they measure exactly the engine's mismatch).
   """
   num_seqs = batch.tokens.shape[0] * batch.tokens.shape[1]
   completion_mask = batch.attention_mask[..., -settings.completion_len :]
@@ -208,7 +217,10 @@ def batch_loss_and_grads(
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, sums = jax.lax.scan(micro, zeros, batch)
-  metrics = {k: jnp.sum(v) for k, v in sums.items()}
+  found = {k[len(MISMATCH_SUM) :]: v for k, v in sums.items() if k.startswith(MISMATCH_SUM)}
+  metrics = {k: jnp.sum(v) for k, v in sums.items() if not k.startswith(MISMATCH_SUM)}
+  if found:
+    metrics.update(mismatch.finish(mismatch.reduce_sums(found)))
   for k in ("entropy", "kl", "clip_fraction"):
     if k in metrics:
       metrics[k] = metrics[k] / num_tokens

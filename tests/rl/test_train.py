@@ -54,6 +54,10 @@ REQUIRED = [
   "train/grad_norm",
   "train/nonfinite_steps",
   "completion/length_mean",
+  "mismatch/abs_log_ratio_mean",  # the engine's log-probs against the trainer's (issue 18)
+  "mismatch/abs_log_ratio_max",
+  "mismatch/k3_kl",
+  "mismatch/exp_abs_log_ratio_mean",
   "eval/accuracy",
   "eval_full/accuracy",
   "time/eval_full/step_s",

@@ -9,6 +9,7 @@ from flax import nnx
 
 from bench.tolerances import assert_close
 from rl import update as U
+from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, shard_model
 from rl.sharding import make_mesh
 from rl.update import pack
@@ -60,6 +61,30 @@ def test_micro_batches_sum_to_the_global_batch_loss(loss_type):
     gk, mk = _grads(model, _batch(tokens, mask, adv, k, **extra), s)
     assert_close(mk["loss"], m1["loss"], "value", jnp.float32, tokens.size)
     _assert_grads_close(gk, g1, tokens.size)
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "old_logps"])
+def test_mismatch_metrics_of_the_sampler_logps(off_policy):
+  """With the engine's log-probs in the batch the step reports rl.mismatch's statistics against the
+  loss's `old` (the trainer's own forward on-policy, else old_logps), the same for K = 1, 2, 4
+  micro-batches (a max is not summed), and the loss and gradients do not change."""
+  model, rng, tokens, mask, adv = _problem(4)
+  s = U.LossSettings(C, impl="xla")
+  logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0))
+  comp_mask = mask[:, -C:]
+  sampler = np.where(comp_mask, logp + rng.normal(scale=0.3, size=logp.shape), 0.0)
+  old = np.where(comp_mask, logp + rng.normal(scale=0.1, size=logp.shape), 0.0)
+  extra = dict(old_logps=old.astype(np.float32)) if off_policy else {}
+  want = mismatch_metrics(sampler, old if off_policy else logp, comp_mask)
+  g0, m0 = _grads(model, _batch(tokens, mask, adv, 1, **extra), s)
+  for k in (1, 2, 4):
+    g, m = _grads(model, _batch(tokens, mask, adv, k, sampler_logps=sampler, **extra), s)
+    assert set(want) <= set(m)
+    for key, value in want.items():
+      assert_close(m[key], value, "value", jnp.float32, tokens.size, err_msg=f"K={k} {key}")
+    assert_close(m["loss"], m0["loss"], "value", jnp.float32, tokens.size)
+    _assert_grads_close(g, g0, tokens.size)
+  assert not any(key.startswith("mismatch") for key in m0)  # no sampler log-probs: no statistics
 
 
 def test_micro_batch_loss_is_not_a_mean_of_micro_batch_means():
