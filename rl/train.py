@@ -160,11 +160,7 @@ class Trainer:
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
-      loss_type=train_cfg.loss_type,
-      beta=train_cfg.beta,
-      epsilon_low=train_cfg.epsilon_low,
-      epsilon_high=train_cfg.epsilon_high,
-      temperature=cfg.sampling.temperature,
+      spec=cfg.loss_spec,
       impl=train_cfg.policy_loss_impl,
       fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,

@@ -9,7 +9,13 @@ position P - 1 + t scores completion token t for every row.
 The loss is normalised over the whole global batch, never per micro-batch: each micro-batch's loss is
 scaled so that the K terms sum to the loss of the full batch, hence the summed gradients are the full
 batch's gradient whatever K is (tested). `bnpo` and `dapo` both divide by the global count of
-completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean).
+completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean):
+dapo through the kernel's `num_items_in_batch`, bnpo (which divides by its own call's tokens) by
+rescaling each micro-batch's loss by its token count over the global one.
+
+The loss is one `kernels.LossSpec` (`LossSettings.spec`), passed to the kernel as is; with the
+rollout engine's log-probs in the batch (`Batch.sampler_logps`) its importance correction (`is_mode`)
+can act, and the step reports the engine's mismatch (`rl.mismatch`).
 
 An update whose loss or gradient norm is not finite (or whose new weights would not be) is skipped
 inside the compiled step: weights and optimizer state come back unchanged and the `nonfinite` metric is
@@ -80,20 +86,30 @@ def pack(
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-  """The static part of the loss (hashable: compiled into the step)."""
+  """The static part of the loss (hashable: compiled into the step). `spec` is the policy loss
+  (kernels.LossSpec: loss type, epsilons, beta, temperature, the mismatch options); its
+  max_completion_length is the batch's C (None is filled in, any other value is an error)."""
 
   completion_len: int  # C
-  loss_type: str = "grpo"
-  beta: float = 0.0
-  epsilon_low: float = 0.2
-  epsilon_high: float = 0.2
-  temperature: float = 1.0
+  spec: kernels.LossSpec = dataclasses.field(default_factory=kernels.LossSpec)
   impl: str = "auto"  # kernels.grpo_loss / fused_linear_grpo_loss impl
   fused_lm_head: bool = False
   vocab_axis: str | None = None  # tensor-parallel vocabulary axis of the fused loss (with `mesh`)
   mesh: Any = None
 
   def __post_init__(self):
+    if not isinstance(self.spec, kernels.LossSpec):
+      raise TypeError(
+        f"LossSettings.spec must be a kernels.LossSpec, got {type(self.spec).__name__}"
+      )
+    if self.spec.max_completion_length is None:
+      spec = dataclasses.replace(self.spec, max_completion_length=self.completion_len)
+      object.__setattr__(self, "spec", spec)
+    elif self.spec.max_completion_length != self.completion_len:
+      raise ValueError(
+        f"spec.max_completion_length={self.spec.max_completion_length} differs from the batch's "
+        f"completion_len={self.completion_len}"
+      )
     if self.impl == "chunked" and not self.fused_lm_head:
       raise ValueError("policy_loss_impl='chunked' is a fused-LM-head path: set fused_lm_head=true")
 
@@ -147,21 +163,20 @@ def _micro_loss(
       "entropy": jnp.sum(jnp.where(mask, entropy, 0.0)),
     }
   # Scale factors that make the K micro-batch losses sum to the global-batch loss.
-  kernel_type, scale, items = {
-    "grpo": ("grpo", rows / num_seqs, None),  # mean over sequences of per-sequence means
-    "dr_grpo": ("dr_grpo", rows / num_seqs, None),  # sum / (N * C)
-    "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
-    "dapo": ("dapo", 1.0, num_tokens),
-  }[settings.loss_type]
+  spec = settings.spec
+  items = num_tokens if spec.loss_type == "dapo" else None
+  scale = {
+    "grpo": rows / num_seqs,  # mean over sequences of per-sequence means
+    "dr_grpo": rows / num_seqs,  # sum / (N * C)
+    # the kernel divides by the micro-batch's tokens: rescaled to the global count
+    "bnpo": jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) / num_tokens,
+    "dapo": 1.0,  # sum / num_items_in_batch = global tokens
+  }[spec.loss_type]
   kw = dict(
     old_logps=mb.old_logps,
     ref_logps=mb.ref_logps,
-    beta=settings.beta,
-    epsilon_low=settings.epsilon_low,
-    epsilon_high=settings.epsilon_high,
-    temperature=settings.temperature,
-    loss_type=kernel_type,
-    max_completion_length=settings.completion_len,
+    sampler_logps=mb.sampler_logps,
+    spec=spec,
     num_items_in_batch=items,
     impl=settings.impl,
   )
@@ -188,7 +203,14 @@ def _micro_loss(
   }
   if mb.sampler_logps is not None:  # the engine's log-probs against the loss's `old`
     old = mb.old_logps if mb.old_logps is not None else aux.per_token_logps
-    found = mismatch.mismatch_sums(mb.sampler_logps, jax.lax.stop_gradient(old), mask)
+    weighted = spec.is_mode is not None  # else is_weight is 1, not a weight of the ratio
+    found = mismatch.mismatch_sums(
+      mb.sampler_logps,
+      jax.lax.stop_gradient(old),
+      mask,
+      aux.is_weight if weighted else None,
+      is_level=spec.is_mode.split("_")[0] if weighted else "token",
+    )
     sums.update({MISMATCH_SUM + k: v for k, v in found.items()})
   return loss, sums
 
