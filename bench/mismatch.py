@@ -12,7 +12,9 @@ the k3 estimator (`rl.mismatch`), and mean exp|r|. With top-k / top-p the engine
 under the truncated, renormalised distribution it drew from (`rl.rollout.sampling`), while the trainer
 scores the full softmax: that row's mismatch is mostly the filter's own (r = log of the kept mass <= 0)
 and is expected. The `filtered` columns separate the two: the max |r| and k3 against the trainer's
-logits passed through the same filter, which leaves only the engine's numerical mismatch.
+logits passed through the same filter, which leaves only the engine's numerical mismatch, and the
+count of drawn tokens outside the trainer's filtered set (its logits round differently at the edge of
+the top-k / nucleus: in bf16 on a kernel other than the trainer's).
 
 Engines: "paged", "dense", "sglang_jax" (skipped, with the reason, where sglang-jax is not installed or
 the model's head_dim is not 128: use --size h128), and "paged:<attn_impl>" for a paged decode attention
@@ -52,6 +54,12 @@ SIZES = {
   ),
 }
 ENGINES = ("paged", "dense", "sglang_jax")
+NOTE = (
+  "|dlogp| = |trainer - sampler| in nats over every completion token; k3 KL = KL(sampler || trainer). "
+  "With top-k / top-p the engine reports the log-prob of the truncated, renormalised distribution it "
+  "drew from, so that row's mismatch is the filter's and expected; the `filtered` columns compare "
+  "with the trainer's logits under the same filter (the engine's numerical mismatch alone)."
+)
 DTYPES = ("bfloat16", "float32")
 # name -> (top_k, top_p); temperature 1 everywhere, the trainer's
 SAMPLINGS = {"plain": (0, 1.0), "top-k 20 + top-p 0.9": (20, 0.9)}
@@ -70,6 +78,7 @@ class MismatchRow:
   exp_abs_mean: float  # mean exp|trainer - sampler|
   filtered_abs_max: float  # against the trainer's logits under the same top-k / top-p
   filtered_k3_kl: float
+  filtered_outside: int  # drawn tokens the trainer's filter excludes (its set differs at the edge)
   skipped: str | None = None  # why the engine did not run
 
 
@@ -149,7 +158,10 @@ def measure(model, result: RolloutResult, size: dict, top_k: int, top_p: float) 
   plain, filtered = trainer_logps(model, result, size, top_k, top_p)
   _, mask, sampler = result.padded(size["new_tokens"])
   stats = {k: float(v) for k, v in mismatch_metrics(sampler, plain, mask).items()}
-  vs_filtered = mismatch_metrics(sampler, np.where(mask, filtered, 0.0), mask)
+  # a token the engine kept may fall outside the trainer's top-k / nucleus (-inf there) when their
+  # logits round differently at the set's edge: counted apart, the statistics are over the rest
+  inside = mask & np.isfinite(filtered)
+  vs_filtered = mismatch_metrics(sampler, np.where(inside, filtered, 0.0), inside)
   diff = np.abs(plain - sampler)[mask]
   return dict(
     tokens=int(mask.sum()),
@@ -160,6 +172,7 @@ def measure(model, result: RolloutResult, size: dict, top_k: int, top_p: float) 
     exp_abs_mean=stats["mismatch/exp_abs_log_ratio_mean"],
     filtered_abs_max=float(vs_filtered["mismatch/abs_log_ratio_max"]),
     filtered_k3_kl=float(vs_filtered["mismatch/k3_kl"]),
+    filtered_outside=int((mask & ~inside).sum()),
   )
 
 
@@ -173,7 +186,7 @@ def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLING
     for name in sorted(engines, key=lambda e: e.startswith("sglang_jax")):
       reason = skip_reason(name, model.cfg)
       if reason:
-        rows.append(MismatchRow(name, dtype, "-", 0, *[float("nan")] * 7, skipped=reason))
+        rows.append(MismatchRow(name, dtype, "-", 0, *[float("nan")] * 7, 0, skipped=reason))
         continue
       engine = make(model, size, name)
       try:
@@ -191,17 +204,17 @@ def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLING
 def markdown(rows: list[MismatchRow]) -> str:
   lines = [
     "| engine | dtype | sampling | tokens | mean abs(dlogp) | p99 | max | k3 KL | mean exp abs(dlogp) "
-    "| filtered: max | filtered: k3 KL |",
-    "|" + "---|" * 11,
+    "| filtered: max | filtered: k3 KL | filtered: outside |",
+    "|" + "---|" * 12,
   ]
   for r in rows:
     if r.skipped:
-      lines.append(f"| {r.engine} | {r.dtype} | skipped: {r.skipped} |" + " |" * 8)
+      lines.append(f"| {r.engine} | {r.dtype} | skipped: {r.skipped} |" + " |" * 9)
       continue
     lines.append(
       f"| {r.engine} | {r.dtype} | {r.sampling} | {r.tokens} | {r.abs_mean:.2g} | {r.abs_p99:.2g} "
-      f"| {r.abs_max:.2g} | {r.k3_kl:.2g} | {r.exp_abs_mean:.6g} | {r.filtered_abs_max:.2g} "
-      f"| {r.filtered_k3_kl:.2g} |"
+      f"| {r.abs_max:.2g} | {r.k3_kl:.2g} | {r.exp_abs_mean:.4g} | {r.filtered_abs_max:.2g} "
+      f"| {r.filtered_k3_kl:.2g} | {r.filtered_outside} |"
     )
   return "\n".join(lines)
 
