@@ -4,7 +4,7 @@
     python -m bench.paged_precision            # bf16 and f32, the rollout bench's small CPU workload
     python -m bench.paged_precision --pallas   # also the Pallas kernel (CPU: the interpreter, slow)
 
-  * "model attention": the fix, and what "auto" runs on CPU: the model's `rl.model.cache.attention`
+  * "model attention": the fix, what attn_impl "xla" (and "auto" on CPU) runs: the model's `rl.model.cache.attention`
     over the gathered pages (softmax in f32, probabilities rounded to the compute dtype, then PV);
   * "kernel xla reference": what the engine ran before: `kernels.paged_attention(impl="xla")`, whose
     probabilities and V stay f32 for the PV product;
@@ -55,8 +55,8 @@ VARIANTS = ("model attention", "kernel xla reference", "pallas kernel")
 
 def engine(model, variant: str):
   config = bench_engine(model, "small", "paged").config
-  if variant == "model attention":
-    return PagedEngine(model, config, eos_ids=[])
+  if variant == "model attention":  # "xla": also on TPU / GPU, where "auto" is the kernel
+    return PagedEngine(model, dataclasses.replace(config, attn_impl="xla"), eos_ids=[])
   if variant == "pallas kernel":
     return PagedEngine(model, dataclasses.replace(config, attn_impl="pallas"), eos_ids=[])
   return KernelReferenceEngine(model, config, eos_ids=[])
