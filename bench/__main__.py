@@ -8,7 +8,8 @@ Examples::
     python -m bench --profile                        # also a jax.profiler trace in profiles/bench-<time>/
 
 Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
-time_vs_size.png and rollout.png.
+time_vs_size.png and rollout.png. The ``mismatch`` suite adds each rollout engine's log-prob mismatch
+against the trainer (bench/mismatch.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from tqdm import tqdm
 
 from bench import loop as loop_bench
+from bench import mismatch as mismatch_bench
 from bench import report, roofline
 from bench import rollout as rollout_bench
 from bench.cases import SIZES, SUITES, all_cases
@@ -32,7 +34,8 @@ from kernels import backend
 
 ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
 LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
-ALL_SUITES = SUITES + (ROLLOUT, LOOP)
+MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
+ALL_SUITES = SUITES + (ROLLOUT, MISMATCH, LOOP)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
-  kernel_suites = tuple(s for s in suites if s not in (ROLLOUT, LOOP))
+  kernel_suites = tuple(s for s in suites if s not in (ROLLOUT, MISMATCH, LOOP))
   cases = (
     [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
     if kernel_suites
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     f"{', interpret mode' if target.interpret else ''})",
     flush=True,
   )
-  results, rollout_runs = [], []
+  results, rollout_runs, mismatch_runs = [], [], []
   with _profiling(cfg.profile, stamp) as profile_dir:
     for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
       bar.set_description(case.name)
@@ -157,12 +160,19 @@ def main(argv=None) -> int:
       print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)
       row, cmp = loop_bench.run(history=cfg.history)
       env["loop"] = {"row": row, "comparison": cmp}
+    if MISMATCH in suites:
+      for size in (s for s in sizes if s in mismatch_bench.SIZES):
+        print(f"mismatch suite ({size}): engines vs the trainer ...", file=sys.stderr, flush=True)
+        rows = mismatch_bench.run(size)
+        mismatch_runs.append(dict(size=size, config=mismatch_bench.SIZES[size], rows=rows))
   if profile_dir:
     env["profile"] = str(profile_dir)
-  report.write(out, env, results, rollout_runs, plots=cfg.plots)
+  report.write(out, env, results, rollout_runs, plots=cfg.plots, mismatch_runs=mismatch_runs)
   print(report.markdown_table(results))
   for run in rollout_runs:
     print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))
+  for run in mismatch_runs:
+    print(f"\nengine mismatch ({run['size']}):\n" + mismatch_bench.markdown(run["rows"]))
   print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
   if profile_dir:
     print(

@@ -16,7 +16,7 @@ import subprocess
 
 import jax
 
-from bench import rollout
+from bench import mismatch, rollout
 from bench.roofline import DevicePeaks
 from bench.run import CaseResult
 
@@ -140,6 +140,7 @@ def write(
   results: list[CaseResult],
   rollout_runs: list[dict] = (),
   plots: bool = True,
+  mismatch_runs: list[dict] = (),
 ) -> pathlib.Path:
   """results.json, then summary.md and (with `plots`) the figures rendered from it (`render`)."""
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,6 +148,10 @@ def write(
     dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs
   ]
   payload = {"environment": env, "cases": [as_dict(r) for r in results], "rollout": rollout_json}
+  if mismatch_runs:
+    payload["mismatch"] = [
+      dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in mismatch_runs
+    ]
   (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
   return render(out_dir, plots=plots)
 
@@ -180,6 +185,12 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
 
     body += "\n\n## GRPO loop step time (regression benchmark, `bench/history/loop.jsonl`)\n\n"
     body += loop.describe(env["loop"]["row"], env["loop"]["comparison"]) + "\n"
+  for run in payload.get("mismatch", []):
+    rows = [mismatch.MismatchRow(**r) for r in run["rows"]]
+    body += (
+      f"\n\n## Engine log-probs vs the trainer ({run['size']}: {_rollout_shape(run['config'])})"
+    )
+    body += f"\n\n{mismatch.NOTE}\n\n" + mismatch.markdown(rows)
   figures = _plots(out_dir, env, cases, rollout_runs) if plots else []
   body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
   (out_dir / "summary.md").write_text(header + body + "\n")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES, LossSpec
 from rl.configlib import check_range
 from rl.data.synthetic import LEVELS
 from rl.prompts import TEMPLATES
 from rl.rollout.config import EngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,13 @@ class TrainSection:
   beta: float = 0.0  # KL weight; a reference model is kept only when > 0
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
+  # The mismatch-aware loss (kernels.LossSpec; the README gives the formulas). The rollout engine's
+  # log-probs always reach the loss; is_mode corrects for them (TIS / MIS), null: off.
+  is_mode: IsMode | None = None
+  is_cap: float = 2.0  # the importance weight's truncation / masking threshold
+  importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+  epsilon_c: float | None = None  # dual-clip PPO (> 1); null: off
+  max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO  # clamp before exp; null: off
   optimizer: Literal["adamw", "lion"] = "adamw"
   fused_optimizer: bool = True
   learning_rate: float = 1e-5
@@ -129,6 +138,16 @@ class TrainSection:
     # The clip range is [1 - epsilon_low, 1 + epsilon_high]: a ratio is never negative.
     check_range("train.epsilon_low", self.epsilon_low, ge=0, lt=1)
     check_range("train.epsilon_high", self.epsilon_high, ge=0)
+    if self.is_mode not in IS_MODES:
+      raise ValueError(f"train.is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}")
+    if self.importance_sampling_level not in ("token", "sequence"):
+      raise ValueError(
+        "train.importance_sampling_level must be one of ['token', 'sequence'], got "
+        f"{self.importance_sampling_level!r}"
+      )
+    check_range("train.is_cap", self.is_cap, gt=0)
+    check_range("train.epsilon_c", self.epsilon_c, gt=1, optional=True)
+    check_range("train.max_log_ratio", self.max_log_ratio, gt=0, optional=True)
     check_range("train.weight_decay", self.weight_decay, ge=0)
     check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
     check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
@@ -255,6 +274,24 @@ class GRPOConfig:
       raise ValueError("every reward weight is 0: nothing to learn from")
     if -1 not in (self.mesh.dp, self.mesh.fsdp, self.mesh.tp):
       self.grad_accum_steps  # noqa: B018 (validates now; with a -1 axis once the devices are known)
+
+  @property
+  def loss_spec(self) -> LossSpec:
+    """The policy loss the update computes (the sampling temperature scales the trainer's logits)."""
+    t = self.train
+    return LossSpec(
+      loss_type=t.loss_type,
+      epsilon_low=t.epsilon_low,
+      epsilon_high=t.epsilon_high,
+      beta=t.beta,
+      temperature=self.sampling.temperature,
+      max_log_ratio=t.max_log_ratio,
+      is_mode=t.is_mode,
+      is_cap=t.is_cap,
+      importance_sampling_level=t.importance_sampling_level,
+      epsilon_c=t.epsilon_c,
+      max_completion_length=self.sampling.max_new_tokens,
+    )
 
   @property
   def sequences_per_step(self) -> int:

@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kernels.optim import partition_specs_of
-from rl import configlib, rewards, sharding
+from rl import configlib, mismatch, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
 from rl.checkpointing import Checkpointer, CheckpointError
 from rl.config import GRPOConfig
@@ -163,11 +163,7 @@ class Trainer:
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
-      loss_type=train_cfg.loss_type,
-      beta=train_cfg.beta,
-      epsilon_low=train_cfg.epsilon_low,
-      epsilon_high=train_cfg.epsilon_high,
-      temperature=cfg.sampling.temperature,
+      spec=cfg.loss_spec,
       impl=train_cfg.policy_loss_impl,
       fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,
@@ -243,12 +239,19 @@ class Trainer:
     if self.rollout_model is not self.model:
       nnx.update(self.rollout_model, self._local_params())
 
-  def _to_batch(self, tokens: np.ndarray, mask: np.ndarray, advantages: np.ndarray) -> Batch:
-    """This process's [N_local, T] rows -> the global [K, M, T] batch."""
+  def _to_batch(
+    self,
+    tokens: np.ndarray,  # [N_local, T]
+    mask: np.ndarray,  # [N_local, T]
+    advantages: np.ndarray,  # [N_local]
+    sampler_logps: np.ndarray | None = None,  # [N_local, C] the engine's, 0 on padding
+  ) -> Batch:
+    """This process's rows -> the global [K, M, ...] batch."""
     k = self.cfg.grad_accum_steps
     shape = lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
     put = lambda x: sharding.global_batch(self.mesh, shape(x))
-    return Batch(put(tokens), put(mask), put(advantages.astype(np.float32)))
+    sampler = None if sampler_logps is None else put(sampler_logps.astype(np.float32))
+    return Batch(put(tokens), put(mask), put(advantages.astype(np.float32)), sampler_logps=sampler)
 
   # ---------------------------------------------------------------------------------------- GRPO step
   def step(self, step: int) -> dict[str, float]:
@@ -284,8 +287,9 @@ class Trainer:
       sampling.max_new_tokens,
       self.tokenizer.pad_id,
     )
+    _, _, sampler_logps = result.padded(sampling.max_new_tokens)  # aligned with pack's completions
     with timer("update"):
-      batch = self._to_batch(tokens, mask, adv)
+      batch = self._to_batch(tokens, mask, adv, sampler_logps)
       logps_of = lambda weights: batch_token_logps(
         self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
       )
@@ -337,7 +341,10 @@ class Trainer:
     out["completion/length_max"] = rows[:, len(names)].max()
     out["completion/truncated_fraction"] = rows[:, len(names) + 1].mean()
     for k in losses[0]:  # means over the PPO epochs (train/nonfinite: the fraction skipped)
-      out[f"train/{k}"] = float(np.mean([epoch[k] for epoch in losses]))
+      name = (
+        k if k.startswith(mismatch.PREFIX) else f"train/{k}"
+      )  # mismatch/*: as rl.mismatch names
+      out[name] = float(np.mean([epoch[k] for epoch in losses]))
     return out
 
   # ---------------------------------------------------------------------------------------- SFT warm-up

@@ -9,7 +9,13 @@ position P - 1 + t scores completion token t for every row.
 The loss is normalised over the whole global batch, never per micro-batch: each micro-batch's loss is
 scaled so that the K terms sum to the loss of the full batch, hence the summed gradients are the full
 batch's gradient whatever K is (tested). `bnpo` and `dapo` both divide by the global count of
-completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean).
+completion tokens (TRL's `bnpo` divides per process; summed over micro-batches that is not a mean):
+dapo through the kernel's `num_items_in_batch`, bnpo (which divides by its own call's tokens) by
+rescaling each micro-batch's loss by its token count over the global one.
+
+The loss is one `kernels.LossSpec` (`LossSettings.spec`), passed to the kernel as is; with the
+rollout engine's log-probs in the batch (`Batch.sampler_logps`) its importance correction (`is_mode`)
+can act, and the step reports the engine's mismatch (`rl.mismatch`).
 
 An update whose loss or gradient norm is not finite (or whose new weights would not be) is skipped
 inside the compiled step: weights and optimizer state come back unchanged and the `nonfinite` metric is
@@ -32,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
+from rl import mismatch
 from rl.model.partition import path_name
 
 Objective = Literal["grpo", "sft"]
@@ -39,6 +46,7 @@ Objective = Literal["grpo", "sft"]
 # clipping + the optimizer. Backward ops carry `transpose(` in their scope path (how JAX names VJPs).
 LOSS_SCOPE = "grpo_loss_and_grads"
 OPTIMIZER_SCOPE = "grpo_optimizer"
+MISMATCH_SUM = "mismatch_sum/"  # micro-batch sums of rl.mismatch, reduced after the scan
 
 
 class Batch(NamedTuple):
@@ -49,6 +57,7 @@ class Batch(NamedTuple):
   advantages: jax.Array  # [K, M] f32 (ones for SFT)
   old_logps: jax.Array | None = None  # [K, M, C] f32: the policy before this step's first epoch
   ref_logps: jax.Array | None = None  # [K, M, C] f32: the reference model, when beta > 0
+  sampler_logps: jax.Array | None = None  # [K, M, C] f32: the rollout engine's, 0 on padding
 
 
 def pack(
@@ -77,20 +86,30 @@ def pack(
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-  """The static part of the loss (hashable: compiled into the step)."""
+  """The static part of the loss (hashable: compiled into the step). `spec` is the policy loss
+  (kernels.LossSpec: loss type, epsilons, beta, temperature, the mismatch options); its
+  max_completion_length is the batch's C (None is filled in, any other value is an error)."""
 
   completion_len: int  # C
-  loss_type: str = "grpo"
-  beta: float = 0.0
-  epsilon_low: float = 0.2
-  epsilon_high: float = 0.2
-  temperature: float = 1.0
+  spec: kernels.LossSpec = dataclasses.field(default_factory=kernels.LossSpec)
   impl: str = "auto"  # kernels.grpo_loss / fused_linear_grpo_loss impl
   fused_lm_head: bool = False
   vocab_axis: str | None = None  # tensor-parallel vocabulary axis of the fused loss (with `mesh`)
   mesh: Any = None
 
   def __post_init__(self):
+    if not isinstance(self.spec, kernels.LossSpec):
+      raise TypeError(
+        f"LossSettings.spec must be a kernels.LossSpec, got {type(self.spec).__name__}"
+      )
+    if self.spec.max_completion_length is None:
+      spec = dataclasses.replace(self.spec, max_completion_length=self.completion_len)
+      object.__setattr__(self, "spec", spec)
+    elif self.spec.max_completion_length != self.completion_len:
+      raise ValueError(
+        f"spec.max_completion_length={self.spec.max_completion_length} differs from the batch's "
+        f"completion_len={self.completion_len}"
+      )
     if self.impl == "chunked" and not self.fused_lm_head:
       raise ValueError("policy_loss_impl='chunked' is a fused-LM-head path: set fused_lm_head=true")
 
@@ -144,21 +163,20 @@ def _micro_loss(
       "entropy": jnp.sum(jnp.where(mask, entropy, 0.0)),
     }
   # Scale factors that make the K micro-batch losses sum to the global-batch loss.
-  kernel_type, scale, items = {
-    "grpo": ("grpo", rows / num_seqs, None),  # mean over sequences of per-sequence means
-    "dr_grpo": ("dr_grpo", rows / num_seqs, None),  # sum / (N * C)
-    "bnpo": ("dapo", 1.0, num_tokens),  # sum / global tokens
-    "dapo": ("dapo", 1.0, num_tokens),
-  }[settings.loss_type]
+  spec = settings.spec
+  items = num_tokens if spec.loss_type == "dapo" else None
+  scale = {
+    "grpo": rows / num_seqs,  # mean over sequences of per-sequence means
+    "dr_grpo": rows / num_seqs,  # sum / (N * C)
+    # the kernel divides by the micro-batch's tokens: rescaled to the global count
+    "bnpo": jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) / num_tokens,
+    "dapo": 1.0,  # sum / num_items_in_batch = global tokens
+  }[spec.loss_type]
   kw = dict(
     old_logps=mb.old_logps,
     ref_logps=mb.ref_logps,
-    beta=settings.beta,
-    epsilon_low=settings.epsilon_low,
-    epsilon_high=settings.epsilon_high,
-    temperature=settings.temperature,
-    loss_type=kernel_type,
-    max_completion_length=settings.completion_len,
+    sampler_logps=mb.sampler_logps,
+    spec=spec,
     num_items_in_batch=items,
     impl=settings.impl,
   )
@@ -183,6 +201,17 @@ def _micro_loss(
     "kl": jnp.sum(aux.per_token_kl),
     "clip_fraction": jnp.sum(aux.is_clipped.astype(jnp.float32)),
   }
+  if mb.sampler_logps is not None:  # the engine's log-probs against the loss's `old`
+    old = mb.old_logps if mb.old_logps is not None else aux.per_token_logps
+    weighted = spec.is_mode is not None  # else is_weight is 1, not a weight of the ratio
+    found = mismatch.mismatch_sums(
+      mb.sampler_logps,
+      jax.lax.stop_gradient(old),
+      mask,
+      aux.is_weight if weighted else None,
+      is_level=spec.is_mode.split("_")[0] if weighted else "token",
+    )
+    sums.update({MISMATCH_SUM + k: v for k, v in found.items()})
   return loss, sums
 
 
@@ -192,7 +221,9 @@ def batch_loss_and_grads(
   """Sum over the K micro-batches (a scan) of each one's scaled loss and gradient.
 
   Returns (grads like params, metrics): metrics are global-batch means per completion token (entropy,
-  KL, clip fraction) and the total loss.
+  KL, clip fraction), the total loss, and with `batch.sampler_logps` the `rl.mismatch` statistics of
+  the engine's log-probs against the loss's `old` (`mismatch/*`; with ppo_epochs = 1 `old` is the
+  trainer's own forward, so they measure exactly the engine's mismatch).
   """
   num_seqs = batch.tokens.shape[0] * batch.tokens.shape[1]
   completion_mask = batch.attention_mask[..., -settings.completion_len :]
@@ -208,7 +239,10 @@ def batch_loss_and_grads(
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, sums = jax.lax.scan(micro, zeros, batch)
-  metrics = {k: jnp.sum(v) for k, v in sums.items()}
+  found = {k[len(MISMATCH_SUM) :]: v for k, v in sums.items() if k.startswith(MISMATCH_SUM)}
+  metrics = {k: jnp.sum(v) for k, v in sums.items() if not k.startswith(MISMATCH_SUM)}
+  if found:
+    metrics.update(mismatch.finish(mismatch.reduce_sums(found)))
   for k in ("entropy", "kl", "clip_fraction"):
     if k in metrics:
       metrics[k] = metrics[k] / num_tokens

@@ -304,9 +304,6 @@ def _combine(static: _Spec, lse_s, chosen_s, found_s, ez_s):
   return lse, logp, lse - ez
 
 
-_EMPTY = jnp.zeros((0,), jnp.float32)
-
-
 def _local_stats(static: _Spec, h, w, ids):
   """The statistics pass: ((lse, logp, entropy), -, -); no gradients."""
   ids = _shard_ids(static, w, ids)
@@ -319,7 +316,10 @@ def _local_stats(static: _Spec, h, w, ids):
     stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
   else:
     stats = _combine(static, *_pallas.stats(static.fused, h, w, ids))
-  return stats, _EMPTY, _EMPTY
+  empty = jnp.zeros(
+    (0,), jnp.float32
+  )  # built per call: a module-level array would start the backend at import
+  return stats, empty, empty
 
 
 def _local_grads(static: _Spec, h, w, ids, lse, g):

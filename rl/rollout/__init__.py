@@ -1,7 +1,9 @@
 """Rollout: sample GRPO groups from the live policy. `make_engine(model, config)` picks the backend.
 
 Backends share one interface (`generate(prompts, params) -> RolloutResult`) and the same device steps:
-  * ``paged``: continuous batching on the paged KV cache, decode attention in `kernels.paged_attention`.
+  * ``paged``: continuous batching on the paged KV cache, decode attention in `kernels.paged_attention`
+    (attn_impl "pallas" / "mosaic_gpu"; "auto" on TPU / GPU) or the model's own attention over the
+    gathered pages (attn_impl "xla"; "auto" on CPU).
   * ``dense``: a static batch on a dense cache, the reference sampler.
   * ``sglang_jax``: sglang-jax's Engine in this process, weights synced in memory before each generate
     (optional: the `sglang` extra, Python >= 3.12).

@@ -26,8 +26,10 @@ class EngineConfig:
     pool is allowed: sequences then wait for pages, or the newest is preempted and later recomputed.
   steps_per_sync: decode steps per device call between host scheduling (finished slots are refilled at
     these boundaries; a slot that stops mid-chunk idles for the rest of it).
-  attn_impl: kernels.paged_attention impl for decode, one of its IMPLS ("auto": Pallas on TPU/GPU, XLA
-    on CPU).
+  attn_impl: the paged engine's decode attention, one of kernels.paged_attention's IMPLS: "xla" runs
+    the model's own attention over the gathered pages (what the trainer and the dense engine run, so
+    the log-probs match theirs), "pallas" / "mosaic_gpu" the paged kernels, "auto" Pallas on TPU/GPU,
+    XLA on CPU.
   cache_dtype: None = the model's compute dtype.
   sglang_mem_fraction: sglang_jax only: the fraction of device memory its weights + KV pool may take
     (None: sglang-jax's default). Its KV pool holds max_slots * max_seq_len tokens, its context

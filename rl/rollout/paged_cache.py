@@ -1,9 +1,17 @@
 """The paged KV cache: a pool of fixed-size pages per layer, and each sequence's page table.
 
-`PagedKVCache.attend` is the decoder's cache interface (rl.model.cache.KVCache): decode (one token per
-sequence) runs `kernels.paged_attention` straight on the pages; prefill gathers the sequence's pages
-into a dense context and runs the dense causal attention. Page 0 is never handed out: unused page-table
-entries point at it, so writes from padding tokens land there and are never read into a result.
+`PagedKVCache.attend` is the decoder's cache interface (rl.model.cache.KVCache). Prefill, and decode
+with the XLA impl (`attn_impl="xla"`, or "auto" on CPU), gather the sequence's pages into a dense
+context and run the model's own attention (`rl.model.cache.attention`, what the trainer's forward and
+the dense engine run), so the engine's log-probs are the trainer's up to matmul shapes. Decode with a
+kernel impl ("pallas", "mosaic_gpu", "auto" on TPU / GPU) runs `kernels.paged_attention` straight on
+the pages. Why not the kernel's XLA reference on CPU: it keeps the softmax probabilities in f32 for the
+PV product while the model rounds them to the compute dtype (as Hugging Face's attention does), which
+in bf16 put the paged engine 3x further from a teacher-forced forward than the dense engine and made
+its greedy completions diverge from dense (bench/paged_precision.py measures it).
+
+Page 0 is never handed out: unused page-table entries point at it, so writes from padding tokens land
+there and are never read into a result.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
+from kernels import backend
 from kernels.paged_attention import gather_pages
 from rl.model.cache import attention
 
@@ -65,7 +74,7 @@ class PagedKVCache:
     new_k = self.k.at[layer, :, page, slot].set(k.astype(self.k.dtype))
     new_v = self.v.at[layer, :, page, slot].set(v.astype(self.v.dtype))
     cache = dataclasses.replace(self, k=new_k, v=new_v)
-    if q.shape[1] == 1:
+    if q.shape[1] == 1 and not self.model_attention:
       out = kernels.paged_attention(
         q[:, 0],
         new_k[layer],
@@ -77,8 +86,22 @@ class PagedKVCache:
       return out[:, None].astype(q.dtype), cache
     kd = gather_pages(new_k[layer], self.page_table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
     vd = gather_pages(new_v[layer], self.page_table).transpose(0, 2, 1, 3)
-    visible = jnp.arange(kd.shape[1])[None, None, :] <= positions[:, :, None]
+    slots = jnp.arange(kd.shape[1])
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    # Slots no query of the row sees may hold a recycled page's stale values: a masked probability is
+    # 0, but 0 * NaN = NaN, so they are zeroed (the visible ones, hence the result, are unchanged).
+    seen = slots[None, :] <= jnp.max(positions, axis=1)[:, None]  # [B, S]
+    vd = jnp.where(seen[:, :, None, None], vd, jnp.zeros((), vd.dtype))
     return attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible), cache
+
+  @property
+  def model_attention(self) -> bool:
+    """Whether decode runs the model's attention over the gathered pages (the XLA impl) rather than
+    the paged kernel; "auto" is XLA on CPU, as in `kernels.paged_attention` (resolved at trace time,
+    so `kernels.backend.use_target` applies)."""
+    return self.attn_impl == "xla" or (
+      self.attn_impl == "auto" and backend.resolve().platform == "cpu"
+    )
 
 
 jax.tree_util.register_dataclass(

@@ -86,11 +86,53 @@ def test_yaml_then_overrides(tmp_path):
     (["data.synthetic_levels=[4]"], r"data\.synthetic_levels must be .* levels from \[1, 2, 3\]"),
     (["data.synthetic_train=0"], r"data\.synthetic_train must be >= 1"),
     (["model.dtype=f32"], r"model\.dtype must be one of"),
+    # the mismatch-aware loss (issue 18)
+    (["train.is_mode=tis"], r"train\.is_mode.* must be one of \['token_truncate', 'token_mask'"),
+    (["train.importance_sampling_level=seq"], r"train\.importance_sampling_level must be one of"),
+    (["train.is_cap=0"], r"train\.is_cap must be finite and > 0, got 0"),
+    (["train.is_cap=nan"], r"train\.is_cap must be finite and > 0, got nan"),
+    (["train.epsilon_c=1"], r"train\.epsilon_c must be finite and > 1 \(or null\), got 1"),
+    (["train.max_log_ratio=-5"], r"train\.max_log_ratio must be finite and > 0 \(or null\)"),
   ],
 )
 def test_bad_values_are_clear_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):
     configlib.load(GRPOConfig, None, overrides)
+
+
+def test_the_loss_spec_carries_every_loss_key():
+  cfg = configlib.load(
+    GRPOConfig,
+    None,
+    [
+      "train.loss_type=bnpo",
+      "train.beta=0.1",
+      "train.epsilon_high=0.28",
+      "sampling.temperature=0.7",
+      "sampling.max_new_tokens=32",
+      "train.is_mode=sequence_mask",
+      "train.is_cap=3",
+      "train.importance_sampling_level=sequence",
+      "train.epsilon_c=3.0",
+      "train.max_log_ratio=null",
+    ],
+  )
+  spec = cfg.loss_spec
+  assert (spec.loss_type, spec.beta, spec.epsilon_low, spec.epsilon_high) == (
+    "bnpo",
+    0.1,
+    0.2,
+    0.28,
+  )
+  assert (spec.temperature, spec.max_completion_length) == (0.7, 32)
+  assert (spec.is_mode, spec.is_cap, spec.importance_sampling_level) == (
+    "sequence_mask",
+    3.0,
+    "sequence",
+  )
+  assert spec.epsilon_c == 3.0 and spec.max_log_ratio is None
+  default = GRPOConfig().loss_spec
+  assert default.is_mode is None and default.max_log_ratio == 20.0 and default.epsilon_c is None
 
 
 def test_missing_or_broken_config_file_is_a_config_error(tmp_path):

@@ -54,6 +54,10 @@ REQUIRED = [
   "train/grad_norm",
   "train/nonfinite_steps",
   "completion/length_mean",
+  "mismatch/abs_log_ratio_mean",  # the engine's log-probs against the trainer's (issue 18)
+  "mismatch/abs_log_ratio_max",
+  "mismatch/k3_kl",
+  "mismatch/exp_abs_log_ratio_mean",
   "eval/accuracy",
   "eval_full/accuracy",
   "time/eval_full/step_s",
@@ -73,13 +77,15 @@ def test_two_step_run_writes_every_metric(tmp_path, capsys):
     "train.warmup_sft_steps=2",
     "train.beta=0.05",
     "train.ppo_epochs=2",
+    "train.is_mode=token_truncate",  # the engine's log-probs weight the loss (TIS)
   )
   run_dir = tmp_path / "run"
   lines = read_metrics(str(run_dir))
   grpo = [m for m in lines if "time/train/step_s" in m]
   assert [m["step"] for m in grpo] == [1, 2]
-  for key in REQUIRED:
+  for key in REQUIRED + ["mismatch/is_weight_mean", "mismatch/masked_or_truncated_fraction"]:
     assert key in grpo[-1] and np.isfinite(grpo[-1][key]), key
+  assert 0 < grpo[-1]["mismatch/is_weight_mean"] <= 2.0  # min(rho, is_cap=2)
   assert grpo[-1]["train/nonfinite_steps"] == 0 and metrics["eval_full/examples"] == 4
   assert any("sft/loss" in m for m in lines) and any(
     "eval_full/accuracy" in m and m["step"] == 0 for m in lines

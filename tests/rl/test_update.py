@@ -1,6 +1,8 @@
 """The update step: micro-batching is exact (global normalisation), kernel and reference losses agree
 through the whole model, the optimizer state keeps its layout (no recompiles)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,9 @@ import pytest
 from flax import nnx
 
 from bench.tolerances import assert_close
+from kernels import LossSpec
 from rl import update as U
+from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, shard_model
 from rl.sharding import make_mesh
 from rl.update import pack
@@ -51,7 +55,7 @@ def _assert_grads_close(a, b, n_tokens):
 def test_micro_batches_sum_to_the_global_batch_loss(loss_type):
   """K = 1, 2, 4 accumulation steps give the same loss and gradients: normalised over the global batch."""
   model, rng, tokens, mask, adv = _problem(1)
-  s = U.LossSettings(C, loss_type=loss_type, impl="xla", beta=0.05)
+  s = U.LossSettings(C, LossSpec(loss_type=loss_type, beta=0.05), impl="xla")
   logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0))
   kw = policy_kwargs(rng, logp, {}, off_policy=True, beta=0.05)
   extra = dict(old_logps=np.asarray(kw["old_logps"]), ref_logps=np.asarray(kw["ref_logps"]))
@@ -62,17 +66,82 @@ def test_micro_batches_sum_to_the_global_batch_loss(loss_type):
     _assert_grads_close(gk, g1, tokens.size)
 
 
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "old_logps"])
+def test_mismatch_metrics_of_the_sampler_logps(off_policy):
+  """With the engine's log-probs in the batch the step reports rl.mismatch's statistics against the
+  loss's `old` (the trainer's own forward on-policy, else old_logps), the same for K = 1, 2, 4
+  micro-batches (a max is not summed), and the loss and gradients do not change."""
+  model, rng, tokens, mask, adv = _problem(4)
+  s = U.LossSettings(C, impl="xla")
+  logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0))
+  comp_mask = mask[:, -C:]
+  sampler = np.where(comp_mask, logp + rng.normal(scale=0.3, size=logp.shape), 0.0)
+  old = np.where(comp_mask, logp + rng.normal(scale=0.1, size=logp.shape), 0.0)
+  extra = dict(old_logps=old.astype(np.float32)) if off_policy else {}
+  want = mismatch_metrics(sampler, old if off_policy else logp, comp_mask)
+  g0, m0 = _grads(model, _batch(tokens, mask, adv, 1, **extra), s)
+  for k in (1, 2, 4):
+    g, m = _grads(model, _batch(tokens, mask, adv, k, sampler_logps=sampler, **extra), s)
+    assert set(want) <= set(m)
+    for key, value in want.items():
+      assert_close(m[key], value, "value", jnp.float32, tokens.size, err_msg=f"K={k} {key}")
+    assert_close(m["loss"], m0["loss"], "value", jnp.float32, tokens.size)
+    _assert_grads_close(g, g0, tokens.size)
+  assert not any(key.startswith("mismatch") for key in m0)  # no sampler log-probs: no statistics
+
+
+@pytest.mark.parametrize(
+  "is_mode, level", [("token_truncate", "token"), ("sequence_mask", "sequence")]
+)
+def test_importance_corrected_loss_micro_batches_and_weights(is_mode, level):
+  """With TIS / MIS (and GSPO) on, bnpo: K = 1 and 4 micro-batches give the same loss and gradients
+  (sequence-level weights stay within a row), the weights act (the loss differs from the uncorrected
+  one), and the step's is_weight statistics are those of the weights computed by hand."""
+  model, rng, tokens, mask, adv = _problem(5)
+  cap = 1.1
+  spec = LossSpec(loss_type="bnpo", is_mode=is_mode, is_cap=cap, importance_sampling_level=level)
+  logp = np.asarray(U.token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), C, 1.0))
+  m = mask[:, -C:]
+  old = np.where(m, logp + rng.normal(scale=0.05, size=logp.shape), 0.0).astype(np.float32)
+  sampler = np.where(m, old + rng.normal(scale=0.1, size=logp.shape), 0.0).astype(np.float32)
+  r = np.where(m, old.astype(np.float64) - sampler, 0.0)
+  if level == "token":
+    w = np.minimum(np.exp(r), cap)
+  else:
+    rho = np.exp(r.sum(axis=1, keepdims=True)) * np.ones_like(r)
+    w = np.where(rho <= cap, rho, 0.0)
+  flagged = np.where(m, ~np.isclose(w, np.exp(r) if level == "token" else rho), False)
+  assert 0 < flagged.sum() < m.sum()  # the case truncates / masks some tokens, not all
+  extra = dict(old_logps=old, sampler_logps=sampler)
+  g1, m1 = _grads(model, _batch(tokens, mask, adv, 1, **extra), U.LossSettings(C, spec))
+  want = mismatch_metrics(sampler, old, m, np.where(m, w, 0.0), is_level=level)
+  for key in ("mismatch/is_weight_mean", "mismatch/masked_or_truncated_fraction"):
+    assert_close(m1[key], want[key], "value", jnp.float32, tokens.size, err_msg=key)
+  assert_close(
+    m1["mismatch/masked_or_truncated_fraction"], flagged.sum() / m.sum(), "value", jnp.float32, 1
+  )
+  g4, m4 = _grads(model, _batch(tokens, mask, adv, 4, **extra), U.LossSettings(C, spec))
+  # the loss is a sum of +-|A| w terms that nearly cancel: rounding is relative to the terms
+  terms = float(np.abs(adv).max()) * cap
+  assert_close(m4["loss"], m1["loss"], "value", jnp.float32, tokens.size, scale=terms)
+  _assert_grads_close(g4, g1, tokens.size)
+  plain = dataclasses.replace(spec, is_mode=None)
+  _, m0 = _grads(model, _batch(tokens, mask, adv, 1, **extra), U.LossSettings(C, plain))
+  assert abs(float(m0["loss"]) - float(m1["loss"])) > 1e-4
+  assert "mismatch/is_weight_mean" not in m0 and "mismatch/k3_kl" in m0
+
+
 def test_micro_batch_loss_is_not_a_mean_of_micro_batch_means():
   """The test above can fail: per-micro-batch bnpo normalisation gives a different loss."""
   model, _, tokens, mask, adv = _problem(2)
   _, full = _grads(
-    model, _batch(tokens, mask, adv, 1), U.LossSettings(C, loss_type="bnpo", impl="xla")
+    model, _batch(tokens, mask, adv, 1), U.LossSettings(C, LossSpec(loss_type="bnpo"), impl="xla")
   )
   halves = [
     _grads(
       model,
       _batch(tokens[i : i + 4], mask[i : i + 4], adv[i : i + 4], 1),
-      U.LossSettings(C, loss_type="bnpo", impl="xla"),
+      U.LossSettings(C, LossSpec(loss_type="bnpo"), impl="xla"),
     )[1]["loss"]
     for i in (0, 4)
   ]
@@ -98,7 +167,9 @@ def test_kernel_and_reference_losses_agree_through_the_model(fused, impls):
   )
   results = {
     impl: _grads(
-      model, batch, U.LossSettings(C, beta=0.1, temperature=0.9, impl=impl, fused_lm_head=fused)
+      model,
+      batch,
+      U.LossSettings(C, LossSpec(beta=0.1, temperature=0.9), impl=impl, fused_lm_head=fused),
     )
     for impl in impls
   }

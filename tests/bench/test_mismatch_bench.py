@@ -1,0 +1,78 @@
+"""bench.mismatch at tiny size: every engine row, sglang_jax skipped cleanly where it cannot run, the
+top-k / top-p rows' mismatch is the filter's (gone against the filtered trainer), and a wrong engine
+shows up."""
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from bench import __main__ as bench_main
+from bench import mismatch, report
+from rl.model import init_model, preset, scale_weights
+
+
+@pytest.fixture(scope="module")
+def rows():
+  return mismatch.run("tiny", engines=("paged", "dense", "sglang_jax"), dtypes=("bfloat16",))
+
+
+def test_table_covers_every_engine_and_sampling(rows):
+  ran = [r for r in rows if not r.skipped]
+  assert {(r.engine, r.sampling) for r in ran} == {
+    (e, s) for e in ("paged", "dense") for s in mismatch.SAMPLINGS
+  }
+  size = mismatch.SIZES["tiny"]
+  assert all(r.tokens == size["prompts"] * size["n"] * size["new_tokens"] for r in ran)
+  sglang = [r for r in rows if r.engine == "sglang_jax"]
+  assert len(sglang) == 1 and (sglang[0].skipped is None) == (
+    mismatch.skip_reason("sglang_jax", init_model(preset("tiny")).cfg) is None
+  )
+  table = mismatch.markdown(rows)
+  assert table.count("\n") == len(rows) + 1 and "skipped" in table
+
+
+def test_filtered_sampling_mismatch_is_the_filters_own(rows):
+  for r in (r for r in rows if not r.skipped):
+    assert 0.0 <= r.abs_mean <= r.abs_p99 <= r.abs_max and r.k3_kl >= 0.0
+    assert r.exp_abs_mean >= 1.0
+    # against the trainer under the same filter only the engine's numerics are left (bf16 here)
+    assert r.filtered_abs_max < 0.05 and r.filtered_outside == 0
+    if r.sampling == "plain":  # no filter: both comparisons are the same
+      assert math.isclose(r.filtered_abs_max, r.abs_max, rel_tol=1e-6)
+    else:  # the engine reports the renormalised truncated log-prob: >= the full softmax's
+      assert r.abs_mean > 10 * r.filtered_abs_max
+
+
+def test_the_measure_catches_a_wrong_engine():
+  """Log-probs from other weights (a stale or mis-synced engine) give a large mismatch."""
+  size = mismatch.SIZES["tiny"]
+  model = scale_weights(init_model(preset("tiny"), seed=0), 10.0)
+  other = scale_weights(init_model(preset("tiny"), seed=1), 10.0)
+  engine = mismatch.make(other, size, "paged")
+  res = engine.generate(*mismatch.requests(size, 0, 1.0))
+  wrong = mismatch.measure(model, res, size, 0, 1.0)
+  right = mismatch.measure(other, res, size, 0, 1.0)
+  assert wrong["abs_max"] > 1.0 and wrong["k3_kl"] > 0.1
+  assert right["abs_max"] < 0.05
+  with pytest.raises(ValueError, match="paged:<one of"):
+    mismatch.make(model, size, "dense:xla")
+  assert np.isfinite(list(wrong.values())).all()
+
+
+def test_the_bench_report_renders_the_mismatch_table(rows, tmp_path):
+  """`python -m bench --suite mismatch` is accepted, and a report's results.json with a mismatch run
+  re-renders its table (beside the committed example's other sections)."""
+  assert bench_main.parse_args(["--suite", "mismatch"]).suites == ("mismatch",)
+  src = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "example-cpu"
+  payload = json.loads((src / "results.json").read_text())
+  run = dict(size="tiny", config=mismatch.SIZES["tiny"], rows=[dataclasses.asdict(r) for r in rows])
+  payload["mismatch"] = [run]
+  (tmp_path / "results.json").write_text(json.dumps(payload))
+  assert report.main([str(tmp_path), "--no-plots"]) == 0
+  summary = (tmp_path / "summary.md").read_text()
+  assert "## Engine log-probs vs the trainer (tiny: model tiny" in summary
+  assert mismatch.markdown(rows) in summary and "Rollout engines" in summary
