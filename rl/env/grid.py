@@ -81,12 +81,12 @@ class GridEnv:
           else "."
         )
       rows.append("".join(row))
-    return "\n".join(rows) + "\nMove: up, down, left or right?"
+    return "\n".join(rows)
 
   def reset(self, seed: int) -> str:
     self.pos, self.goal, self.holes, self.distance = self.layout(seed)
     self.turn, self.done = 0, False
-    return self.render()
+    return self.render() + "\nMove: up, down, left or right?"  # later turns: the board alone
 
   def step(self, action: str) -> StepResult:
     if self.done:
