@@ -149,7 +149,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
   (g_params, g_head), sums = jax.lax.scan(micro, (zeros(params), zeros(head_params)), batch)
   metrics = {key: v.sum() for key, v in sums.items()}
-  grad_norm = optax.global_norm((g_params, g_head) if critic else g_params)
+  grad_norm = _norm((g_params, g_head) if critic else g_params)
   g_params = jax.tree.map(lambda g, p: g.astype(p.dtype), g_params, params)
   new_params, new_opt = policy_opt.step(params, g_params, opt_state)
   new_head, new_head_opt = head_params, head_opt_state
@@ -163,6 +163,11 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   metrics["grad_norm"] = grad_norm
   metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.float32)
   return state, metrics
+
+
+def _norm(tree):  # optax >= 0.2.5 has optax.tree.norm; global_norm warns there
+  tree_ns = getattr(optax, "tree", None)
+  return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
 
 
 EnvFactory = Callable[[], Environment]
