@@ -1,6 +1,6 @@
 """Pallas kernels for GRPO, each beside its pure-JAX reference.
 
-Public ops: :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_attention`,
+Public ops (the policy loss described by one :class:`LossSpec`): :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_attention`,
 :func:`adamw_update`, :func:`lion_update`, :func:`sgd_update`, :func:`fused_adamw`, :func:`fused_lion`,
 :func:`fused_sgd` (optimizers: :mod:`kernels.optim`). Targets and lowering: :mod:`kernels.backend`.
 """
@@ -12,6 +12,7 @@ from kernels.fused_linear import (
   fused_linear_grpo_loss_reference,
 )
 from kernels.grpo_loss import GRPOAux, LossBlocks, grpo_loss, grpo_loss_reference
+from kernels.loss_spec import LossSpec
 from kernels.optim import (
   adamw_update,
   fused_adamw,
@@ -29,6 +30,7 @@ __all__ = [
   "GRPOAux",
   "LinearBlocks",
   "LossBlocks",
+  "LossSpec",
   "PagedBlocks",
   "adamw_update",
   "fused_adamw",

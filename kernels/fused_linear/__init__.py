@@ -11,15 +11,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kernels import backend, checks
+from kernels import backend, checks, loss_spec
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss import validate_loss_args
-from kernels.grpo_loss.pallas import LossConfig, token_terms
-from kernels.grpo_loss.reference import DEFAULT_MAX_LOG_RATIO, GRPOAux, make_aux, reduce_loss
+from kernels.grpo_loss.pallas import LossConfig
+from kernels.grpo_loss.reference import GRPOAux, make_aux, reduce_loss
+from kernels.loss_spec import UNSET, LossSpec
+from kernels.objective import policy_objective
 
 __all__ = [
   "IMPLS",
@@ -40,14 +42,14 @@ class _Spec:
 
   impl: str  # "pallas" | "chunked"
   fused: _pallas.FusedConfig | None
-  loss: LossConfig  # the grpo_loss kernels' config (chunked) and the loss-term settings (both)
+  softmax: LossConfig  # the grpo_loss softmax kernels' config (chunked path)
   chunk: int
   mesh: Mesh | None
   axis: str | None
   batch: int
   seq: int
-  loss_type: str
-  max_completion_length: int | None
+  loss: LossSpec
+  present: tuple  # (old_logps, ref_logps, sampler_logps) given; absent ones are zero placeholders
 
 
 def fused_linear_grpo_loss(
@@ -55,18 +57,13 @@ def fused_linear_grpo_loss(
   lm_head,  # [H, V], same dtype as hidden
   completion_ids,  # [B, T] int
   completion_mask,  # [B, T] 0/1
-  advantages,  # [B] f32
+  advantages,  # [B] or [B, T] f32
   *,
   old_logps=None,  # [B, T] f32 or None (on-policy)
   ref_logps=None,  # [B, T] f32, required when beta != 0
-  beta: float = 0.0,
-  epsilon_low: float = 0.2,
-  epsilon_high: float = 0.2,
-  temperature: float = 1.0,
-  loss_type: str = "grpo",
-  max_completion_length: int | None = None,
+  sampler_logps=None,  # [B, T] f32: the rollout engine's log-probs of the sampled tokens
+  spec: LossSpec | None = None,
   num_items_in_batch=None,
-  max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
   platform: backend.Platform | None = None,
   interpret: bool | None = None,
@@ -74,23 +71,37 @@ def fused_linear_grpo_loss(
   chunk_size: int | None = None,
   mesh: Mesh | None = None,
   vocab_axis: str | None = None,
+  # LossSpec fields as keywords (a convenience: they build the spec; with spec= they must agree)
+  loss_type: str = UNSET,
+  epsilon_low: float = UNSET,
+  epsilon_high: float = UNSET,
+  beta: float = UNSET,
+  temperature: float = UNSET,
+  max_log_ratio: float | None = UNSET,
+  is_mode: str | None = UNSET,
+  is_cap: float = UNSET,
+  importance_sampling_level: str = UNSET,
+  epsilon_c: float | None = UNSET,
+  max_completion_length: int | None = UNSET,
 ) -> tuple[jax.Array, GRPOAux]:
   """``kernels.grpo_loss(hidden @ lm_head, ...)`` without the [B, T, V] logits; differentiable w.r.t.
   ``hidden`` and ``lm_head``.
 
-  Same loss, ``aux``, keyword semantics (``max_log_ratio`` included), input checks and jit behaviour
-  as :func:`kernels.grpo_loss` (logits are accumulated in f32). ``hidden`` at masked positions may be
+  Same loss (``spec`` / keywords), ``aux``, input checks and jit behaviour as
+  :func:`kernels.grpo_loss` (logits are accumulated in f32). ``hidden`` at masked positions may be
   NaN / inf: it is replaced by 0 before the matmul, so it reaches neither the loss nor ``dhidden`` /
   ``dlm_head``.
-  The gradients are computed during the forward pass (the loss weights of every token are known before
-  the vocabulary is seen) and scaled by the loss cotangent in the backward pass, so the logits are
-  formed once (``chunked``) or recomputed tile by tile (``pallas``) — never stored. ``aux`` is data:
-  it carries no gradient, in every impl (``xla`` included).
+  The gradients are computed during the forward pass and scaled by the loss cotangent in the backward
+  pass, so the logits are formed once (``chunked``, token-level options) or recomputed tile by tile
+  (``pallas``) — never stored. ``aux`` is data: it carries no gradient, in every impl (``xla``
+  included). The objective (every option) is the shared [B, T] math of :mod:`kernels.objective`; its
+  gradient w.r.t. each token's log p becomes the per-row weight of the softmax gradient.
 
   Args:
     impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops).
       ``"chunked"``: XLA matmuls per token chunk + grpo_loss's Pallas softmax kernels (every backend;
-      one f32 [chunk, V] buffer, 6 N·H·V flops). ``"xla"``: the reference, materialising the logits.
+      one f32 [chunk, V] buffer, 6 N·H·V flops; 8 with a sequence-level option, whose token weights
+      need a whole first pass). ``"xla"``: the reference, materialising the logits.
       ``"auto"``: ``xla`` on CPU (the interpreter is a correctness tool), ``chunked`` on GPU (no fused
       Triton variant: see ``kernels/fused_linear/pallas.py``) and on TPU (fewer flops; ``pallas`` when
       memory matters more — neither has been timed on a TPU yet).
@@ -106,6 +117,7 @@ def fused_linear_grpo_loss(
       ``impl``, ``impl="pallas"`` on GPU, a vocabulary the axis does not divide, ``chunk_size`` <= 0.
   """
   checks.choice("impl", impl, IMPLS)
+  spec = loss_spec.resolve(spec, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature, max_log_ratio=max_log_ratio, is_mode=is_mode, is_cap=is_cap, importance_sampling_level=importance_sampling_level, epsilon_c=epsilon_c, max_completion_length=max_completion_length)  # fmt: skip
   hidden, lm_head = checks.as_array("hidden", hidden), checks.as_array("lm_head", lm_head)
   checks.ndim_array("hidden", hidden, 3, "[B, T, H]")
   checks.ndim_array("lm_head", lm_head, 2, "[H, V]")
@@ -128,14 +140,9 @@ def fused_linear_grpo_loss(
     advantages,
     old_logps=old_logps,
     ref_logps=ref_logps,
-    beta=beta,
-    epsilon_low=epsilon_low,
-    epsilon_high=epsilon_high,
-    temperature=temperature,
-    loss_type=loss_type,
-    max_completion_length=max_completion_length,
+    sampler_logps=sampler_logps,
+    spec=spec,
     num_items_in_batch=num_items_in_batch,
-    max_log_ratio=max_log_ratio,
   )
   checks.positive_int("chunk_size", chunk_size, allow_none=True)
   if (mesh is None) != (vocab_axis is None):
@@ -149,14 +156,10 @@ def fused_linear_grpo_loss(
       raise ValueError(f"V={v} is not divisible by the {tp} shards of mesh axis {vocab_axis!r}")
 
   target = backend.resolve(platform, interpret)
-  mask, ids, old_logps, ref_logps = args.mask, args.ids, args.old_logps, args.ref_logps
+  mask, ids = args.mask, args.ids
+  logps = dict(old_logps=args.old_logps, ref_logps=args.ref_logps, sampler_logps=args.sampler_logps)
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
   hidden = jnp.where(mask[..., None], hidden, jnp.zeros((), hidden.dtype))
-  reduce_kw = dict(
-    loss_type=loss_type,
-    max_completion_length=max_completion_length,
-    num_items_in_batch=num_items_in_batch,
-  )
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "chunked"
   if impl == "xla":
@@ -166,10 +169,9 @@ def fused_linear_grpo_loss(
       ids,
       mask,
       args.advantages,
-      old_logps=old_logps,
-      ref_logps=ref_logps,
-      **args.options,
-      **reduce_kw,
+      spec=spec,
+      num_items_in_batch=num_items_in_batch,
+      **logps,
     )
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
   if impl == "pallas" and target.family == "rowloop":
@@ -183,56 +185,53 @@ def fused_linear_grpo_loss(
   if impl == "pallas":
     blocks = default_blocks(target, n, hd, vs) if blocks is None else blocks
     blocks.check(target, n, hd, vs)
-    fused = _pallas.FusedConfig(target, blocks, vs, float(temperature))
+    fused = _pallas.FusedConfig(target, blocks, vs, spec.temperature)
   chunk = default_chunk(n, vs) if chunk_size is None else chunk_size
-  loss_cfg = LossConfig(
-    target=target,
-    blocks=loss_blocks.default_blocks(target, chunk, vs),
-    vocab=vs,
-    on_policy=old_logps is None,
-    **args.options,
-  )
-  spec = _Spec(
-    impl, fused, loss_cfg, chunk, mesh, vocab_axis, b, t, loss_type, max_completion_length
-  )
-  zeros = jnp.zeros((n,), jnp.float32)
-  flat = lambda a: zeros if a is None else a.reshape(n)
-  loss, (kl, logp, entropy, clipped) = _loss(
-    spec,
+  softmax = LossConfig(target, loss_blocks.default_blocks(target, chunk, vs), vs, spec.temperature)
+  present = tuple(a is not None for a in logps.values())
+  static = _Spec(impl, fused, softmax, chunk, mesh, vocab_axis, b, t, spec, present)
+  placeholder = jnp.zeros((b, t), jnp.float32)  # a None log-prob array, told apart by `present`
+  loss, aux = _loss(
+    static,
     hidden.reshape(n, hd),
     lm_head,
     ids.reshape(n),
     mask,
-    flat(old_logps),
-    flat(ref_logps),
-    flat(jnp.broadcast_to(args.advantages[:, None], (b, t))),
+    args.advantages,
+    *(placeholder if a is None else a for a in logps.values()),
     num_items_in_batch,
   )
-  shaped = lambda a: jax.lax.stop_gradient(a).reshape(b, t)
-  return loss, make_aux(mask, shaped(logp), shaped(entropy), shaped(clipped) > 0, shaped(kl))
+  return loss, jax.tree.map(jax.lax.stop_gradient, aux)
 
 
 # ------------------------------------------------------------------------------ the custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(spec, h, w, ids, mask, old, ref, adv, num_items):
-  return _compute(spec, h, w, ids, mask, old, ref, adv, num_items, with_grads=False)[0]
+def _loss(static, h, w, ids, mask, adv, old, ref, sampler, num_items):
+  return _compute(static, h, w, ids, mask, adv, old, ref, sampler, num_items, with_grads=False)[0]
 
 
-def _loss_fwd(spec, h, w, ids, mask, old, ref, adv, num_items):
-  return _compute(spec, h, w, ids, mask, old, ref, adv, num_items, with_grads=True)
+def _loss_fwd(static, h, w, ids, mask, adv, old, ref, sampler, num_items):
+  return _compute(static, h, w, ids, mask, adv, old, ref, sampler, num_items, with_grads=True)
 
 
-def _loss_bwd(spec, res, cts):
+def _loss_bwd(static, res, cts):
   dh, dw = res
   ct = cts[0]  # aux is data (the public op stop-gradients it)
   scale = lambda d: (ct * d.astype(jnp.float32)).astype(d.dtype)
-  return scale(dh), scale(dw), None, None, None, None, None, None
+  return scale(dh), scale(dw), None, None, None, None, None, None, None
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-def _compute(spec, h, w, ids, mask, old, ref, adv, num_items, *, with_grads: bool):
+def _given(static: _Spec, old, ref, sampler) -> dict:
+  names = ("old_logps", "ref_logps", "sampler_logps")
+  return {k: a if p else None for k, a, p in zip(names, (old, ref, sampler), static.present)}
+
+
+def _compute(static: _Spec, h, w, ids, mask, adv, old, ref, sampler, num_items, *, with_grads):
+  spec = static.loss
+  b, t = static.batch, static.seq
   reduce = functools.partial(
     reduce_loss,
     mask=mask,
@@ -240,66 +239,117 @@ def _compute(spec, h, w, ids, mask, old, ref, adv, num_items, *, with_grads: boo
     max_completion_length=spec.max_completion_length,
     num_items_in_batch=num_items,
   )
-  # The reduction is linear in the per-token loss: its gradient is each token's weight in the loss.
-  weights = jax.grad(lambda pt: reduce(pt))(jnp.zeros((spec.batch, spec.seq), jnp.float32)).reshape(
-    -1
-  )
-  local = functools.partial(_local, spec, with_grads)
-  if spec.mesh is None:
-    outs, dh, dw = local(h, w, ids, weights, old, ref, adv)
+
+  def objective(logp):  # [B, T] -> (loss, Objective)
+    obj = policy_objective(logp, mask, adv, spec, **_given(static, old, ref, sampler))
+    return reduce(obj.per_token), obj
+
+  flat = lambda a: a.reshape(b * t)
+  one_pass = static.impl == "chunked" and with_grads and not spec.sequence_level
+  if one_pass:
+    # Each token's loss depends on its own log p only: g is known chunk by chunk, in the same pass.
+    # The reduction is linear in the per-token loss: its gradient is each token's weight in the loss.
+    weights = jax.grad(reduce)(jnp.zeros((b, t), jnp.float32))
+    tok = (flat(mask), flat(adv), flat(old), flat(ref), flat(sampler), flat(weights))
+    (lse, logp, entropy), dh, dw = _sharded(static, _local_one_pass, True, h, w, ids, tok)
   else:
-    rep, by_vocab = P(), P(None, spec.axis)
-    outs, dh, dw = jax.shard_map(
-      local,
-      mesh=spec.mesh,
-      in_specs=(rep, by_vocab, rep, rep, rep, rep, rep),
-      out_specs=((rep,) * 5, rep if with_grads else P(), by_vocab if with_grads else P()),
-      check_vma=False,
-    )(h, w, ids, weights, old, ref, adv)
-  per_token, kl, logp, entropy, clipped = outs
-  loss = reduce(per_token.reshape(spec.batch, spec.seq))
-  residuals = (dh.astype(h.dtype), dw.astype(w.dtype)) if with_grads else None
-  return (loss, (kl, logp, entropy, clipped)), residuals
+    (lse, logp, entropy), _, _ = _sharded(static, _local_stats, False, h, w, ids, ())
+  logp = logp.reshape(b, t)
+  loss, obj = objective(logp)
+  aux = make_aux(mask, logp, entropy.reshape(b, t), obj)
+  if not with_grads:
+    return (loss, aux), None
+  if not one_pass:
+    g = jax.grad(lambda lp: objective(lp)[0])(logp).reshape(-1) * (1.0 / spec.temperature)
+    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, (lse, g))
+  return (loss, aux), (dh.astype(h.dtype), dw.astype(w.dtype))
 
 
-def _local(spec: _Spec, with_grads: bool, h, w, ids, weights, old, ref, adv):
-  """One vocabulary shard (or the whole vocabulary): per-token outputs, dh (summed over shards), dw.
+def _sharded(static: _Spec, local, with_grads: bool, h, w, ids, extra):
+  """``local(static, h, w_shard, ids_local, *extra)`` -> ((lse, logp, entropy) | (), dh, dw), run on
+  every vocabulary shard (shard_map) or on the whole vocabulary."""
+  if static.mesh is None:
+    return local(static, h, w, ids, *extra)
+  rep, by_vocab = P(), P(None, static.axis)
+  stats_out = () if local is _local_grads else (rep,) * 3
+  return jax.shard_map(
+    functools.partial(local, static),
+    mesh=static.mesh,
+    in_specs=(rep, by_vocab, rep, *((rep,) * len(extra))),
+    out_specs=(stats_out, rep if with_grads else P(), by_vocab if with_grads else P()),
+    check_vma=False,
+  )(h, w, ids, *extra)
 
-  Without ``with_grads`` only the statistics pass runs, and dh / dw are empty placeholders.
-  """
-  vs = w.shape[1]
-  axis = spec.axis
-  ids_local = ids - jax.lax.axis_index(axis) * vs if axis is not None else ids
+
+def _shard_ids(static: _Spec, w, ids):
+  """ids relative to this vocabulary shard (outside [0, V_shard): another shard's token)."""
+  return ids - jax.lax.axis_index(static.axis) * w.shape[1] if static.axis is not None else ids
+
+
+def _combine(static: _Spec, lse_s, chosen_s, found_s, ez_s):
+  """The shards' statistics combined: (global lse, logp, entropy), each [n] f32."""
+  axis = static.axis
+  if axis is None:
+    lse, chosen, found, ez = lse_s, chosen_s, found_s, ez_s
+  else:
+    top = jax.lax.pmax(lse_s, axis)
+    lse = top + jnp.log(jax.lax.psum(jnp.exp(lse_s - top), axis))
+    chosen, found = jax.lax.psum(chosen_s, axis), jax.lax.psum(found_s, axis)
+    ez = jax.lax.psum(jnp.exp(lse_s - lse) * ez_s, axis)
+  logp = jnp.where(found > 0, chosen - lse, jnp.nan)  # an id outside [0, V) poisons, never hides
+  return lse, logp, lse - ez
+
+
+_EMPTY = jnp.zeros((0,), jnp.float32)
+
+
+def _local_stats(static: _Spec, h, w, ids):
+  """The statistics pass: ((lse, logp, entropy), -, -); no gradients."""
+  ids = _shard_ids(static, w, ids)
+  if static.impl == "chunked":
+    finish = lambda lse, chosen, found, ez, tok: (
+      None,
+      None,
+      _combine(static, lse, chosen, found, ez),
+    )
+    stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
+  else:
+    stats = _combine(static, *_pallas.stats(static.fused, h, w, ids))
+  return stats, _EMPTY, _EMPTY
+
+
+def _local_grads(static: _Spec, h, w, ids, lse, g):
+  """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw)."""
+  ids = _shard_ids(static, w, ids)
+  if static.impl == "chunked":
+    dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g)
+  else:
+    # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
+    dtype = jnp.float32 if static.axis else h.dtype
+    dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
+  if static.axis is not None:
+    dh = jax.lax.psum(dh, static.axis)
+  return (), dh, dw
+
+
+def _local_one_pass(static: _Spec, h, w, ids, mask, adv, old, ref, sampler, weights):
+  """Chunked, token-level options: statistics, each token's g and the gradients in one pass."""
+  spec = static.loss
 
   def finish(lse_s, chosen_s, found_s, ez_s, tok):
-    """Combine the shards' statistics, then the per-token loss and g = d loss / d z_chosen."""
-    old_c, ref_c, adv_c, w_c = tok
-    if axis is None:
-      lse, chosen, found, ez = lse_s, chosen_s, found_s, ez_s
-    else:
-      top = jax.lax.pmax(lse_s, axis)
-      lse = top + jnp.log(jax.lax.psum(jnp.exp(lse_s - top), axis))
-      chosen, found = jax.lax.psum(chosen_s, axis), jax.lax.psum(found_s, axis)
-      ez = jax.lax.psum(jnp.exp(lse_s - lse) * ez_s, axis)
-    logp = jnp.where(found > 0, chosen - lse, jnp.nan)  # an id outside [0, V) poisons, never hides
-    per_token, kl, clipped, dpt, _ = token_terms(logp, old_c, ref_c, adv_c, spec.loss)
-    g = w_c * dpt * (1.0 / spec.loss.temperature)
-    return lse, g, (per_token, kl, logp, lse - ez, clipped)
-
-  tok = (old, ref, adv, weights)
-  empty = jnp.zeros((0,), jnp.float32)
-  if spec.impl == "chunked":
-    outs, dh, dw = _chunked.run(spec.loss, spec.chunk, h, w, ids_local, tok, finish, with_grads)
-  else:
-    lse, g, outs = finish(*_pallas.stats(spec.fused, h, w, ids_local), tok)
-    if not with_grads:
-      return outs, empty, empty
-    # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
-    dh, dw = _pallas.grads(
-      spec.fused, h, w, ids_local, lse, g, jnp.float32 if axis else h.dtype, w.dtype
+    mask_c, adv_c, old_c, ref_c, s_c, w_c = (a[None] for a in tok)  # a [1, c] "batch"
+    lse, logp, entropy = _combine(static, lse_s, chosen_s, found_s, ez_s)
+    per_token = lambda lp: (
+      policy_objective(lp, mask_c, adv_c, spec, **_given(static, old_c, ref_c, s_c)).per_token
     )
-  if not with_grads:
-    return outs, empty, empty
-  if axis is not None:
-    dh = jax.lax.psum(dh, axis)
-  return outs, dh, dw
+    # token-level: per_token[t] depends on logp[t] alone, so the VJP with the loss weights is g
+    _, vjp = jax.vjp(per_token, logp[None])
+    g = vjp(w_c)[0][0] * (1.0 / spec.temperature)
+    return lse, g, (lse, logp, entropy)
+
+  tok = (mask, adv, old, ref, sampler, weights)
+  ids = _shard_ids(static, w, ids)
+  stats, dh, dw = _chunked.run(static.softmax, static.chunk, h, w, ids, tok, finish, True)
+  if static.axis is not None:
+    dh = jax.lax.psum(dh, static.axis)
+  return stats, dh, dw

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kernels import lse
 from kernels.backend import Target
 
 CHUNKED_LOGITS_BYTES = 1 << 30  # the chunked path's f32 [chunk, V] logits budget
@@ -33,16 +34,9 @@ class LinearBlocks:
       raise ValueError(f"block_h={self.block_h} must divide H={h}")
     if target.platform == "tpu" and not target.interpret:
       # Mosaic's (8, 128) rule on every block: h [bn, bh], w [bh, bv], per-token [bn, 1].
-      if self.block_n % 8 and self.block_n != n:
-        raise ValueError(f"TPU block_n must be a multiple of 8 or equal N={n}, got {self.block_n}")
-      if self.block_v % 128 and self.block_v != v:
-        raise ValueError(
-          f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}"
-        )
-      if self.block_h % 128 and self.block_h != h:
-        raise ValueError(
-          f"TPU block_h must be a multiple of 128 or equal H={h}, got {self.block_h}"
-        )
+      lse.check_tpu_tile("block_n", self.block_n, n, 8, "N")
+      lse.check_tpu_tile("block_v", self.block_v, v, 128, "V")
+      lse.check_tpu_tile("block_h", self.block_h, h, 128, "H")
 
 
 def default_blocks(target: Target, n: int, h: int, v: int) -> LinearBlocks:

@@ -1,10 +1,13 @@
 """The chunked path: XLA matmuls per token chunk, the softmax math in `kernels.grpo_loss`'s Pallas kernels.
 
 For each chunk of c tokens: f32 logits [c, V] = h_c @ w (XLA, tensor cores / MXU), the grpo_loss
-forward kernel's row statistics, then — in the same pass, because the loss weights are known before
-the loop — its backward kernel writes dl over the logits buffer in place, and two more XLA matmuls
-give dh_c and accumulate dw. 6 N·H·V flops in all (the minimum) with one [c, V] f32 buffer alive:
-the Liger-Kernel recipe, in JAX, with a Pallas softmax that runs on TPU, GPU (Triton) and CPU.
+forward kernel's row statistics, then — in the same pass, when a token's loss weight depends on that
+token alone (every token-level option) — its backward kernel writes dl over the logits buffer in place,
+and two more XLA matmuls give dh_c and accumulate dw. 6 N·H·V flops in all (the minimum) with one
+[c, V] f32 buffer alive: the Liger-Kernel recipe, in JAX, with a Pallas softmax that runs on TPU, GPU
+(Triton) and CPU. The sequence-level options (GSPO, sequence importance weights) know a token's
+weight only once every chunk of its sequence is seen: there a statistics pass (:func:`run` without
+gradients) precedes a gradient pass (:func:`run_grads`) that recomputes the logits (8 N·H·V flops).
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ def chunk_pass(loss_cfg: loss_pallas.LossConfig, h, w, ids, finish, with_grads: 
   lse_global, g, outputs = finish(lse, chosen, found.astype(jnp.float32), lse - entropy)
   if not with_grads:
     return outputs, None, None
+  return (outputs, *_grads(loss_cfg, logits, h, w, ids, lse_global, g))
+
+
+def _grads(loss_cfg, logits, h, w, ids, lse_global, g):
+  """(dh [c, H] f32, dw [H, V] f32) from the chunk's f32 logits, the global lse and g [c]."""
   in_place = dataclasses.replace(loss_cfg, reuse_logits_buffer=True)
   dl = loss_pallas.softmax_grad(in_place, logits, ids, lse_global, g).astype(h.dtype)
   dh = jnp.dot(dl, w.T, preferred_element_type=jnp.float32)
   dw = jnp.dot(h.T, dl, preferred_element_type=jnp.float32)
-  return outputs, dh, dw
+  return dh, dw
 
 
 def run(
@@ -76,3 +84,24 @@ def run(
     return jax.tree.map(unpad, outputs), None, None
   dw, (outputs, dh) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
   return jax.tree.map(unpad, outputs), unpad(dh), dw
+
+
+def run_grads(loss_cfg: loss_pallas.LossConfig, chunk: int, h, w, ids, lse, g):
+  """The gradient pass alone: (dh [N, H] f32, dw [H, V] f32) for known global lse [N] and g [N]
+  (padded rows get g = 0). Recomputes each chunk's logits."""
+  n, _hd = h.shape
+  pad = -n % chunk
+  padded = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
+    -1, chunk, *a.shape[1:]
+  )
+
+  def body(dw_acc, x):
+    h_c, ids_c, lse_c, g_c = x
+    logits = jnp.dot(h_c, w, preferred_element_type=jnp.float32)  # [c, V]
+    dh_c, dw_c = _grads(loss_cfg, logits, h_c, w, ids_c, lse_c, g_c)
+    return dw_acc + dw_c, dh_c
+
+  dw, dh = jax.lax.scan(
+    body, jnp.zeros(w.shape, jnp.float32), (padded(h), padded(ids), padded(lse), padded(g))
+  )
+  return dh.reshape(-1, dh.shape[-1])[:n], dw

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.backend import Target
 from kernels.fused_linear.blocks import LinearBlocks
-from kernels.grpo_loss.pallas import _NEG_BIG, _online_update
+from kernels.lse import NEG_BIG, online_update
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -66,7 +66,7 @@ def _stats_kernel(
 
   @pl.when((j == 0) & (k == 0))
   def _init_row():
-    m_sc[...] = jnp.full_like(m_sc, _NEG_BIG)
+    m_sc[...] = jnp.full_like(m_sc, NEG_BIG)
     for ref in (l_sc, s_sc, c_sc, f_sc):
       ref[...] = jnp.zeros_like(ref)
 
@@ -80,7 +80,7 @@ def _stats_kernel(
   def _fold():
     col, valid = _cols(j, acc.shape, cfg)
     z = jnp.where(valid, acc[...] * (1.0 / cfg.temperature), -jnp.inf)
-    m, l, s, c, f = _online_update(
+    m, l, s, c, f = online_update(
       z, col == ids_ref[...], valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...], axis=1
     )
     m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...] = m, l, s, c, f

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kernels import lse
 from kernels.backend import Target
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +35,11 @@ class LossBlocks:
         raise ValueError(
           f"the GPU (rowloop) kernel runs one row per program: block_n must be 1, got {self.block_n}"
         )
-      if not _is_pow2(self.block_v):
-        raise ValueError(f"Triton tiles must be powers of two: block_v={self.block_v}")
+      lse.check_triton_tile("block_v", self.block_v)
       return
     if target.platform == "tpu" and not target.interpret:
-      # Mosaic's (8, 128) rule: the last two block dims are multiples of (8, 128) or span the array.
-      if self.block_n % 8 and self.block_n != n:
-        raise ValueError(f"TPU block_n must be a multiple of 8 or equal N={n}, got {self.block_n}")
-      if self.block_v % 128 and self.block_v != v:
-        raise ValueError(
-          f"TPU block_v must be a multiple of 128 or equal V={v}, got {self.block_v}"
-        )
+      lse.check_tpu_tile("block_n", self.block_n, n, 8, "N")
+      lse.check_tpu_tile("block_v", self.block_v, v, 128, "V")
 
 
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:

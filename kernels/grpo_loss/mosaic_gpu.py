@@ -11,8 +11,9 @@ dlogits = g / T * (onehot(id) - softmax(z)) from the saved log-sum-exp), laid ou
 * the backward writes dlogits through its own ring of shared-memory tiles with TMA stores
   (``copy_smem_to_gmem``), waiting only until the store that last used a slot has *read* it.
 
-The per-token loss terms (ratio, clip, KL, their derivatives) are [N]-sized elementwise XLA ops on the
-kernel's (lse, logp, entropy): all [N, V] traffic is in the two kernels. Shapes that are not multiples
+The kernels produce differentiable (logp, entropy) with a custom VJP whose backward takes
+d loss / d logp; the policy objective (ratio, clip, importance weights, KL) is the [B, T] XLA math of
+:mod:`kernels.objective` shared by every impl: all [N, V] traffic is in the two kernels. Shapes that are not multiples
 of the tile (N % block_n, V % block_v) are padded by a copy in the wrapper — production shapes
 (N = 8192, V = 151936 = 1187 * 128) need none; the padded columns are masked in-kernel.
 """
@@ -29,8 +30,7 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.grpo_loss.pallas import _NEG_BIG, token_terms
-from kernels.grpo_loss.reference import make_aux, reduce_loss
+from kernels.lse import NEG_BIG
 
 SMEM_BUDGET = 200 * 1024  # bytes of the H100's 227 KiB of shared memory the rings may use
 
@@ -86,12 +86,7 @@ class MosaicLossConfig:
   target: Target
   blocks: MosaicLossBlocks
   vocab: int  # the real vocabulary; columns at or past it are padding
-  on_policy: bool
-  beta: float
-  epsilon_low: float
-  epsilon_high: float
   temperature: float
-  max_log_ratio: float | None  # read by the shared token_terms
 
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -126,7 +121,7 @@ def _fwd_kernel(x_gmem, ids_gmem, lse_gmem, logp_gmem, ent_gmem, ids_s, out_s, b
     return m_new, l, s, chosen, found
 
   row_vec = lambda value: cast(jnp.full((bn,), value, jnp.float32), wg.reduce(1))
-  init = (row_vec(_NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0), row_vec(0.0))
+  init = (row_vec(NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0), row_vec(0.0))
   spec = plgpu.BlockSpec(
     (bn, bv), lambda j: (0, j), transforms=backend.smem_transforms(x_gmem.dtype, cfg.target)
   )
@@ -163,7 +158,8 @@ def _bwd_kernel(x_gmem, ids_gmem, lse_gmem, g_gmem, dx_gmem, row_s, out_s, bar, 
     j = idx[0]
     col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
     z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
-    d = g * ((col == ids).astype(jnp.float32) - jnp.exp(z - lse))
+    # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf (as the Pallas kernels)
+    d = jnp.where(g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp(z - lse)))
     slot = lax.rem(j, jnp.int32(stages))
     # The TMA store that last used this slot (step j - stages) must have read it: <= stages - 1 pending.
     plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
@@ -239,59 +235,47 @@ def _padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def per_token_terms(cfg: MosaicLossConfig, logits, ids, old, ref, adv):
-  """(per_token_loss, kl, logp, entropy, is_clipped) for flat tokens, as :func:`pallas.per_token_terms`.
+def _token_logps(cfg: MosaicLossConfig, logits, ids):
+  """(logp, entropy) for flat tokens, as :func:`kernels.grpo_loss.pallas.token_logps`.
 
-  logits: [N, V] bf16/f32; ids: [N] int32; old, ref, adv: [N] f32 (placeholders when unused).
+  logits: [N, V] bf16/f32; ids: [N] int32.
   """
-  return _vjp_fwd(cfg, logits, ids, old, ref, adv)[0]
+  return _vjp_fwd(cfg, logits, ids)[0]
 
 
-def _vjp_fwd(cfg, logits, ids, old, ref, adv):
+def _vjp_fwd(cfg, logits, ids):
   n, v = logits.shape
   np_, vp = _padded_shape(cfg, n, v)
-  lse, logp, entropy = (
+  lse_, logp, entropy = (
     a[:n] for a in _fwd_call(cfg, _pad_to(logits, np_, vp), _pad_to(ids, np_, vp))
   )
-  pt, kl, clipped, dpt, dkl = token_terms(logp, old, ref, adv, cfg)
-  return (pt, kl, logp, entropy, clipped), (logits, ids, lse, dpt, dkl)
+  return (logp, entropy), (logits, ids, lse_)
 
 
 def _vjp_bwd(cfg, res, cts):
-  logits, ids, lse, dpt, dkl = res
-  ct_pt, ct_kl, ct_logp, _, _ = cts  # entropy and is_clipped carry no gradient
-  g = (ct_pt * dpt + ct_kl * dkl + ct_logp) * (1.0 / cfg.temperature)
+  logits, ids, lse_ = res
+  ct_logp, _ = cts  # the entropy carries no gradient
+  g = ct_logp * (1.0 / cfg.temperature)
   n, v = logits.shape
   np_, vp = _padded_shape(cfg, n, v)
   pad = lambda a: _pad_to(a, np_, vp)
-  dlogits = _bwd_call(cfg, pad(logits), pad(ids), pad(lse), pad(g))
-  return dlogits[:n, :v], None, None, None, None
+  dlogits = _bwd_call(cfg, pad(logits), pad(ids), pad(lse_), pad(g))
+  return dlogits[:n, :v], None
 
 
-per_token_terms.defvjp(_vjp_fwd, _vjp_bwd)
+_token_logps.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def grpo_loss(
-  logits,  # [B, T, V] bf16/f32
-  ids,  # [B, T] int32, 0 at masked positions
-  mask,  # [B, T] bool
-  advantages,  # [B] f32
+def token_logps(
+  logits,  # [N, V] bf16/f32
+  ids,  # [N] int32, 0 at masked positions
   *,
-  old_logps,  # [B, T] f32 or None
-  ref_logps,  # [B, T] f32 or None
   target: Target,
   blocks: MosaicLossBlocks | None,
-  loss_type: str,
-  max_completion_length,
-  num_items_in_batch,
-  reuse_logits_buffer: bool,
-  beta: float,
-  epsilon_low: float,
-  epsilon_high: float,
   temperature: float,
-  max_log_ratio: float | None,
-):
-  """The body of ``kernels.grpo_loss(..., impl="mosaic_gpu")`` after its validation."""
+  reuse_logits_buffer: bool,
+):  # -> (logp [N] f32, entropy [N] f32)
+  """The kernel part of ``kernels.grpo_loss(..., impl="mosaic_gpu")`` after its validation."""
   backend.check_mosaic_gpu_target(target)
   if reuse_logits_buffer:
     raise ValueError(
@@ -303,36 +287,7 @@ def grpo_loss(
   if not isinstance(blocks, MosaicLossBlocks):
     raise TypeError(f"blocks for impl='mosaic_gpu' must be MosaicLossBlocks, got {type(blocks)}")
   blocks.check(logits.dtype)
-  b, t, v = logits.shape
-  n = b * t
   cfg = MosaicLossConfig(
-    target=target,
-    blocks=blocks,
-    vocab=v,
-    on_policy=old_logps is None,
-    beta=beta,
-    epsilon_low=epsilon_low,
-    epsilon_high=epsilon_high,
-    temperature=temperature,
-    max_log_ratio=max_log_ratio,
+    target=target, blocks=blocks, vocab=logits.shape[1], temperature=temperature
   )
-  flat = lambda a: lax.stop_gradient(jnp.asarray(a, jnp.float32)).reshape(n)
-  zeros = jnp.zeros((n,), jnp.float32)
-  adv = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], (b, t))
-  per_token, kl, logp, entropy, clipped = per_token_terms(
-    cfg,
-    logits.reshape(n, v),
-    ids.reshape(n),
-    zeros if old_logps is None else flat(old_logps),
-    zeros if ref_logps is None else flat(ref_logps),
-    flat(adv),
-  )
-  shaped = lambda a: a.reshape(b, t)
-  loss = reduce_loss(
-    shaped(per_token),
-    mask,
-    loss_type=loss_type,
-    max_completion_length=max_completion_length,
-    num_items_in_batch=num_items_in_batch,
-  )
-  return loss, make_aux(mask, shaped(logp), shaped(entropy), shaped(clipped) > 0, shaped(kl))
+  return _token_logps(cfg, logits, ids)

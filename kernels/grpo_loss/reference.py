@@ -12,7 +12,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from kernels import loss_spec
+from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, LossSpec
+from kernels.objective import clamp_log_ratio, on_policy_log_ratio, policy_objective
+
+__all__ = [
+  "DEFAULT_MAX_LOG_RATIO",
+  "LOSS_TYPES",
+  "GRPOAux",
+  "clamp_log_ratio",
+  "grpo_loss_reference",
+  "make_aux",
+  "on_policy_log_ratio",
+  "reduce_loss",
+  "token_logps_and_entropy",
+]
 
 
 class GRPOAux(NamedTuple):
@@ -20,13 +34,10 @@ class GRPOAux(NamedTuple):
 
   per_token_logps: jax.Array  # [B, T] f32, log pi(completion_id); differentiable
   entropy: jax.Array  # [B, T] f32, entropy of softmax(logits / temperature); no gradient
-  is_clipped: jax.Array  # [B, T] bool, the clipped branch of the PPO objective is active
-  per_token_kl: (
-    jax.Array
-  )  # [B, T] f32, k3 estimate of KL(pi || ref), differentiable; 0 if beta == 0
-
-
-DEFAULT_MAX_LOG_RATIO = 20.0  # tunix's bound: exp(20) ~ 4.9e8 keeps every term finite in f32
+  is_clipped: jax.Array  # [B, T] bool, the ratio's gradient is cut by the PPO clip or the dual clip
+  per_token_kl: jax.Array  # [B, T] f32, k3 KL(pi || ref), differentiable; 0 if beta == 0
+  is_weight: jax.Array  # [B, T] f32, the importance weight w (1 when is_mode is None); no gradient
+  sampler_log_ratio: jax.Array  # [B, T] f32, old - sampler_logps (0 without them); no gradient
 
 
 def token_logps_and_entropy(logits, ids, temperature):
@@ -45,62 +56,6 @@ def token_logps_and_entropy(logits, ids, temperature):
   p = jnp.exp(logsm)
   entropy = -jnp.sum(jnp.where(p == 0, 0.0, p * logsm), axis=-1)  # NaN still propagates
   return logp, jax.lax.stop_gradient(entropy)
-
-
-def clamp_log_ratio(d, max_log_ratio):
-  """d clamped to [-max_log_ratio, max_log_ratio], with zero gradient at and beyond the bound; NaN
-  stays NaN. None: d unchanged. d: [...] f32."""
-  if max_log_ratio is None:
-    return d
-  inside = jnp.abs(d) < max_log_ratio
-  return jnp.where(inside, d, jax.lax.stop_gradient(jnp.clip(d, -max_log_ratio, max_log_ratio)))
-
-
-@jax.custom_jvp
-def on_policy_ratio(logp):
-  """exp(logp - stop_gradient(logp)): 1 with derivative 1, also where logp = -inf (the textbook
-  formula gives -inf - -inf = NaN there). A NaN log p (an id outside [0, V)) stays NaN. logp: [...]."""
-  return jnp.where(logp == logp, jnp.float32(1.0), logp)
-
-
-@on_policy_ratio.defjvp
-def _on_policy_ratio_jvp(primals, tangents):
-  return on_policy_ratio(primals[0]), tangents[0]
-
-
-def per_token_objective(
-  logp,
-  old_logps,
-  ref_logps,
-  adv,
-  *,
-  beta,
-  epsilon_low,
-  epsilon_high,
-  max_log_ratio=DEFAULT_MAX_LOG_RATIO,
-):
-  """Clipped-surrogate loss plus beta * k3 KL per token, by the textbook formula (autodiff'd), with
-  both log-ratios clamped to +-max_log_ratio before exp.
-
-  logp, old_logps, ref_logps: [...] f32 (old None = on-policy; ref None when beta == 0); adv: [...].
-  Returns (per_token_loss, per_token_kl, is_clipped).
-  """
-  if old_logps is None:
-    ratio = on_policy_ratio(logp)
-  else:
-    ratio = jnp.exp(clamp_log_ratio(logp - old_logps, max_log_ratio))
-  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-  per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  is_clipped = ((adv > 0) & (ratio > 1.0 + epsilon_high)) | (
-    (adv < 0) & (ratio < 1.0 - epsilon_low)
-  )
-  if beta != 0.0:
-    d = clamp_log_ratio(ref_logps - logp, max_log_ratio)
-    kl = jnp.exp(d) - d - 1.0
-    per_token = per_token + beta * kl
-  else:
-    kl = jnp.zeros_like(logp)
-  return per_token, kl, is_clipped
 
 
 def reduce_loss(per_token, mask, *, loss_type, max_completion_length=None, num_items_in_batch=None):
@@ -128,56 +83,71 @@ def reduce_loss(per_token, mask, *, loss_type, max_completion_length=None, num_i
   raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
 
 
-def make_aux(mask, logp, entropy, is_clipped, kl) -> GRPOAux:
-  """Aux with every field zeroed (False) at masked positions. All arguments [B, T]."""
+def make_aux(mask, logp, entropy, obj) -> GRPOAux:
+  """Aux with every field zeroed (False) at masked positions. mask, logp, entropy: [B, T]; obj: the
+  :class:`kernels.objective.Objective` of the same tokens. Only logp and kl carry gradients."""
   zero = lambda x: jnp.where(mask, x, jnp.zeros_like(x))
-  return GRPOAux(zero(logp), zero(entropy), zero(is_clipped), zero(kl))
+  nograd = lambda x: zero(jax.lax.stop_gradient(x))
+  return GRPOAux(
+    zero(logp),
+    nograd(entropy),
+    zero(obj.is_clipped),
+    zero(obj.kl),
+    nograd(obj.is_weight),
+    nograd(obj.sampler_log_ratio),
+  )
+
+
+def objective_and_loss(logp, entropy, mask, advantages, spec, *, num_items_in_batch, **logps):
+  """The shared tail of every impl: the objective on per-token logp [B, T], the reduction, the aux.
+
+  advantages: [B, T]; logps: old_logps / ref_logps / sampler_logps ([B, T] or None).
+  """
+  obj = policy_objective(logp, mask, advantages, spec, **logps)
+  loss = reduce_loss(
+    obj.per_token,
+    mask,
+    loss_type=spec.loss_type,
+    max_completion_length=spec.max_completion_length,
+    num_items_in_batch=num_items_in_batch,
+  )
+  return loss, make_aux(mask, logp, entropy, obj)
 
 
 def grpo_loss_reference(
   logits,  # [B, T, V]
   completion_ids,  # [B, T] int
   completion_mask,  # [B, T] bool
-  advantages,  # [B]
+  advantages,  # [B] or [B, T] f32
   *,
   old_logps=None,  # [B, T] f32 or None
   ref_logps=None,  # [B, T] f32 or None
-  beta=0.0,
-  epsilon_low=0.2,
-  epsilon_high=0.2,
-  temperature=1.0,
-  loss_type="grpo",
-  max_completion_length=None,
+  sampler_logps=None,  # [B, T] f32 or None
+  spec: LossSpec | None = None,
   num_items_in_batch=None,
-  max_log_ratio=DEFAULT_MAX_LOG_RATIO,
+  **options,  # LossSpec fields, as keywords (with spec: must agree with it)
 ):
   """Reference GRPO loss; same contract as :func:`kernels.grpo_loss` (inputs assumed validated).
 
   Gradients flow into ``logits`` only. Every input is replaced by 0 at masked positions before any
   arithmetic, so a NaN / inf there (padding, a stale row) reaches neither the loss nor a gradient.
   """
+  spec = loss_spec.resolve(spec, **options)
   mask = completion_mask
   keep = lambda x: None if x is None else jnp.where(mask, jax.lax.stop_gradient(x), 0.0)
-  old_logps, ref_logps = keep(old_logps), keep(ref_logps)
-  adv = keep(jnp.asarray(advantages, jnp.float32)[:, None])
+  adv = jnp.asarray(advantages, jnp.float32)
+  adv = keep(adv[:, None] if adv.ndim == 1 else adv)
   logits = jnp.where(mask[..., None], logits, jnp.zeros((), logits.dtype))
   ids = jnp.where(mask, completion_ids, 0)
-  logp, entropy = token_logps_and_entropy(logits, ids, temperature)
-  per_token, kl, is_clipped = per_token_objective(
+  logp, entropy = token_logps_and_entropy(logits, ids, spec.temperature)
+  return objective_and_loss(
     logp,
-    old_logps,
-    ref_logps,
-    adv,
-    beta=beta,
-    epsilon_low=epsilon_low,
-    epsilon_high=epsilon_high,
-    max_log_ratio=max_log_ratio,
-  )
-  loss = reduce_loss(
-    per_token,
+    entropy,
     mask,
-    loss_type=loss_type,
-    max_completion_length=max_completion_length,
+    adv,
+    spec,
     num_items_in_batch=num_items_in_batch,
+    old_logps=keep(old_logps),
+    ref_logps=keep(ref_logps),
+    sampler_logps=keep(sampler_logps),
   )
-  return loss, make_aux(mask, logp, entropy, is_clipped, kl)

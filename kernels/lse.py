@@ -1,0 +1,65 @@
+"""Pieces shared by the loss kernels (``grpo_loss`` and ``fused_linear_grpo_loss``): the online
+log-sum-exp statistics over vocabulary tiles, its finite -inf, the large-max shift rule, and the block
+legality rules of each target."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# The running max starts at the most negative finite f32, not -inf: a tile of -inf logits (a top-k
+# mask) then gives exp(-inf - m) = 0, never exp(-inf + inf) = NaN, and any finite logit (even -3e38)
+# raises it. The rescale term guards alpha == 0 itself (see online_update).
+NEG_BIG = -float(jnp.finfo(jnp.float32).max)
+
+# Rows whose max logit reaches this magnitude keep log-sum-exp relative to the max: at |m| ~ 3e38,
+# m + log(l) rounds log(l) away (log 5 is far below one ulp), so logp and the softmax would be off by
+# log(l). Below it the shift is 0 and every result is bit for bit the plain lse formula.
+SHIFT_AT = float(2**20)
+
+
+def lse_shift(m):
+  """The shift of a row whose running max is m: 0 below SHIFT_AT, else m (see SHIFT_AT)."""
+  return jnp.where(jnp.abs(m) < SHIFT_AT, 0.0, m)
+
+
+def online_update(z, hit, valid, m, l, s, chosen, found, axis):
+  """Fold one tile of scaled logits z (invalid columns already -inf) into the running statistics.
+
+  m: running max; l: sum exp(z - m); s: sum p * (z - m) (the entropy's term); chosen: the chosen
+  token's z; found: how many columns matched the id (0: the id is outside this vocabulary).
+  axis: the tile's vocabulary axis (1 for [rows, cols] tiles), or None for a 1-D chunk of one row.
+  """
+  # an id in the tail tile's padding columns (>= V) is not found: NaN, as any id >= V
+  hit = hit & valid
+  m_new = jnp.maximum(m, jnp.max(z, axis=axis, keepdims=axis is not None))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(z - m_new)
+  zc = jnp.where(valid, z - m_new, 0.0)
+  keep = axis is not None
+  # 0 * log 0 = 0: where p underflows (or z = -inf) the term is 0, not 0 * -inf; when alpha underflows
+  # (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish instead of forming 0 * -inf.
+  pz = jnp.where(p == 0, 0.0, p * zc)
+  rescaled = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l))
+  s = rescaled + jnp.sum(pz, axis=axis, keepdims=keep)
+  l = alpha * l + jnp.sum(p, axis=axis, keepdims=keep)
+  chosen = chosen + jnp.sum(jnp.where(hit, z, 0.0), axis=axis, keepdims=keep)
+  found = found + jnp.sum(hit.astype(jnp.float32), axis=axis, keepdims=keep)
+  return m_new, l, s, chosen, found
+
+
+# ------------------------------------------------------------------------------ block legality
+def is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def check_tpu_tile(name: str, block: int, full: int, multiple: int, dim: str) -> None:
+  """Mosaic's (8, 128) rule: a block's last two dims are multiples of (8, 128) or span the array."""
+  if block % multiple and block != full:
+    raise ValueError(
+      f"TPU {name} must be a multiple of {multiple} or equal {dim}={full}, got {block}"
+    )
+
+
+def check_triton_tile(name: str, block: int) -> None:
+  if not is_pow2(block):
+    raise ValueError(f"Triton tiles must be powers of two: {name}={block}")
