@@ -19,20 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from kernels.grpo_loss import validate_loss_args
-from kernels.grpo_loss.reference import (
-  DEFAULT_MAX_LOG_RATIO,
-  make_aux,
-  per_token_objective,
-  reduce_loss,
-  token_logps_and_entropy,
-)
-
-# kernels.grpo_loss / fused_linear_grpo_loss take [B] advantages on this branch; the per-token
-# generalisation (branch h2-spec, "per-token advantages") makes them take [B, T]. Until it is merged,
-# `policy_loss` computes the same objective from the kernels' reference pieces; afterwards set this to
-# True (the one line to change) and the kernels (Pallas / XLA / Mosaic GPU) take over.
-KERNEL_TAKES_PER_TOKEN_ADVANTAGES = False
+from kernels.grpo_loss import DEFAULT_MAX_LOG_RATIO
 
 
 def _check_same_shape(**arrays) -> None:
@@ -116,9 +103,20 @@ def policy_loss(
   max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
 ):  # -> (loss, kernels.grpo_loss.GRPOAux)
-  """The PPO clipped surrogate with per-token advantages, kernels.grpo_loss's semantics otherwise
-  (reductions, the log-ratio clamp, masked positions ignored)."""
-  kw = dict(
+  """The PPO clipped surrogate with per-token advantages: kernels.grpo_loss (Pallas / XLA / Mosaic
+  GPU by `impl`) with [B, T] advantages, its semantics otherwise (reductions, the log-ratio clamp,
+  masked positions ignored). [B] advantages are refused here: a caller of the PPO term that passes
+  per-sequence ones has lost its GAE output."""
+  if getattr(advantages, "shape", None) != tuple(ids.shape):
+    raise ValueError(
+      f"advantages must be per token, [B, T] = {tuple(ids.shape)}, got "
+      f"{getattr(advantages, 'shape', type(advantages).__name__)}"
+    )
+  return kernels.grpo_loss(
+    logits,
+    ids,
+    mask,
+    advantages,
     old_logps=old_logps,
     epsilon_low=epsilon_low,
     epsilon_high=epsilon_high,
@@ -127,37 +125,8 @@ def policy_loss(
     max_completion_length=max_completion_length,
     num_items_in_batch=num_items_in_batch,
     max_log_ratio=max_log_ratio,
+    impl=impl,
   )
-  if KERNEL_TAKES_PER_TOKEN_ADVANTAGES:
-    return kernels.grpo_loss(logits, ids, mask, advantages, impl=impl, **kw)
-  # The kernel's own argument checks, with a [B] stand-in for the advantages it cannot take yet.
-  if advantages.shape != ids.shape:
-    raise ValueError(f"advantages must be [B, T] {tuple(ids.shape)}, got {tuple(advantages.shape)}")
-  args = validate_loss_args(
-    logits, ids, mask, jnp.zeros(ids.shape[:1], jnp.float32), ref_logps=None, beta=0.0, **kw
-  )
-  mask = args.mask
-  adv = jnp.where(mask, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
-  logits = jnp.where(mask[..., None], args.logits, jnp.zeros((), args.logits.dtype))
-  logp, entropy = token_logps_and_entropy(logits, args.ids, args.options["temperature"])
-  per_token, kl, is_clipped = per_token_objective(
-    logp,
-    args.old_logps,
-    None,
-    adv,
-    beta=0.0,
-    epsilon_low=args.options["epsilon_low"],
-    epsilon_high=args.options["epsilon_high"],
-    max_log_ratio=args.options["max_log_ratio"],
-  )
-  loss = reduce_loss(
-    per_token,
-    mask,
-    loss_type=loss_type,
-    max_completion_length=max_completion_length,
-    num_items_in_batch=num_items_in_batch,
-  )
-  return loss, make_aux(mask, logp, entropy, is_clipped, kl)
 
 
 def approx_kl_sum(logp, old_logp, mask):  # [B, T] x3 -> scalar: sum of k3 KL(old || new) terms

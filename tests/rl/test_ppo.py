@@ -133,8 +133,9 @@ def _policy_f64(logits, ids, mask, adv, old, eps_lo, eps_hi, loss_type):
   return loss, dlogits
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])  # pallas: the kernel, interpreted on CPU
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_policy_loss_against_float64(loss_type):
+def test_policy_loss_against_float64(loss_type, impl):
   rng = np.random.default_rng(4)
   b, t, v = 3, 7, 11
   logits = rng.normal(size=(b, t, v)).astype(np.float32)
@@ -147,9 +148,8 @@ def test_policy_loss_against_float64(loss_type):
   want, dwant = _policy_f64(logits, ids, mask, adv, old, 0.2, 0.3, loss_type)
 
   def f(x):
-    return ppo.policy_loss(
-      x, ids, mask, adv, old_logps=old, epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type
-    )
+    kw = dict(epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type, impl=impl)
+    return ppo.policy_loss(x, ids, mask, adv, old_logps=old, **kw)
 
   (loss, aux), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logits))
   assert 0 < np.asarray(aux.is_clipped).sum() < mask.sum()
@@ -161,9 +161,9 @@ def test_policy_loss_against_float64(loss_type):
   assert abs(float(other) - float(loss)) > 1e-3
 
 
-def test_policy_loss_matches_the_kernel_for_per_sequence_advantages():
-  """With an advantage constant along each row, the per-token path is kernels.grpo_loss exactly
-  (values and gradients): the interim formula is the kernel's, not a fork of it."""
+def test_per_token_path_matches_the_per_sequence_kernel():
+  """With an advantage constant along each row, the [B, T] path equals kernels.grpo_loss with [B]
+  advantages exactly (values and gradients), for every reduction."""
   rng = np.random.default_rng(5)
   b, t, v = 4, 6, 9
   logits = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32)
