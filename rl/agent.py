@@ -90,6 +90,7 @@ class UpdateSettings:
   vf_coef: float
   value_clip: float | None
   impl: str
+  fused_lm_head: bool
 
 
 def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings, state, batch):
@@ -114,8 +115,9 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         graphdef, p, head, mb.tokens, mb.attention_mask, s.completion_len
       )
       ids = mb.tokens[:, -s.completion_len :]
+      fused = s.fused_lm_head
       pl, aux = ppo.policy_loss(
-        model.logits(hidden),
+        hidden if fused else model.logits(hidden),
         ids,
         mb.model_mask,
         mb.advantages,
@@ -127,6 +129,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         max_completion_length=s.completion_len,
         num_items_in_batch=items,
         impl=s.impl,
+        lm_head=model.lm_head_weight() if fused else None,
       )
       vl, vclipped = ppo.value_loss(values, mb.old_values, mb.returns, mb.model_mask, s.value_clip)
       vl = vl.sum() / num_tokens
@@ -183,11 +186,6 @@ class AgentTrainer(train.Trainer):
       raise ConfigError("rl.agent runs in a single process for now (dist.initialize=false)")
     if cfg.run.resume:
       raise ConfigError("run.resume: rl.agent does not checkpoint the value head yet")
-    if cfg.train.fused_lm_head or cfg.train.policy_loss_impl == "chunked":
-      raise ConfigError(
-        "train.fused_lm_head: rl.agent's per-token-advantage loss needs the logits until "
-        "kernels.fused_linear_grpo_loss takes [B, T] advantages"
-      )
     if cfg.train.beta:
       raise ConfigError("train.beta: rl.agent has no KL term yet; set train.beta=0")
     super().__init__(cfg)
@@ -332,6 +330,7 @@ class AgentTrainer(train.Trainer):
         tcfg.vf_coef,
         tcfg.value_clip,
         tcfg.policy_loss_impl,
+        tcfg.fused_lm_head,
       )
       self._updates[completion_len] = jax.jit(
         functools.partial(

@@ -88,7 +88,7 @@ def value_loss(
 
 
 def policy_loss(
-  logits,  # [B, T, V]
+  logits,  # [B, T, V]; with lm_head: the [B, T, H] hidden states scoring the tokens
   ids,  # [B, T] int
   mask,  # [B, T] bool, MODEL tokens
   advantages,  # [B, T] f32, per token
@@ -102,21 +102,18 @@ def policy_loss(
   num_items_in_batch=None,
   max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
+  lm_head=None,  # [H, V]: the fused LM-head loss (no [B, T, V] logits)
 ):  # -> (loss, kernels.grpo_loss.GRPOAux)
   """The PPO clipped surrogate with per-token advantages: kernels.grpo_loss (Pallas / XLA / Mosaic
-  GPU by `impl`) with [B, T] advantages, its semantics otherwise (reductions, the log-ratio clamp,
-  masked positions ignored). [B] advantages are refused here: a caller of the PPO term that passes
+  GPU by `impl`), or kernels.fused_linear_grpo_loss when `lm_head` is given, with [B, T] advantages;
+  their semantics otherwise (reductions, the log-ratio clamp, masked positions ignored). [B] advantages are refused here: a caller of the PPO term that passes
   per-sequence ones has lost its GAE output."""
   if getattr(advantages, "shape", None) != tuple(ids.shape):
     raise ValueError(
       f"advantages must be per token, [B, T] = {tuple(ids.shape)}, got "
       f"{getattr(advantages, 'shape', type(advantages).__name__)}"
     )
-  return kernels.grpo_loss(
-    logits,
-    ids,
-    mask,
-    advantages,
+  kw = dict(
     old_logps=old_logps,
     epsilon_low=epsilon_low,
     epsilon_high=epsilon_high,
@@ -127,6 +124,11 @@ def policy_loss(
     max_log_ratio=max_log_ratio,
     impl=impl,
   )
+  if lm_head is not None:
+    return kernels.fused_linear_grpo_loss(
+      logits.astype(lm_head.dtype), lm_head, ids, mask, advantages, **kw
+    )
+  return kernels.grpo_loss(logits, ids, mask, advantages, **kw)
 
 
 def approx_kl_sum(logp, old_logp, mask):  # [B, T] x3 -> scalar: sum of k3 KL(old || new) terms

@@ -137,7 +137,6 @@ def test_grid_run_writes_the_metrics(tmp_path):
 @pytest.mark.parametrize(
   "overrides, key",
   [
-    (["train.fused_lm_head=true"], "fused_lm_head"),
     (["train.beta=0.1"], "beta"),
     (["run.resume=true"], "resume"),
   ],

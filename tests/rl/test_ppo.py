@@ -246,3 +246,27 @@ def test_environment_and_prompt_tokens_get_no_gradient():
     roles = np.asarray(ep.roles[ep.prompt_len :])
     assert (per_pos[i, np.flatnonzero(roles == ENV)] == 0).all()
     assert (per_pos[i, np.flatnonzero(roles == MODEL)] > 0).all()
+
+
+def test_fused_lm_head_policy_loss_matches_the_logits_path():
+  """lm_head= (kernels.fused_linear_grpo_loss, no [B, T, V] logits) gives the logits path's loss and
+  gradients with per-token advantages."""
+  rng = np.random.default_rng(7)
+  b, t, h, v = 2, 5, 8, 13
+  hidden = jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(h, v)) * 0.5, jnp.float32)
+  ids = rng.integers(0, v, size=(b, t)).astype(np.int32)
+  mask = rng.random((b, t)) < 0.8
+  adv = rng.normal(size=(b, t)).astype(np.float32)
+  old = rng.normal(-2.5, 0.3, size=(b, t)).astype(np.float32)
+  kw = dict(old_logps=old, loss_type="dapo", impl="xla")
+  fused = jax.value_and_grad(
+    lambda x, y: ppo.policy_loss(x, ids, mask, adv, lm_head=y, **kw)[0], argnums=(0, 1)
+  )(hidden, w)
+  plain = jax.value_and_grad(
+    lambda x, y: ppo.policy_loss(jnp.einsum("bth,hv->btv", x, y), ids, mask, adv, **kw)[0],
+    argnums=(0, 1),
+  )(hidden, w)
+  np.testing.assert_allclose(fused[0], plain[0], rtol=1e-5)
+  for a, c in zip(fused[1], plain[1]):
+    np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
