@@ -10,8 +10,8 @@ A step: `prompts_per_step` environment seeds x `group_size` episodes each, rolle
 The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages).
 
 Everything else (model, tokenizer, data, engine, SFT warm-up, metrics writer, checkpoints, non-finite
-guard) is rl.train.Trainer's. Single process only for now; `--resume` is refused (the value head and
-its optimizer state are not checkpointed yet).
+guard, `--resume`) is rl.train.Trainer's; checkpoints add the value head and its optimizer state.
+Single process only for now.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from flax import nnx
 from kernels.grpo_loss import token_logps_and_entropy
 from rl import ppo, train
 from rl.advantages import group_advantages
+from rl.checkpointing import CheckpointError
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.critic import ValueHead
@@ -184,8 +185,6 @@ class AgentTrainer(train.Trainer):
   ):
     if jax.process_count() > 1:
       raise ConfigError("rl.agent runs in a single process for now (dist.initialize=false)")
-    if cfg.run.resume:
-      raise ConfigError("run.resume: rl.agent does not checkpoint the value head yet")
     if cfg.train.beta:
       raise ConfigError("train.beta: rl.agent has no KL term yet; set train.beta=0")
     super().__init__(cfg)
@@ -205,6 +204,15 @@ class AgentTrainer(train.Trainer):
     self.head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
     self.head_opt_state = self.head_opt.init(self.head_params)
     self._updates: dict[int, Callable] = {}
+
+  def state(
+    self,
+  ) -> dict:  # checkpointed: the policy's, and the value head with its optimizer state
+    return {**super().state(), "value_head": self.head_params, "value_opt": self.head_opt_state}
+
+  def _restore_state(self, state: dict) -> None:
+    super()._restore_state(state)
+    self.head_params, self.head_opt_state = state["value_head"], state["value_opt"]
 
   def _env_factory(self) -> tuple[EnvFactory, str | None]:
     env = self.cfg.env
@@ -391,7 +399,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f"python -m rl.agent: config error: {e}", file=sys.stderr)
     return 2
-  except NonFiniteError as e:
+  except (NonFiniteError, CheckpointError) as e:
     print(f"python -m rl.agent: {e}", file=sys.stderr)
     return 1
   return 0
