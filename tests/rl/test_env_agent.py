@@ -101,13 +101,14 @@ def test_update_does_not_depend_on_the_accumulation_split(tmp_path, loss_type="g
   assert float(outs[0]["grad_norm"]) > 0 and float(outs[0]["value_loss"]) > 0
 
 
-def test_grid_run_writes_the_metrics(tmp_path):
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_grid_run_writes_the_metrics(tmp_path, algorithm):
   cfg = _cfg(
     tmp_path,
     "env.name=grid",
     "env.max_turns=2",
     "rollout.max_seq_len=256",
-    "train.algorithm=ppo",
+    f"train.algorithm={algorithm}",
     "train.steps=2",
     "eval.full_at_end=true",
     "eval.batch=2",
@@ -119,17 +120,19 @@ def test_grid_run_writes_the_metrics(tmp_path):
     trainer.close()
   rows = read_metrics(str(tmp_path))
   assert [r["step"] for r in rows] == [1, 2]
+  critic = ("critic/value_loss", "critic/explained_variance")
   for key in (
     "env/success_rate",
     "env/turns_mean",
     "env/reward_mean",
-    "critic/value_loss",
-    "critic/explained_variance",
     "ppo/approx_kl",
     "ppo/clip_fraction",
     "train/grad_norm",
+    *(critic if algorithm == "ppo" else ()),
   ):
     assert all(np.isfinite(r[key]) for r in rows), key
+  if algorithm == "grpo":  # no critic is trained
+    assert not any(key in r for r in rows for key in critic)
   assert 1 <= rows[-1]["env/turns_mean"] <= 2
   assert last["eval_full/examples"] == 2
 
