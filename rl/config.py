@@ -128,6 +128,14 @@ class TrainSection:
   # An update whose loss or gradient norm is not finite is skipped (weights and optimizer state kept);
   # this many skipped steps in a row stop the run with an error.
   max_nonfinite_steps: int = 3
+  # Multi-turn runs (python -m rl.agent): grpo = group-normalised episode returns on every model
+  # token; ppo = GAE advantages from a value head trained with a clipped value loss.
+  algorithm: Literal["grpo", "ppo"] = "grpo"
+  vf_coef: float = 0.1  # weight of the value loss (ppo)
+  value_clip: float | None = 0.2  # clip range of the value loss around the old values; None: off
+  gamma: float = 1.0  # GAE discount per model token
+  gae_lambda: float = 0.95
+  whiten_advantages: bool = True  # ppo: whiten GAE advantages over the step's model tokens
 
   def __post_init__(self):
     for name in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs"):
@@ -153,10 +161,37 @@ class TrainSection:
     check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
     check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys
     check_range("train.max_nonfinite_steps", self.max_nonfinite_steps, ge=1)
+    if self.algorithm not in ("grpo", "ppo"):
+      raise ValueError(f"train.algorithm must be grpo or ppo, got {self.algorithm!r}")
+    check_range("train.vf_coef", self.vf_coef, ge=0)
+    check_range("train.value_clip", self.value_clip, gt=0, optional=True)
+    check_range("train.gamma", self.gamma, ge=0, le=1)
+    check_range("train.gae_lambda", self.gae_lambda, ge=0, le=1)
     if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
       raise ValueError(
         "train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true"
       )
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+  """The environment of a multi-turn run (python -m rl.agent; rl/env). calc: the tool-use arithmetic
+  environment on the `data` problems; grid: the seeded frozen lake. Each reply has at most
+  sampling.max_new_tokens tokens; an episode at most rollout.max_seq_len tokens."""
+
+  name: Literal["calc", "grid"] = "calc"
+  max_turns: int = 3
+  grid_size: int = 4
+  grid_holes: int = 3
+  grid_min_distance: int = 2
+
+  def __post_init__(self):
+    if self.name not in ("calc", "grid"):
+      raise ValueError(f"env.name must be calc or grid, got {self.name!r}")
+    check_range("env.max_turns", self.max_turns, ge=1)
+    check_range("env.grid_size", self.grid_size, ge=2, le=16)
+    check_range("env.grid_holes", self.grid_holes, ge=0, le=self.grid_size**2 - 3)
+    check_range("env.grid_min_distance", self.grid_min_distance, ge=1, le=2 * (self.grid_size - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +292,7 @@ class GRPOConfig:
   mesh: MeshSection = MeshSection()
   run: RunSection = RunSection()
   dist: DistributedSection = DistributedSection()
+  env: EnvSection = EnvSection()
 
   def __post_init__(self):
     if self.sampling.group_size > self.rollout.max_slots:

@@ -426,6 +426,12 @@ class Trainer:
       state["ref_params"] = self.ref_params
     return state
 
+  def _restore_state(self, state: dict) -> None:
+    """Takes back what `state()` saved (a subclass with more state extends both)."""
+    self.opt_state = state["opt_state"]
+    self._set_params(state["params"])
+    self.ref_params = state.get("ref_params", self.ref_params)
+
   def _meta(self, step: int) -> dict:
     return {
       "step": step,
@@ -443,9 +449,7 @@ class Trainer:
       log(f"no checkpoint in {self.checkpointer.directory}: starting from scratch")
     else:
       start, state, meta = restored
-      self.opt_state = state["opt_state"]
-      self._set_params(state["params"])
-      self.ref_params = state.get("ref_params", self.ref_params)
+      self._restore_state(state)
       self.guard.total = meta.get("nonfinite_steps", 0)
       self.guard.in_a_row = meta.get("nonfinite_in_a_row", 0)
       log(f"resumed from step {start}")

@@ -1,0 +1,409 @@
+"""Multi-turn RL: `python -m rl.agent --config configs/cpu-multiturn.yaml [key.sub=value ...]`.
+
+A step: `prompts_per_step` environment seeds x `group_size` episodes each, rolled out turn by turn
+(rl.rollout.multiturn) -> packed rows whose loss mask holds only model tokens -> advantages:
+  * train.algorithm=grpo: each episode's return, normalised within its seed's group, on every model
+    token of the episode;
+  * train.algorithm=ppo: GAE over model tokens (rl.ppo) from the value head's (rl.critic) values of the
+    pre-update forward, optionally whitened; the value head is trained with the clipped value loss,
+    weighted by train.vf_coef, in the same micro-batched, gradient-accumulated update as the policy.
+The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages).
+
+Everything else (model, tokenizer, data, engine, SFT warm-up, metrics writer, checkpoints, non-finite
+guard, `--resume`) is rl.train.Trainer's; checkpoints add the value head and its optimizer state.
+Single process only for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from kernels.grpo_loss import token_logps_and_entropy
+from rl import ppo, train
+from rl.advantages import group_advantages
+from rl.checkpointing import CheckpointError
+from rl.config import GRPOConfig
+from rl.configlib import ConfigError
+from rl.critic import ValueHead
+from rl.env import CalcEnv, Environment, GridEnv
+from rl.rollout import SamplingParams
+from rl.rollout.multiturn import episode_metrics, pack_episodes, rollout
+from rl.tokenizer import chatml
+from rl.update import NonFiniteError, completion_hidden, make_optimizer
+
+GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
+WIDTH_BUCKET = 32  # packed widths are rounded up to this: a handful of compiled shapes per run
+
+
+class AgentBatch(NamedTuple):
+  """One step's rows as [K, M, ...] (accumulation step, sequence); C = the completion width."""
+
+  tokens: jax.Array  # [K, M, P + C] int32
+  attention_mask: jax.Array  # [K, M, P + C] bool
+  model_mask: jax.Array  # [K, M, C] bool, the trained tokens
+  advantages: jax.Array  # [K, M, C] f32
+  old_logps: jax.Array  # [K, M, C] f32, the policy before this step's first epoch
+  old_values: jax.Array  # [K, M, C] f32
+  returns: jax.Array  # [K, M, C] f32 (value targets; zeros for grpo)
+
+
+def _forward(graphdef, params, head, tokens, attention_mask, completion_len):
+  model = nnx.merge(graphdef, params)
+  hidden = completion_hidden(model, tokens, attention_mask, completion_len)
+  return model, hidden, head(hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5, 6))
+def old_logps_and_values(graphdef, head_graphdef, params, head_params, batch, completion_len, temp):
+  """The pre-update policy's log-probs and the critic's values, micro-batch by micro-batch:
+  ([K, M, C], [K, M, C])."""
+  head = nnx.merge(head_graphdef, head_params)
+
+  def one(_, mb):
+    tokens, attn, mask = mb
+    model, hidden, values = _forward(graphdef, params, head, tokens, attn, completion_len)
+    ids = tokens[:, -completion_len:]
+    logp, _ = token_logps_and_entropy(model.logits(hidden), jnp.where(mask, ids, 0), temp)
+    return None, (jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0))
+
+  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+  completion_len: int
+  algorithm: str
+  loss_type: str
+  epsilon_low: float
+  epsilon_high: float
+  temperature: float
+  vf_coef: float
+  value_clip: float | None
+  impl: str
+  fused_lm_head: bool
+
+
+def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings, state, batch):
+  """One optimizer step of the policy (and, for ppo, the value head) on the global batch; the K
+  micro-batch losses are scaled to sum to the global loss (as rl.update does). A non-finite loss or
+  gradient norm keeps the old state."""
+  params, head_params, opt_state, head_opt_state = state
+  k = batch.tokens.shape[0]
+  num_tokens = jnp.maximum(batch.model_mask.sum().astype(jnp.float32), 1.0)
+  kernel_type, scale, items = {
+    "grpo": ("grpo", 1.0 / k, None),
+    "dr_grpo": ("dr_grpo", 1.0 / k, None),
+    "bnpo": ("dapo", 1.0, num_tokens),
+    "dapo": ("dapo", 1.0, num_tokens),
+  }[s.loss_type]
+  critic = s.algorithm == "ppo"
+
+  def micro(grads, mb):
+    def loss_fn(p, hp):
+      head = nnx.merge(head_graphdef, hp)
+      model, hidden, values = _forward(
+        graphdef, p, head, mb.tokens, mb.attention_mask, s.completion_len
+      )
+      ids = mb.tokens[:, -s.completion_len :]
+      fused = s.fused_lm_head
+      pl, aux = ppo.policy_loss(
+        hidden if fused else model.logits(hidden),
+        ids,
+        mb.model_mask,
+        mb.advantages,
+        old_logps=mb.old_logps,
+        epsilon_low=s.epsilon_low,
+        epsilon_high=s.epsilon_high,
+        temperature=s.temperature,
+        loss_type=kernel_type,
+        max_completion_length=s.completion_len,
+        num_items_in_batch=items,
+        impl=s.impl,
+        lm_head=model.lm_head_weight() if fused else None,
+      )
+      vl, vclipped = ppo.value_loss(values, mb.old_values, mb.returns, mb.model_mask, s.value_clip)
+      vl = vl.sum() / num_tokens
+      loss = pl * scale + (s.vf_coef * vl if critic else 0.0)
+      sums = {
+        "loss": loss,
+        "policy_loss": pl * scale,
+        "value_loss": vl,
+        "value_clip_fraction": vclipped.sum() / num_tokens,
+        "clip_fraction": aux.is_clipped.sum() / num_tokens,
+        "approx_kl": ppo.approx_kl_sum(aux.per_token_logps, mb.old_logps, mb.model_mask)
+        / num_tokens,
+        "entropy": aux.entropy.sum() / num_tokens,
+      }
+      return loss, sums
+
+    (_, sums), g = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, head_params)
+    return jax.tree.map(jnp.add, grads, g), sums
+
+  zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
+  (g_params, g_head), sums = jax.lax.scan(micro, (zeros(params), zeros(head_params)), batch)
+  metrics = {key: v.sum() for key, v in sums.items()}
+  grad_norm = _norm((g_params, g_head) if critic else g_params)
+  g_params = jax.tree.map(lambda g, p: g.astype(p.dtype), g_params, params)
+  new_params, new_opt = policy_opt.step(params, g_params, opt_state)
+  new_head, new_head_opt = head_params, head_opt_state
+  if critic:
+    updates, new_head_opt = head_opt.update(g_head, head_opt_state, head_params)
+    new_head = optax.apply_updates(head_params, updates)
+  new_state = (new_params, new_head, new_opt, new_head_opt)
+  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+  finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state[:2])]))
+  state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+  metrics["grad_norm"] = grad_norm
+  metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.float32)
+  return state, metrics
+
+
+def _norm(tree):  # optax >= 0.2.5 has optax.tree.norm; global_norm warns there
+  tree_ns = getattr(optax, "tree", None)
+  return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
+
+
+EnvFactory = Callable[[], Environment]
+
+
+class AgentTrainer(train.Trainer):
+  """rl.train.Trainer with multi-turn episodes in place of single completions."""
+
+  def __init__(
+    self, cfg: GRPOConfig, env_factory: EnvFactory | None = None, system: str | None = None
+  ):
+    if jax.process_count() > 1:
+      raise ConfigError("rl.agent runs in a single process for now (dist.initialize=false)")
+    if cfg.train.beta:
+      raise ConfigError("train.beta: rl.agent has no KL term yet; set train.beta=0")
+    super().__init__(cfg)
+    cfg, tcfg = self.cfg, self.cfg.train
+    if env_factory is None:
+      env_factory, system = self._env_factory()
+    self.env_factory, self.system = env_factory, system or self.template.system
+    head = ValueHead(self.model.cfg.hidden_size, rngs=nnx.Rngs(tcfg.seed))
+    self.head_graphdef, self.head_params = nnx.split(head, nnx.Param)
+    self.policy_opt = make_optimizer(
+      tcfg.optimizer,
+      tcfg.learning_rate,
+      tcfg.weight_decay,
+      tcfg.max_grad_norm,
+      tcfg.fused_optimizer,
+    )
+    self.head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
+    self.head_opt_state = self.head_opt.init(self.head_params)
+    self._updates: dict[int, Callable] = {}
+
+  def state(
+    self,
+  ) -> dict:  # checkpointed: the policy's, and the value head with its optimizer state
+    return {**super().state(), "value_head": self.head_params, "value_opt": self.head_opt_state}
+
+  def _restore_state(self, state: dict) -> None:
+    super()._restore_state(state)
+    self.head_params, self.head_opt_state = state["value_head"], state["value_opt"]
+
+  def _env_factory(self) -> tuple[EnvFactory, str | None]:
+    env = self.cfg.env
+    if env.name == "grid":
+      return (
+        lambda: GridEnv(env.grid_size, env.grid_holes, env.max_turns, env.grid_min_distance),
+        GRID_SYSTEM,
+      )
+    weights = self.cfg.reward.weights()
+    return lambda: CalcEnv(self.train_data, env.max_turns, weights), None
+
+  def prompt_tokens(self, observation: str) -> list[int]:
+    messages = [{"role": "system", "content": self.system}] if self.system else []
+    return self.tokenizer.encode(chatml(messages + [{"role": "user", "content": observation}]))
+
+  def env_seed(self, step: int, index: int) -> int:
+    """The environment seed of prompt `index` of step `step`: calc poses the train set in seeded
+    permutation order (as rl.train does), grid draws a layout."""
+    if self.cfg.env.name == "calc":
+      n = self.cfg.train.prompts_per_step
+      epoch, i = divmod(step * n + index, len(self.train_data))
+      perm = np.random.default_rng([self.cfg.train.seed, 0, epoch]).permutation(
+        len(self.train_data)
+      )
+      return int(perm[i])
+    return self.prompt_seed(step, index)
+
+  def episodes(self, env_seeds: Sequence[int], group: int, seed_of, temperature: float):
+    sampling = self.cfg.sampling
+    params = SamplingParams(
+      max_new_tokens=sampling.max_new_tokens,
+      temperature=temperature,
+      top_k=sampling.top_k,
+      top_p=sampling.top_p,
+    )
+    seeds = [s for s in env_seeds for _ in range(group)]
+    sample_seeds = [seed_of(i) for i in range(len(seeds))]
+    envs = [self.env_factory() for _ in seeds]
+    return rollout(
+      self.engine, self.tokenizer, envs, seeds, sample_seeds, self.prompt_tokens, params
+    )
+
+  # ---------------------------------------------------------------------------------------- a step
+  def step(self, step: int) -> dict[str, float]:
+    cfg, tcfg, timer = self.cfg, self.cfg.train, self.timer
+    t_step = time.perf_counter()
+    group = cfg.sampling.group_size
+    env_seeds = [self.env_seed(step, i) for i in range(tcfg.prompts_per_step)]
+    with timer("rollout"):
+      episodes, stats = self.episodes(
+        env_seeds, group, lambda i: self.prompt_seed(step, i), cfg.sampling.temperature
+      )
+    pw = train.round_up(max(ep.prompt_len for ep in episodes), WIDTH_BUCKET)
+    cw = train.round_up(max(len(ep.tokens) - ep.prompt_len for ep in episodes), WIDTH_BUCKET)
+    packed = pack_episodes(episodes, pw, cw, self.tokenizer.pad_id)
+    k = cfg.grad_accum_steps
+    shape = lambda x: jnp.asarray(x.reshape(k, x.shape[0] // k, *x.shape[1:]))
+    with timer("update"):
+      tokens, attn, mask = (
+        shape(packed.tokens),
+        shape(packed.attention_mask),
+        shape(packed.model_mask),
+      )
+      stub = AgentBatch(tokens, attn, mask, *([None] * 4))
+      old_logps, old_values = old_logps_and_values(
+        self.graphdef, self.head_graphdef, self.params, self.head_params, stub, cw,
+        cfg.sampling.temperature,
+      )  # fmt: skip
+      flat = lambda x: x.reshape(-1, cw)
+      returns = jnp.zeros_like(old_values)
+      if tcfg.algorithm == "ppo":
+        adv, ret = ppo.gae(
+          packed.rewards, flat(old_values), packed.model_mask, tcfg.gamma, tcfg.gae_lambda
+        )
+        if tcfg.whiten_advantages:
+          adv = ppo.whiten(adv, packed.model_mask)
+        returns = ret.reshape(old_values.shape)
+        explained = float(ppo.explained_variance(flat(old_values), ret, packed.model_mask))
+      else:
+        totals = np.array([ep.reward for ep in episodes], np.float32)
+        per_episode = np.asarray(group_advantages(totals, group))
+        adv = np.where(packed.model_mask, per_episode[:, None], 0.0).astype(np.float32)
+      batch = AgentBatch(tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns)
+      update = self._update(cw)
+      state = (self.params, self.head_params, self.opt_state, self.head_opt_state)
+      epochs = []
+      for _ in range(tcfg.ppo_epochs):
+        state, metrics = update(state, batch)
+        epochs.append(metrics)
+      params, self.head_params, self.opt_state, self.head_opt_state = state
+      self._set_params(params)
+      epochs = jax.device_get(epochs)
+    out = {f"time/train/{key}_s": v for key, v in timer.reset().items()}
+    step_s = time.perf_counter() - t_step
+    out["time/train/step_s"] = step_s
+    out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
+    out.update(episode_metrics(episodes))
+    out["reward/total/mean"] = out["env/reward_mean"]
+    out["rollout/generated_tokens"] = stats.generated_tokens
+    out["rollout/prefill_tokens"] = stats.prefill_tokens
+    out["rollout/engine_calls"] = stats.engine_calls
+    mean = lambda key: float(np.mean([e[key] for e in epochs]))
+    for key in ("loss", "policy_loss", "entropy", "grad_norm", "nonfinite"):
+      out[f"train/{key}"] = mean(key)
+    out["ppo/clip_fraction"], out["ppo/approx_kl"] = mean("clip_fraction"), mean("approx_kl")
+    if tcfg.algorithm == "ppo":
+      out["critic/value_loss"] = mean("value_loss")
+      out["critic/value_clip_fraction"] = mean("value_clip_fraction")
+      out["critic/explained_variance"] = explained
+      out["critic/value_mean"] = float(flat(old_values)[packed.model_mask].mean())
+    return out
+
+  def _update(self, completion_len: int):
+    if completion_len not in self._updates:
+      tcfg = self.cfg.train
+      settings = UpdateSettings(
+        completion_len,
+        tcfg.algorithm,
+        tcfg.loss_type,
+        tcfg.epsilon_low,
+        tcfg.epsilon_high,
+        self.cfg.sampling.temperature,
+        tcfg.vf_coef,
+        tcfg.value_clip,
+        tcfg.policy_loss_impl,
+        tcfg.fused_lm_head,
+      )
+      self._updates[completion_len] = jax.jit(
+        functools.partial(
+          update_step, self.graphdef, self.head_graphdef, self.policy_opt, self.head_opt, settings
+        ),
+        donate_argnums=(0,),
+      )
+    return self._updates[completion_len]
+
+  # ---------------------------------------------------------------------------------------- eval
+  def _eval(self, prefix: str, temperature: float, seed: int) -> dict[str, float]:
+    t = time.perf_counter()
+    n = self.cfg.eval.batch
+    if self.cfg.env.name == "calc":  # the test split's problems
+      turns, weights = self.cfg.env.max_turns, self.cfg.reward.weights()
+      factory = lambda: CalcEnv(self.test_data, turns, weights)
+      seeds = list(range(min(n, len(self.test_data))))
+    else:  # layouts from seeds no training step draws
+      factory, seeds = self.env_factory, [2**31 + i for i in range(n)]
+    envs = [factory() for _ in seeds]
+    sampling = self.cfg.sampling
+    params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=temperature)
+    episodes, _ = rollout(
+      self.engine, self.tokenizer, envs, seeds, [seed + i for i in range(len(seeds))],
+      self.prompt_tokens, params,
+    )  # fmt: skip
+    m = episode_metrics(episodes)
+    return {
+      f"{prefix}/accuracy": m["env/success_rate"],
+      f"{prefix}/reward_mean": m["env/reward_mean"],
+      f"{prefix}/turns_mean": m["env/turns_mean"],
+      f"{prefix}/examples": len(seeds),
+      f"time/{prefix}/step_s": time.perf_counter() - t,
+    }
+
+  def eval_sampled(self, step: int) -> dict[str, float]:
+    return self._eval("eval", self.cfg.sampling.temperature, self.prompt_seed(step, 10**6))
+
+  def eval_full(self, progress: bool = False) -> dict[str, float]:
+    return self._eval("eval_full", 0.0, 0)  # greedy
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+  cfg = train.parse_args(argv)
+  trainer = AgentTrainer(cfg)
+  try:
+    metrics = trainer.run()
+  finally:
+    trainer.close()
+  if "eval_full/accuracy" in metrics:
+    print(f"eval_full/success_rate = {metrics['eval_full/accuracy']:.4f}")
+  return metrics
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+  try:
+    main(argv)
+  except ConfigError as e:
+    print(f"python -m rl.agent: config error: {e}", file=sys.stderr)
+    return 2
+  except (NonFiniteError, CheckpointError) as e:
+    print(f"python -m rl.agent: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(cli())
