@@ -61,7 +61,12 @@ SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .no
 def tests(session: nox.Session):
   """Unit, parity, lowering and bench-smoke tests on CPU (interpret mode). Slow tests: -- -m slow."""
   # the `ci` hypothesis profile: 30 derandomized examples per property (tests/conftest.py)
-  args = session.posargs or ["-m", "not slow and not gpu and not tpu", "--hypothesis-profile=ci"]
+  args = session.posargs or [
+    "-m",
+    "not slow and not gpu and not tpu",
+    "--hypothesis-profile=ci",
+    "--durations=25",  # the slowest tests in the CI log: where the 45-minute budget goes
+  ]
   in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 
 

@@ -214,6 +214,10 @@ class AgentTrainer(train.Trainer):
     super()._restore_state(state)
     self.head_params, self.head_opt_state = state["value_head"], state["value_opt"]
 
+  def _check_prompt_room(self) -> None:
+    """No up-front length check: an episode's prompt is an environment observation, and the
+    orchestrator ends an episode that would outgrow rollout.max_seq_len (marked truncated)."""
+
   def _env_factory(self) -> tuple[EnvFactory, str | None]:
     env = self.cfg.env
     if env.name == "grid":

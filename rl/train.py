@@ -192,19 +192,21 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------------- data
   def _check_prompt_room(self) -> None:
-    """A ConfigError now, before anything compiles, if the longest prompt of either split and
-    sampling.max_new_tokens do not fit rollout.max_seq_len (GSM8K's byte-level prompts reach ~930
-    tokens: the embedded default's 256 fits only the synthetic task)."""
+    """A ConfigError now, before anything compiles, if the longest prompt of either split leaves no
+    room under rollout.max_seq_len (GSM8K's byte-level prompts reach 1050 tokens: the embedded
+    default's 256 fits only the synthetic task); the message asks for room for max_new_tokens too."""
     longest = max(
       (len(self.encode(e.question)), e.question) for e in (*self.train_data, *self.test_data)
     )
     need = longest[0] + self.cfg.sampling.max_new_tokens
-    if need > self.cfg.rollout.max_seq_len:
+    # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
+    # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
+    if longest[0] + 1 > self.cfg.rollout.max_seq_len:
       page = self.cfg.rollout.page_size
       raise ConfigError(
         f"rollout.max_seq_len={self.cfg.rollout.max_seq_len} is too short for "
-        f"data.dataset={self.cfg.data.dataset}: its longest prompt is {longest[0]} tokens, plus "
-        f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}; set rollout.max_seq_len >= "
+        f"data.dataset={self.cfg.data.dataset}: its longest prompt is {longest[0]} tokens; with "
+        f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}, set rollout.max_seq_len >= "
         f"{round_up(need, page)}"
       )
 

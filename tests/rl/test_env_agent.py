@@ -119,7 +119,9 @@ def test_grid_run_writes_the_metrics(tmp_path, algorithm):
   finally:
     trainer.close()
   rows = read_metrics(str(tmp_path))
-  assert [r["step"] for r in rows] == [1, 2]
+  # step 0: eval_full before the first update (the baseline the run compares against)
+  assert [r["step"] for r in rows] == [0, 1, 2] and "eval_full/accuracy" in rows[0]
+  rows = rows[1:]
   critic = ("critic/value_loss", "critic/explained_variance")
   for key in (
     "env/success_rate",

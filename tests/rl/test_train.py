@@ -281,7 +281,10 @@ def test_two_processes_match_one(tmp_path):
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   a, b = read_metrics(str(tmp_path / "single")), read_metrics(str(tmp_path / "multi"))
-  assert [m["step"] for m in b] == [1, 2]  # one line per step: only process 0 writes
+  # one line per step (only process 0 writes), after step 0's baseline eval_full
+  assert [m["step"] for m in b] == [0, 1, 2] and "eval_full/accuracy" in b[0]
+  assert a[0]["eval_full/accuracy"] == b[0]["eval_full/accuracy"]
+  a, b = a[1:], b[1:]
   for x, y in zip(a, b):
     for key in ("reward/total/mean", "completion/length_mean", "rollout/generated_tokens"):
       assert x[key] == y[key], key
