@@ -61,6 +61,21 @@ def summarize(run_dir: str, window: int = 10) -> dict:
   return out
 
 
+def run_seed(config: str, overrides: Sequence[str], seed: int, run_dir: str) -> None:
+  """One full run of `config` (+ overrides) with `train.seed=seed` into `run_dir`, eval_full at the
+  end (and its step-0 baseline), as `summarize` reads it."""
+  train.main(
+    [
+      "--config",
+      config,
+      *overrides,
+      f"train.seed={seed}",
+      f"run.out_dir={run_dir}",
+      "eval.full_at_end=true",
+    ]
+  )
+
+
 def verdict(runs: Mapping[int, dict], min_reward_gain: float, min_eval_se: float) -> dict:
   gains = [r["reward_gain"] for r in runs.values()]
   ses = [r["eval_gain_se"] for r in runs.values()]
@@ -170,16 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   t0 = time.perf_counter()
   for seed in args.seeds:
     run_dir = os.path.join(out, f"seed{seed}")
-    train.main(
-      [
-        "--config",
-        args.config,
-        *args.overrides,
-        f"train.seed={seed}",
-        f"run.out_dir={run_dir}",
-        "eval.full_at_end=true",
-      ]
-    )
+    run_seed(args.config, args.overrides, seed, run_dir)
     runs[seed] = summarize(run_dir, args.window)
     runs[seed]["wall_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 
 from bench import learning
-from rl import train
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
 _T975 = {
@@ -108,17 +107,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   for name, *arm_overrides in args.arm:
     for seed in args.seeds:
       run_dir = os.path.join(out, name, f"seed{seed}")
-      train.main(
-        [
-          "--config",
-          args.config,
-          *args.overrides,
-          *arm_overrides,
-          f"train.seed={seed}",
-          f"run.out_dir={run_dir}",
-          "eval.full_at_end=true",
-        ]
-      )
+      learning.run_seed(args.config, [*args.overrides, *arm_overrides], seed, run_dir)
       results.setdefault(name, {})[seed] = run_summary(run_dir)
   report = {
     "config": args.config,

@@ -32,7 +32,6 @@ from flax import nnx
 from kernels.grpo_loss import token_logps_and_entropy
 from rl import ppo, train
 from rl.advantages import group_advantages
-from rl.checkpointing import CheckpointError
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.critic import ValueHead
@@ -40,7 +39,7 @@ from rl.env import CalcEnv, Environment, GridEnv
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import episode_metrics, pack_episodes, rollout
 from rl.tokenizer import chatml
-from rl.update import NonFiniteError, completion_hidden, make_optimizer
+from rl.update import completion_hidden, make_optimizer
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 WIDTH_BUCKET = 32  # packed widths are rounded up to this: a handful of compiled shapes per run
@@ -398,15 +397,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-  try:
-    main(argv)
-  except ConfigError as e:
-    print(f"python -m rl.agent: config error: {e}", file=sys.stderr)
-    return 2
-  except (NonFiniteError, CheckpointError) as e:
-    print(f"python -m rl.agent: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return train.cli(argv, main, "python -m rl.agent")
 
 
 if __name__ == "__main__":

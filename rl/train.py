@@ -586,17 +586,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   return metrics
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, main=main, prog: str = "python -m rl.train") -> int:
   """`main` for the command line: a config error is its message alone on stderr and exit status 2
   (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
-  with no readable checkpoint to resume is its message and status 1."""
+  with no readable checkpoint to resume is its message and status 1. `rl.agent` passes its own main."""
   try:
     main(argv)
   except ConfigError as e:
-    print(f"python -m rl.train: config error: {e}", file=sys.stderr)
+    print(f"{prog}: config error: {e}", file=sys.stderr)
     return 2
   except (NonFiniteError, CheckpointError) as e:
-    print(f"python -m rl.train: {e}", file=sys.stderr)
+    print(f"{prog}: {e}", file=sys.stderr)
     return 1
   return 0
 
