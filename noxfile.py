@@ -54,6 +54,7 @@ def in_dev(session: nox.Session, *args: str, **kwargs):
   return session.run(DEV["python"], *args, env=DEV["env"], external=True, **kwargs)
 
 
+TEST_WORKERS = min(os.cpu_count() or 1, 4)
 SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .nox/dev
 
 
@@ -66,6 +67,9 @@ def tests(session: nox.Session):
     "not slow and not gpu and not tpu",
     "--hypothesis-profile=ci",
     "--durations=25",  # the slowest tests in the CI log: where the 45-minute budget goes
+    # One worker per core (at most 4: a worker peaks near 5 GB); a file stays on one worker, so its
+    # module fixtures and jit caches are built once.
+    *("-n", str(TEST_WORKERS), "--dist", "loadfile"),
   ]
   in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 

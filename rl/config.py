@@ -124,6 +124,9 @@ class TrainSection:
   max_grad_norm: float = 1.0
   warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
   sft_learning_rate: float | None = None  # None: learning_rate
+  # Worked solutions per SFT step; 0: prompts_per_step x group_size. Smaller batches mean more
+  # updates per second on CPU, which is what a short warm-up needs.
+  sft_batch_size: int = 0
   seed: int = 0
   # An update whose loss or gradient norm is not finite is skipped (weights and optimizer state kept);
   # this many skipped steps in a row stop the run with an error.
@@ -159,6 +162,7 @@ class TrainSection:
     check_range("train.weight_decay", self.weight_decay, ge=0)
     check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
     check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
+    check_range("train.sft_batch_size", self.sft_batch_size, ge=0)
     check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys
     check_range("train.max_nonfinite_steps", self.max_nonfinite_steps, ge=1)
     if self.algorithm not in ("grpo", "ppo"):
@@ -310,6 +314,7 @@ class GRPOConfig:
       raise ValueError("every reward weight is 0: nothing to learn from")
     if -1 not in (self.mesh.dp, self.mesh.fsdp, self.mesh.tp):
       self.grad_accum_steps  # noqa: B018 (validates now; with a -1 axis once the devices are known)
+      self.sft_accum_steps  # noqa: B018
 
   @property
   def loss_spec(self) -> LossSpec:
@@ -336,6 +341,23 @@ class GRPOConfig:
   def resolved(self, num_devices: int) -> GRPOConfig:
     """The config with a concrete mesh for `num_devices` devices (batch sizes validated against it)."""
     return dataclasses.replace(self, mesh=self.mesh.resolve(num_devices))
+
+  @property
+  def sft_sequences(self) -> int:
+    return self.train.sft_batch_size or self.sequences_per_step
+
+  @property
+  def sft_accum_steps(self) -> int:
+    """Micro-batches per SFT step: one when the SFT batch fits a micro-batch, else it must divide."""
+    n, mb, shards = self.sft_sequences, self.global_micro_batch, self.mesh.dp * self.mesh.fsdp
+    if n <= mb and n % shards == 0:
+      return 1
+    if n % mb:
+      raise ValueError(
+        f"train.sft_batch_size={n} must be at most one micro-batch ({mb} sequences) and divisible "
+        f"by dp*fsdp={shards}, or a multiple of the micro-batch"
+      )
+    return n // mb
 
   @property
   def global_micro_batch(self) -> int:

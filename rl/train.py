@@ -247,9 +247,10 @@ class Trainer:
     mask: np.ndarray,  # [N_local, T]
     advantages: np.ndarray,  # [N_local]
     sampler_logps: np.ndarray | None = None,  # [N_local, C] the engine's, 0 on padding
+    accum_steps: int | None = None,  # K; None: the GRPO step's grad_accum_steps
   ) -> Batch:
     """This process's rows -> the global [K, M, ...] batch."""
-    k = self.cfg.grad_accum_steps
+    k = accum_steps or self.cfg.grad_accum_steps
     shape = lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
     put = lambda x: sharding.global_batch(self.mesh, shape(x))
     sampler = None if sampler_logps is None else put(sampler_logps.astype(np.float32))
@@ -352,11 +353,11 @@ class Trainer:
   # ---------------------------------------------------------------------------------------- SFT warm-up
   def sft(self, steps: int, progress: bool) -> None:
     """Supervised warm-up on worked solutions (prompt + answer + end-of-turn), one token-mean NLL step
-    per `sequences_per_step` examples; the GRPO optimizer state starts fresh afterwards."""
+    per `sft_sequences` examples; the GRPO optimizer state starts fresh afterwards."""
     optimizer, compiled = self._sft
     opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     end = self.tokenizer.encode("<|im_end|>")
-    n = self.cfg.sequences_per_step
+    n = self.cfg.sft_sequences
     guard = NonFiniteGuard(self.cfg.train.max_nonfinite_steps, "SFT step")
     bar = tqdm(range(steps), desc="sft", disable=not progress)
     for i in bar:
@@ -372,7 +373,9 @@ class Trainer:
           self.graphdef, optimizer, LossSettings(completion_len=cw), "sft", self.state_shardings
         )
       tokens, mask = pack(prompts, answers, pw, cw, self.tokenizer.pad_id)
-      batch = self._to_batch(tokens, mask, np.ones(len(examples), np.float32))
+      batch = self._to_batch(
+        tokens, mask, np.ones(len(examples), np.float32), accum_steps=self.cfg.sft_accum_steps
+      )
       params, opt_state, step_metrics = compiled[cw](self.params, opt_state, batch)
       self._set_params(params)
       step_metrics = jax.device_get(step_metrics)

@@ -1,8 +1,10 @@
 """A seeded generator of GSM8K-format integer word problems: the embedded default task.
 
 Level k chains k arithmetic steps. Each solution writes one `a op b = c` line per step and ends with
-`#### c`, exactly GSM8K's answer format, so the same rewards and prompt template apply. Numbers stay
-small and every intermediate is a non-negative integer, so a tiny model can learn the task on CPU.
+`#### c`, exactly GSM8K's answer format, so the same rewards and prompt template apply. Level 0 has no
+step: the answer is the number the question states, a pure copy — the skill every other level needs
+first (reading an operand out of the question) and the one a small model from scratch lacks longest.
+Numbers stay small and every intermediate is a non-negative integer, so a tiny model can learn the task on CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from rl.data.gsm8k import Example, gold_answer
 
 NAMES = ("Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles")
-LEVELS = (1, 2, 3)
+LEVELS = (0, 1, 2, 3)
 
 
 def _step(rng: random.Random, value: int, item: str) -> tuple[str, str, int]:
@@ -40,7 +42,7 @@ def make_example(rng: random.Random, level: int) -> Example:
     sentences.append(sentence)
     equations.append(equation)
   question = " ".join(sentences) + f" How many {item} does {name} have?"
-  answer = "\n".join(equations) + f"\n#### {value}"
+  answer = "\n".join([*equations, f"#### {value}"])
   return Example(question, answer, gold_answer(answer))
 
 

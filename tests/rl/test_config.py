@@ -17,6 +17,18 @@ def test_defaults_round_trip_through_yaml(tmp_path):
   assert configlib.load(GRPOConfig, tmp_path / "c.yaml") == cfg
   assert cfg.resolved(1).grad_accum_steps == 8 * 8 // 16
   assert cfg.resolved(4).mesh.fsdp == 4 and cfg.resolved(4).grad_accum_steps == 1
+  assert cfg.resolved(1).sft_sequences == 64 and cfg.resolved(1).sft_accum_steps == 4
+
+
+def test_sft_batch_size_splits_into_micro_batches(tmp_path):
+  load = lambda *o: configlib.load(GRPOConfig, None, ["mesh.fsdp=1", *o])
+  small = load("train.sft_batch_size=12")  # under one micro-batch: one step of 12
+  assert small.sft_sequences == 12 and small.sft_accum_steps == 1
+  assert load("train.sft_batch_size=48").sft_accum_steps == 3
+  with pytest.raises(ConfigError, match=r"train.sft_batch_size=40 .* multiple of the micro-batch"):
+    load("train.sft_batch_size=40")
+  with pytest.raises(ConfigError, match=r"train.sft_batch_size"):
+    load("train.sft_batch_size=-1")
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -83,7 +95,10 @@ def test_yaml_then_overrides(tmp_path):
     (["dist.num_processes=2", "dist.process_id=2"], r"dist\.process_id must be in \[0, 2\)"),
     (["dist.cpu_collectives=nccl"], r"dist\.cpu_collectives must be one of"),
     (["data.template=chat"], r"data\.template must be one of \['compact', 'gsm8k'\]"),
-    (["data.synthetic_levels=[4]"], r"data\.synthetic_levels must be .* levels from \[1, 2, 3\]"),
+    (
+      ["data.synthetic_levels=[4]"],
+      r"data\.synthetic_levels must be .* levels from \[0, 1, 2, 3\]",
+    ),
     (["data.synthetic_train=0"], r"data\.synthetic_train must be >= 1"),
     (["model.dtype=f32"], r"model\.dtype must be one of"),
     # the mismatch-aware loss (issue 18)

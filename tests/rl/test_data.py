@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -68,5 +69,8 @@ def test_synthetic_is_seeded_correct_and_leveled():
       value = int(rhs)
     assert str(value) == ex.gold and int(ex.gold) >= 0
   assert {len(ex.answer.splitlines()) - 1 for ex in generate_synthetic(100, 0, levels=(2,))} == {2}
+  for ex in generate_synthetic(50, 0, levels=(0,)):  # level 0: the stated number, copied
+    (stated,) = re.findall(r"\d+", ex.question)
+    assert ex.answer == f"#### {stated}" and ex.gold == stated
   with pytest.raises(ValueError, match="level"):
     generate_synthetic(1, 0, levels=(4,))
