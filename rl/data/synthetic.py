@@ -46,8 +46,9 @@ def make_example(rng: random.Random, level: int) -> Example:
   return Example(question, answer, gold_answer(answer))
 
 
-def generate(n: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> list[Example]:
-  """`n` problems, levels drawn uniformly from `levels`; the same (n, seed, levels) gives the same list."""
+def generate(n: int, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)) -> list[Example]:
+  """`n` problems, levels drawn uniformly from `levels` (the word problems by default; level 0 is
+  opt-in); the same (n, seed, levels) gives the same list."""
   if n < 0:
     raise ValueError(f"n must be non-negative, got {n}")
   rng = random.Random(seed)

@@ -14,6 +14,7 @@ import pytest
 from rl import train
 from rl.configlib import ConfigError
 from rl.metrics import read_metrics
+from tests.compiles import compile_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -192,14 +193,8 @@ def _final_weights(run_dir):
 )
 def test_bad_config_fails_before_compiling(tmp_path, overrides, match):
   """Errors name the key, and come before XLA compiles anything (so before an SFT warm-up)."""
-  compiles = []
-  listener = lambda event, *_, **__: compiles.append(event) if "compile" in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    with pytest.raises(ConfigError, match=match):
-      _run(tmp_path, "bad", *overrides)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+  with compile_events() as compiles, pytest.raises(ConfigError, match=match):
+    _run(tmp_path, "bad", *overrides)
   assert not compiles, compiles
 
 

@@ -1,0 +1,18 @@
+"""Counting XLA work: `with compile_events() as events:` lists the trace / lower / compile events jax
+reports inside the block. A no-recompile test asserts it stays empty; this is robust where a jitted
+function's C++ cache size is not (it read 0 after other modules had run in the same process)."""
+
+import contextlib
+
+import jax
+
+
+@contextlib.contextmanager
+def compile_events():
+  events: list[str] = []
+  listener = lambda event, *_, **__: events.append(event) if "compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
