@@ -4,7 +4,8 @@ Level k chains k arithmetic steps. Each solution writes one `a op b = c` line pe
 `#### c`, exactly GSM8K's answer format, so the same rewards and prompt template apply. Level 0 has no
 step: the answer is the number the question states, a pure copy — the skill every other level needs
 first (reading an operand out of the question) and the one a small model from scratch lacks longest.
-Numbers stay small and every intermediate is a non-negative integer, so a tiny model can learn the task on CPU.
+Numbers stay small and every intermediate is a non-negative integer, so a tiny model can learn the
+task on CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from rl.data.gsm8k import Example, gold_answer
 
 NAMES = ("Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles")
-LEVELS = (0, 1, 2, 3)
+WORD_LEVELS = (1, 2, 3)  # the word problems: generate()'s default
+LEVELS = (0, *WORD_LEVELS)
 
 
 def _step(rng: random.Random, value: int, item: str) -> tuple[str, str, int]:
@@ -46,7 +48,7 @@ def make_example(rng: random.Random, level: int) -> Example:
   return Example(question, answer, gold_answer(answer))
 
 
-def generate(n: int, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)) -> list[Example]:
+def generate(n: int, seed: int = 0, levels: tuple[int, ...] = WORD_LEVELS) -> list[Example]:
   """`n` problems, levels drawn uniformly from `levels` (the word problems by default; level 0 is
   opt-in); the same (n, seed, levels) gives the same list."""
   if n < 0:

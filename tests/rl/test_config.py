@@ -20,7 +20,7 @@ def test_defaults_round_trip_through_yaml(tmp_path):
   assert cfg.resolved(1).sft_sequences == 64 and cfg.resolved(1).sft_accum_steps == 4
 
 
-def test_sft_batch_size_splits_into_micro_batches(tmp_path):
+def test_sft_batch_size_splits_into_micro_batches():
   load = lambda *o: configlib.load(GRPOConfig, None, ["mesh.fsdp=1", *o])
   small = load("train.sft_batch_size=12")  # under one micro-batch: one step of 12
   assert small.sft_sequences == 12 and small.sft_accum_steps == 1

@@ -76,6 +76,7 @@ def test_two_step_run_writes_every_metric(tmp_path, capsys):
     "train.steps=2",
     "eval.every=1",
     "train.warmup_sft_steps=2",
+    "train.sft_batch_size=6",  # its own batch: 3 micro-batches where a GRPO step has 2
     "train.beta=0.05",
     "train.ppo_epochs=2",
     "train.is_mode=token_truncate",  # the engine's log-probs weight the loss (TIS)
