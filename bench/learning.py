@@ -9,6 +9,10 @@ bench/results/learning-<time>/). The verdict applies the embedded default's bar 
 `--min-reward-gain` on average over seeds, and every seed's eval_full accuracy rises by at least
 `--min-eval-se` standard errors of the difference (see `rl.evaluate.accuracy_change`).
 
+`--agent` runs `python -m rl.agent` (multi-turn episodes, GRPO or PPO by train.algorithm) instead of
+`python -m rl.train`; its curve is the training episodes' success rate (`env/success_rate`) and
+eval_full its greedy success rate on held-out layouts / problems.
+
 `bench.parity` reads each of its arms' runs with `summarize` and plots them with `plot_curves`.
 """
 
@@ -28,6 +32,7 @@ from rl.evaluate import accuracy_change
 from rl.metrics import read_metrics
 
 REWARD = "reward/correct/mean"
+SUCCESS = "env/success_rate"  # rl.agent's per-step figure (it has no single-answer correctness)
 
 
 def summarize(run_dir: str, window: int = 10) -> dict:
@@ -36,13 +41,15 @@ def summarize(run_dir: str, window: int = 10) -> dict:
   lines = read_metrics(run_dir)
   steps = [m for m in lines if "time/train/step_s" in m]
   full = [m for m in lines if "eval_full/accuracy" in m]
-  curve = [m[REWARD] for m in steps]
+  key = SUCCESS if steps and REWARD not in steps[0] and SUCCESS in steps[0] else REWARD
+  curve = [m[key] for m in steps]
   w = max(1, min(window, len(curve) // 2))
   before = next((m for m in full if m["step"] == 0), None)
   after = full[-1] if full and full[-1]["step"] > 0 else None
   out = {
     "steps": len(steps),
     "window": w,
+    "reward_key": key,
     "reward_curve": curve,
     "reward_first": statistics.fmean(curve[:w]) if curve else float("nan"),
     "reward_last": statistics.fmean(curve[-w:]) if curve else float("nan"),
@@ -61,10 +68,16 @@ def summarize(run_dir: str, window: int = 10) -> dict:
   return out
 
 
-def run_seed(config: str, overrides: Sequence[str], seed: int, run_dir: str) -> None:
+def run_seed(
+  config: str, overrides: Sequence[str], seed: int, run_dir: str, agent: bool = False
+) -> None:
   """One full run of `config` (+ overrides) with `train.seed=seed` into `run_dir`, eval_full at the
-  end (and its step-0 baseline), as `summarize` reads it."""
-  train.main(
+  end (and its step-0 baseline), as `summarize` reads it; `agent`: rl.agent's multi-turn loop."""
+  if agent:
+    from rl import agent as entry  # imported on demand: the single-turn bench never needs it
+  else:
+    entry = train
+  entry.main(
     [
       "--config",
       config,
@@ -95,9 +108,10 @@ def verdict(runs: Mapping[int, dict], min_reward_gain: float, min_eval_se: float
 
 
 def markdown(name: str, runs: Mapping[int, dict], v: dict, bars: tuple[float, float]) -> str:
-  w = next(iter(runs.values()))["window"]
+  first = next(iter(runs.values()))
+  w, what = first["window"], _label(first)
   lines = [
-    f"| {name}: seed | correct reward, first {w} steps | last {w} | gain | eval_full before | "
+    f"| {name}: seed | {what}, first {w} steps | last {w} | gain | eval_full before | "
     "after | change (SE) | step_avg (s) |",
     "|---|---|---|---|---|---|---|---|",
   ]
@@ -119,6 +133,10 @@ def markdown(name: str, runs: Mapping[int, dict], v: dict, bars: tuple[float, fl
     f"- eval_full rise >= {bars[1]:.0f} SE (every seed): {mark(v['eval_ok'])}",
   ]
   return "\n".join(lines) + "\n"
+
+
+def _label(run: dict) -> str:
+  return "success rate" if run.get("reward_key") == SUCCESS else "correct reward"
 
 
 def plot_curves(arms: Mapping[str, Mapping[int, dict]], path: str, smooth: int = 5) -> None:
@@ -150,8 +168,9 @@ def plot_curves(arms: Mapping[str, Mapping[int, dict]], path: str, smooth: int =
     for x0, vals in ((0, before), (1, after)):
       bx.scatter(np.full(len(vals), x0 + offset), vals, color=f"C{i}", s=18)
     bx.plot([offset, 1 + offset], [np.mean(before), np.mean(after)], color=f"C{i}")
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel(f"training {REWARD}")
+  first = next(iter(next(iter(arms.values())).values()))
+  ax.set_xlabel("RL step")
+  ax.set_ylabel(f"training {first.get('reward_key', REWARD)}")
   ax.set_title(f"mean over seeds ({smooth}-step moving average); band: min to max")
   ax.set_ylim(bottom=0)
   ax.legend(loc="upper left")
@@ -173,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--config", required=True)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--window", type=int, default=10, help="steps averaged at each end of the curve")
+  ap.add_argument(
+    "--agent", action="store_true", help="run rl.agent (multi-turn episodes) instead of rl.train"
+  )
   ap.add_argument("--min-reward-gain", type=float, default=0.25)
   ap.add_argument("--min-eval-se", type=float, default=3.0)
   ap.add_argument("--out", default=None)
@@ -185,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   t0 = time.perf_counter()
   for seed in args.seeds:
     run_dir = os.path.join(out, f"seed{seed}")
-    run_seed(args.config, args.overrides, seed, run_dir)
+    run_seed(args.config, args.overrides, seed, run_dir, args.agent)
     runs[seed] = summarize(run_dir, args.window)
     runs[seed]["wall_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -194,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   report = {
     "config": args.config,
     "overrides": args.overrides,
+    "entry": "rl.agent" if args.agent else "rl.train",
     "seeds": args.seeds,
     "runs": runs,
     "verdict": v,

@@ -7,7 +7,9 @@ Each seed starts every arm from the same initial model, data order and sampling 
 of train.seed), so arms are compared seed by seed (paired). Per arm: step_avg (median of the last 10
 step times) and eval_full/accuracy; per other arm against the first: the mean paired difference with
 a 95% t-interval. "parity" is stated only when the interval contains 0 and lies within +-margin;
-one seed is never enough (at least two are required).
+one seed is never enough (at least two are required). `--agent` runs rl.agent's multi-turn loop in every
+arm (e.g. PPO with its critic: configs/cpu-grid.yaml), compared the same way on its greedy eval_full
+success rate.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument(
     "--margin-step", type=float, default=0.1, help="parity margin on step_avg, as a fraction"
   )
+  ap.add_argument(
+    "--agent", action="store_true", help="run rl.agent (multi-turn episodes) instead of rl.train"
+  )
   ap.add_argument("--out", default=None)
   ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every arm")
   args = ap.parse_intermixed_args(argv)
@@ -107,10 +112,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   for name, *arm_overrides in args.arm:
     for seed in args.seeds:
       run_dir = os.path.join(out, name, f"seed{seed}")
-      learning.run_seed(args.config, [*args.overrides, *arm_overrides], seed, run_dir)
+      learning.run_seed(args.config, [*args.overrides, *arm_overrides], seed, run_dir, args.agent)
       results.setdefault(name, {})[seed] = run_summary(run_dir)
   report = {
     "config": args.config,
+    "entry": "rl.agent" if args.agent else "rl.train",
     "seeds": args.seeds,
     "overrides": args.overrides,
     "arms": {n: {"overrides": o} for n, *o in args.arm},
@@ -144,8 +150,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def markdown(report: dict) -> str:
   """Each run's learning figures (does every arm learn?), then the paired comparisons."""
+  first = next(iter(next(iter(report["runs"].values())).values()))
   lines = [
-    "| arm | seed | step_avg (s) | correct reward first -> last steps | eval_full before -> after |",
+    f"| arm | seed | step_avg (s) | {learning._label(first)} first -> last steps | "
+    "eval_full before -> after |",
     "|---|---|---|---|---|",
   ]
   for name, runs in report["runs"].items():

@@ -39,7 +39,7 @@ from rl.env import CalcEnv, Environment, GridEnv
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import episode_metrics, pack_episodes, rollout
 from rl.tokenizer import chatml
-from rl.update import completion_hidden, make_optimizer
+from rl.update import completion_hidden, make_optimizer, warmup_schedule
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 WIDTH_BUCKET = 32  # packed widths are rounded up to this: a handful of compiled shapes per run
@@ -193,14 +193,15 @@ class AgentTrainer(train.Trainer):
     self.env_factory, self.system = env_factory, system or self.template.system
     head = ValueHead(self.model.cfg.hidden_size, rngs=nnx.Rngs(tcfg.seed))
     self.head_graphdef, self.head_params = nnx.split(head, nnx.Param)
+    learning_rate = warmup_schedule(tcfg.learning_rate, tcfg.lr_warmup_steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
-      tcfg.learning_rate,
+      learning_rate,
       tcfg.weight_decay,
       tcfg.max_grad_norm,
       tcfg.fused_optimizer,
     )
-    self.head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
+    self.head_opt = optax.adamw(learning_rate, weight_decay=tcfg.weight_decay)
     self.head_opt_state = self.head_opt.init(self.head_params)
     self._updates: dict[int, Callable] = {}
 

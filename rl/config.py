@@ -122,6 +122,9 @@ class TrainSection:
   learning_rate: float = 1e-5
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  # Linear warm-up of the learning rate over each optimizer's first updates (the SFT warm-up's and
+  # the RL phase's, counted separately); 0: constant from the first step.
+  lr_warmup_steps: int = 0
   warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
   sft_learning_rate: float | None = None  # None: learning_rate
   # Worked solutions per SFT step; 0: prompts_per_step x group_size. Smaller batches mean more
@@ -161,6 +164,7 @@ class TrainSection:
     check_range("train.max_log_ratio", self.max_log_ratio, gt=0, optional=True)
     check_range("train.weight_decay", self.weight_decay, ge=0)
     check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
+    check_range("train.lr_warmup_steps", self.lr_warmup_steps, ge=0)
     check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
     check_range("train.sft_batch_size", self.sft_batch_size, ge=0)
     check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys

@@ -55,6 +55,7 @@ from rl.update import (
   make_optimizer,
   pack,
   shardings_of,
+  warmup_schedule,
 )
 
 PROMPT_BUCKET = 32  # prompt widths are rounded up to this: a handful of compiled shapes per run
@@ -151,7 +152,7 @@ class Trainer:
     def optimizer_with(learning_rate: float):
       return make_optimizer(
         train_cfg.optimizer,
-        learning_rate,
+        warmup_schedule(learning_rate, train_cfg.lr_warmup_steps),
         train_cfg.weight_decay,
         train_cfg.max_grad_norm,
         train_cfg.fused_optimizer,

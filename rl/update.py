@@ -265,9 +265,21 @@ class Optimizer(NamedTuple):
   step: Any
 
 
+def warmup_schedule(learning_rate: float, warmup_steps: int):
+  """`learning_rate`, reached linearly over the first `warmup_steps` updates (step k uses
+  lr * (k + 1) / warmup_steps); 0 steps: the constant itself. A fresh Adam state's first updates move
+  every weight by about lr whatever the gradient's size, which is what knocks a warmed-up policy off
+  its supervised solution when RL starts at full rate."""
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+  if warmup_steps == 0:
+    return learning_rate
+  return lambda count: learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
+
+
 def make_optimizer(
   name: str,
-  learning_rate: float,
+  learning_rate,  # float or optax schedule (count -> rate)
   weight_decay: float,
   max_grad_norm: float,
   fused: bool,

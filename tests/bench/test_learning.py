@@ -43,6 +43,21 @@ def test_summarize_by_hand(tmp_path):
   assert learning.summarize(str(tmp_path), window=10)["window"] == 4
 
 
+def test_summarize_reads_the_agent_success_rate(tmp_path):
+  """rl.agent's steps carry env/success_rate and no single-answer correctness: that is the curve (a
+  summary that kept looking for reward/correct/mean would fail with a KeyError on agent runs)."""
+  rows = [
+    {"step": i + 1, "time/train/step_s": 1.0, learning.SUCCESS: r}
+    for i, r in enumerate([0.0, 0.25, 0.5, 1.0])
+  ]
+  _write(tmp_path, [_full(0, 0.1)] + rows + [_full(4, 0.6)])
+  s = learning.summarize(str(tmp_path), window=2)
+  assert s["reward_key"] == learning.SUCCESS and s["reward_curve"] == [0.0, 0.25, 0.5, 1.0]
+  assert s["reward_gain"] == pytest.approx(0.625)
+  v = learning.verdict({0: s}, 0.25, 3.0)
+  assert "success rate, first 2 steps" in learning.markdown("grid", {0: s}, v, (0.25, 3.0))
+
+
 def test_summarize_without_a_baseline_eval(tmp_path):
   _write(tmp_path, [_step(1, 0.0), _step(2, 1.0), _full(2, 0.5)])
   s = learning.summarize(str(tmp_path))

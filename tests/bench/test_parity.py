@@ -57,3 +57,43 @@ def test_parity_run_end_to_end(tmp_path):
   saved = json.loads((tmp_path / "parity.json").read_text())
   assert saved["runs"]["xla"]["0"]["reward_curve"] == report["runs"]["xla"][0]["reward_curve"]
   assert (tmp_path / "parity.md").exists()
+
+
+def test_ppo_parity_arms_on_the_grid(tmp_path):
+  """--agent: every arm is an rl.agent run (PPO with its value head on the frozen lake), summarised
+  by its success rate; the two loss implementations must start from the same state (same seed), so
+  their first steps' success rates agree exactly."""
+  report = parity.main(
+    [
+      "--agent",
+      "--config",
+      "configs/cpu-grid.yaml",
+      "--seeds",
+      "0",
+      "1",
+      "--out",
+      str(tmp_path),
+      "--arm",
+      "xla: train.policy_loss_impl=xla",
+      "--arm",
+      "pallas: train.policy_loss_impl=pallas",
+      "model.preset=tiny",
+      "rollout.max_seq_len=256",
+      "rollout.max_slots=16",
+      "sampling.group_size=2",
+      "train.prompts_per_step=2",
+      "train.micro_batch_size=4",
+      "env.max_turns=2",
+      "eval.batch=2",
+      "train.steps=2",
+      "run.progress=false",
+      "run.tensorboard=false",
+    ]
+  )
+  assert report["entry"] == "rl.agent"
+  runs = report["runs"]
+  assert runs["xla"][0]["reward_key"] == "env/success_rate"
+  for seed in (0, 1):
+    assert runs["xla"][seed]["reward_curve"][0] == runs["pallas"][seed]["reward_curve"][0]
+    assert runs["pallas"][seed]["eval_examples"] == 2
+  assert "success rate first -> last" in (tmp_path / "parity.md").read_text()

@@ -251,6 +251,35 @@ def test_non_finite_step_leaves_weights_and_optimizer_state_untouched(fused):
   assert not compiles, compiles
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_warmup_schedule_scales_the_first_updates(fused):
+  """Adam's first update moves a weight by about lr whatever its gradient: with a 4-step warm-up it
+  moves by lr / 4 (a schedule read at count + 1 would give 1/2, one read at count would give 0), and
+  the second by lr / 2 of the same optimizer. Same batch, same start, so only the rate differs."""
+  adv = np.random.default_rng(9).normal(size=8).astype(np.float32)
+  deltas = {}
+  for name, rate in (("constant", 3e-3), ("warmup", U.warmup_schedule(3e-3, 4))):
+    step, params, state, tokens, mask = _sft_step(fused, rate)
+    start = _host(params)
+    params, state, _ = step(params, state, _batch(tokens, mask, adv, 2))
+    first = _host(params)
+    params, state, _ = step(params, state, _batch(tokens, mask, adv, 2))
+    deltas[name] = [
+      np.concatenate([np.ravel(b - a) for a, b in zip(x, y)])
+      for x, y in ((start, first), (first, _host(params)))
+    ]
+  const, warm = deltas["constant"][0], deltas["warmup"][0]
+  big = np.abs(const) > 1e-3  # leaves Adam moved by ~lr (weight decay is 1e-2 x lr: negligible)
+  assert big.mean() > 0.5
+  np.testing.assert_allclose(warm[big] / const[big], 0.25, rtol=0.02)
+  # The second update: Adam's moments now differ between the runs, so compare the rate's scale only.
+  ratio = np.median(np.abs(deltas["warmup"][1][big]) / np.abs(deltas["constant"][1][big]))
+  assert 0.35 < ratio < 0.7, ratio
+  assert U.warmup_schedule(3e-3, 0) == 3e-3
+  with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+    U.warmup_schedule(3e-3, -1)
+
+
 def test_update_that_overflows_the_weights_is_skipped():
   """Finite loss and gradients but an infinite learning rate: the new weights would be inf, so the
   step is skipped too (the guard looks at the result, not only at the inputs). A concrete inf rate
