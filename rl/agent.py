@@ -34,8 +34,9 @@ from rl import ppo, train
 from rl.advantages import group_advantages
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
-from rl.critic import ValueHead
+from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
+from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import episode_metrics, pack_episodes, rollout
 from rl.tokenizer import chatml
@@ -57,10 +58,10 @@ class AgentBatch(NamedTuple):
   returns: jax.Array  # [K, M, C] f32 (value targets; zeros for grpo)
 
 
-def _forward(graphdef, params, head, tokens, attention_mask, completion_len):
+def _forward(graphdef, params, critic, tokens, attention_mask, completion_len):
   model = nnx.merge(graphdef, params)
   hidden = completion_hidden(model, tokens, attention_mask, completion_len)
-  return model, hidden, head(hidden)
+  return model, hidden, critic_values(critic, hidden, tokens, attention_mask, completion_len)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 5, 6))
@@ -191,8 +192,7 @@ class AgentTrainer(train.Trainer):
     if env_factory is None:
       env_factory, system = self._env_factory()
     self.env_factory, self.system = env_factory, system or self.template.system
-    head = ValueHead(self.model.cfg.hidden_size, rngs=nnx.Rngs(tcfg.seed))
-    self.head_graphdef, self.head_params = nnx.split(head, nnx.Param)
+    self.head_graphdef, self.head_params = nnx.split(self._critic(), nnx.Param)
     learning_rate = warmup_schedule(tcfg.learning_rate, tcfg.lr_warmup_steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
@@ -204,6 +204,29 @@ class AgentTrainer(train.Trainer):
     self.head_opt = optax.adamw(learning_rate, weight_decay=tcfg.weight_decay)
     self.head_opt_state = self.head_opt.init(self.head_params)
     self._updates: dict[int, Callable] = {}
+
+  def _critic(self) -> ValueHead | CriticModel:
+    """The value head on the policy's states, or (train.critic=model) a separate model: a copy of
+    the policy's initial weights, or a fresh one of train.critic_preset."""
+    tcfg, rngs = self.cfg.train, nnx.Rngs(self.cfg.train.seed)
+    if tcfg.critic == "head":
+      return ValueHead(self.model.cfg.hidden_size, rngs=rngs)
+    if tcfg.critic_preset is None:
+      graphdef, params = nnx.split(self.model, nnx.Param)
+      trunk = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
+    else:
+      model_cfg = self.cfg.model
+      with train._reading("train.critic_preset", tcfg.critic_preset):
+        architecture = preset(
+          tcfg.critic_preset, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype
+        )
+      if architecture.vocab_size < self.tokenizer.vocab_size:
+        raise ConfigError(
+          f"train.critic_preset={tcfg.critic_preset}: {architecture.vocab_size} token embeddings, "
+          f"the tokenizer has {self.tokenizer.vocab_size}"
+        )
+      trunk = init_model(architecture, seed=tcfg.seed + 1)
+    return CriticModel(trunk, trunk.cfg.hidden_size, rngs=rngs)
 
   def state(
     self,

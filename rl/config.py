@@ -142,6 +142,12 @@ class TrainSection:
   gamma: float = 1.0  # GAE discount per model token
   gae_lambda: float = 0.95
   whiten_advantages: bool = True  # ppo: whiten GAE advantages over the step's model tokens
+  # ppo: head = one linear layer on the policy's final hidden states (its value gradient reaches the
+  # policy's trunk); model = a separate transformer with its own head (rl.critic.CriticModel).
+  critic: Literal["head", "model"] = "head"
+  # critic=model: its rl.model preset (it shares the tokenizer); null: a copy of the policy's
+  # initial weights.
+  critic_preset: str | None = None
 
   def __post_init__(self):
     for name in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs"):
@@ -175,6 +181,12 @@ class TrainSection:
     check_range("train.value_clip", self.value_clip, gt=0, optional=True)
     check_range("train.gamma", self.gamma, ge=0, le=1)
     check_range("train.gae_lambda", self.gae_lambda, ge=0, le=1)
+    if self.critic not in ("head", "model"):
+      raise ValueError(f"train.critic must be head or model, got {self.critic!r}")
+    if self.critic_preset is not None and self.critic != "model":
+      raise ValueError(
+        "train.critic_preset is the separate critic's preset: set train.critic=model"
+      )
     if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
       raise ValueError(
         "train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true"

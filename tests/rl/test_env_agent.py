@@ -139,6 +139,87 @@ def test_grid_run_writes_the_metrics(tmp_path, algorithm):
   assert last["eval_full/examples"] == 2
 
 
+def _captured_batch(trainer):
+  """The batch of the trainer's first step (the step runs; the batch is what its update saw)."""
+  captured, update = [], trainer._update
+
+  def spy(completion_len):
+    fn = update(completion_len)
+    return lambda state, batch: (captured.append(batch), fn(state, batch))[1]
+
+  trainer._update = spy
+  trainer.step(0)
+  trainer._update = update
+  return captured[0]
+
+
+@pytest.mark.parametrize("critic", ["head", "model"])
+def test_the_value_gradient_reaches_the_policy_only_through_a_shared_head(tmp_path, critic):
+  """Zero advantages make the policy term's gradient exactly zero, so only the value loss moves
+  anything. A value head shares the policy's trunk: the policy's weights move. A separate critic model
+  (train.critic=model) takes the value gradient alone: the policy's weights stay bit for bit, its own
+  trunk moves. Catches a critic model that still reads (and trains) the policy's hidden states, or
+  one whose trunk shares the policy's buffers."""
+  cfg = _cfg(
+    tmp_path,
+    "train.algorithm=ppo",
+    f"train.critic={critic}",
+    "train.vf_coef=1.0",
+    "train.value_clip=null",
+  )  # unclipped: the captured old values are a step stale, a clipped loss could have no gradient
+  trainer = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  batch = _captured_batch(trainer)
+  batch = batch._replace(
+    advantages=jax.numpy.zeros_like(batch.advantages), returns=batch.returns + 1.0
+  )
+  # Fresh optimizer states: the first step's Adam momentum would move every weight by itself.
+  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
+  state = (
+    trainer.params,
+    trainer.head_params,
+    opt_state,
+    trainer.head_opt.init(trainer.head_params),
+  )
+  state = jax.tree.map(jax.numpy.copy, state)  # the update donates it
+  before = jax.tree.map(np.asarray, state[:2])
+  new, metrics = trainer._update(batch.model_mask.shape[-1])(state, batch)
+  assert float(metrics["value_loss"]) > 0 and float(metrics["grad_norm"]) > 0
+  assert float(metrics["nonfinite"]) == 0
+  moved = lambda a, b: any(not np.array_equal(x, np.asarray(y)) for x, y in zip(a, b))
+  policy_moved = moved(jax.tree.leaves(before[0]), jax.tree.leaves(new[0]))
+  assert policy_moved == (critic == "head")
+  assert moved(jax.tree.leaves(before[1]), jax.tree.leaves(new[1]))  # the critic learns
+  if critic == "model":  # a copy of the policy's initial weights, then trained apart from it
+    assert set(new[1]) == {"trunk", "head"}
+
+
+def test_separate_critic_of_another_preset_runs_and_resumes(tmp_path):
+  """train.critic_preset: a critic of a different size (cpu-small's H = 128 under the tiny policy);
+  the checkpoint holds its trunk, and --resume takes it back."""
+  cfg = _cfg(
+    tmp_path,
+    "train.algorithm=ppo",
+    "train.critic=model",
+    "train.critic_preset=cpu-small",
+    "train.steps=1",
+    "run.checkpoint_every=1",
+  )
+  first = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  try:
+    last = first.run()
+  finally:
+    first.close()
+  assert np.isfinite(last["critic/value_loss"]) and np.isfinite(last["critic/explained_variance"])
+  assert first.head_params["trunk"]["embed_tokens"]["embedding"][...].shape[-1] == 128
+  cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+  second = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  try:
+    assert second._resume() == 1
+    jax.tree.map(np.testing.assert_array_equal, first.head_params, second.head_params)
+  finally:
+    second.close()
+
+
 def test_resume_restores_the_value_head(tmp_path):
   """A checkpoint holds the value head and its optimizer state; --resume takes them back (a run that
   resumed with a fresh, zero value head would train its critic from scratch without a word)."""
@@ -161,6 +242,8 @@ def test_resume_restores_the_value_head(tmp_path):
 
 
 def test_refused_configs(tmp_path):
+  with pytest.raises(ConfigError, match=r"train\.critic_preset=qwen9"):
+    agent.AgentTrainer(_cfg(tmp_path, "train.critic=model", "train.critic_preset=qwen9"), AsciiEnv)
   with pytest.raises(ConfigError, match=r"train\.beta"):  # no KL term in rl.agent yet
     agent.AgentTrainer(_cfg(tmp_path, "train.beta=0.1"), AsciiEnv)
 
@@ -175,6 +258,8 @@ def test_config_keys_are_checked():
     ("env.name=chess", "env.name"),
     ("env.max_turns=0", "env.max_turns"),
     ("env.grid_holes=14", "env.grid_holes"),
+    ("train.critic=mlp", "train.critic"),
+    ("train.critic_preset=tiny", "train.critic_preset"),
   ):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
       train.parse_args([override])
