@@ -10,8 +10,8 @@ A step: `prompts_per_step` environment seeds x `group_size` episodes each, rolle
 The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages).
 
 Everything else (model, tokenizer, data, engine, SFT warm-up, metrics writer, checkpoints, non-finite
-guard, `--resume`) is rl.train.Trainer's; checkpoints add the value head and its optimizer state.
-Single process only for now.
+guard, `--resume`, the reference policy of train.beta > 0) is rl.train.Trainer's; checkpoints add the
+critic and its optimizer state. Single process only for now.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class AgentBatch(NamedTuple):
   old_logps: jax.Array  # [K, M, C] f32, the policy before this step's first epoch
   old_values: jax.Array  # [K, M, C] f32
   returns: jax.Array  # [K, M, C] f32 (value targets; zeros for grpo)
+  ref_logps: jax.Array | None = None  # [K, M, C] f32, the reference policy's (train.beta > 0)
 
 
 def _forward(graphdef, params, critic, tokens, attention_mask, completion_len):
@@ -80,6 +81,21 @@ def old_logps_and_values(graphdef, head_graphdef, params, head_params, batch, co
   return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def token_logps(graphdef, params, batch, completion_len, temp):
+  """A policy's log-probs of the model tokens, micro-batch by micro-batch: [K, M, C] (0 elsewhere)."""
+
+  def one(_, mb):
+    tokens, attn, mask = mb
+    model = nnx.merge(graphdef, params)
+    hidden = completion_hidden(model, tokens, attn, completion_len)
+    ids = jnp.where(mask, tokens[:, -completion_len:], 0)
+    logp, _ = token_logps_and_entropy(model.logits(hidden), ids, temp)
+    return None, jnp.where(mask, logp, 0.0)
+
+  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateSettings:
   completion_len: int
@@ -92,6 +108,7 @@ class UpdateSettings:
   value_clip: float | None
   impl: str
   fused_lm_head: bool
+  beta: float = 0.0  # KL(pi || ref) weight; the batch then carries ref_logps
 
 
 def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings, state, batch):
@@ -123,6 +140,8 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         mb.model_mask,
         mb.advantages,
         old_logps=mb.old_logps,
+        ref_logps=mb.ref_logps,
+        beta=s.beta,
         epsilon_low=s.epsilon_low,
         epsilon_high=s.epsilon_high,
         temperature=s.temperature,
@@ -144,6 +163,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         "approx_kl": ppo.approx_kl_sum(aux.per_token_logps, mb.old_logps, mb.model_mask)
         / num_tokens,
         "entropy": aux.entropy.sum() / num_tokens,
+        "kl": aux.per_token_kl.sum() / num_tokens,
       }
       return loss, sums
 
@@ -185,8 +205,6 @@ class AgentTrainer(train.Trainer):
   ):
     if jax.process_count() > 1:
       raise ConfigError("rl.agent runs in a single process for now (dist.initialize=false)")
-    if cfg.train.beta:
-      raise ConfigError("train.beta: rl.agent has no KL term yet; set train.beta=0")
     super().__init__(cfg)
     cfg, tcfg = self.cfg, self.cfg.train
     if env_factory is None:
@@ -322,7 +340,12 @@ class AgentTrainer(train.Trainer):
         totals = np.array([ep.reward for ep in episodes], np.float32)
         per_episode = np.asarray(group_advantages(totals, group))
         adv = np.where(packed.model_mask, per_episode[:, None], 0.0).astype(np.float32)
-      batch = AgentBatch(tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns)
+      ref = None
+      if self.ref_params is not None:  # train.beta > 0: the warmed-up policy anchors the update
+        ref = token_logps(self.graphdef, self.ref_params, stub, cw, cfg.sampling.temperature)
+      batch = AgentBatch(
+        tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns, ref
+      )
       update = self._update(cw)
       state = (self.params, self.head_params, self.opt_state, self.head_opt_state)
       epochs = []
@@ -342,7 +365,7 @@ class AgentTrainer(train.Trainer):
     out["rollout/prefill_tokens"] = stats.prefill_tokens
     out["rollout/engine_calls"] = stats.engine_calls
     mean = lambda key: float(np.mean([e[key] for e in epochs]))
-    for key in ("loss", "policy_loss", "entropy", "grad_norm", "nonfinite"):
+    for key in ("loss", "policy_loss", "entropy", "kl", "grad_norm", "nonfinite"):
       out[f"train/{key}"] = mean(key)
     out["ppo/clip_fraction"], out["ppo/approx_kl"] = mean("clip_fraction"), mean("approx_kl")
     if tcfg.algorithm == "ppo":
@@ -366,6 +389,7 @@ class AgentTrainer(train.Trainer):
         tcfg.value_clip,
         tcfg.policy_loss_impl,
         tcfg.fused_lm_head,
+        tcfg.beta,
       )
       self._updates[completion_len] = jax.jit(
         functools.partial(

@@ -94,6 +94,8 @@ def policy_loss(
   advantages,  # [B, T] f32, per token
   *,
   old_logps=None,  # [B, T] f32 or None (on-policy)
+  ref_logps=None,  # [B, T] f32, the reference policy's; required when beta > 0
+  beta: float = 0.0,  # weight of the k3 KL(pi || ref) per token
   epsilon_low: float = 0.2,
   epsilon_high: float = 0.2,
   temperature: float = 1.0,
@@ -115,6 +117,8 @@ def policy_loss(
     )
   kw = dict(
     old_logps=old_logps,
+    ref_logps=ref_logps,
+    beta=beta,
     epsilon_low=epsilon_low,
     epsilon_high=epsilon_high,
     temperature=temperature,

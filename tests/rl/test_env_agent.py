@@ -193,6 +193,40 @@ def test_the_value_gradient_reaches_the_policy_only_through_a_shared_head(tmp_pa
     assert set(new[1]) == {"trunk", "head"}
 
 
+def test_kl_term_pulls_the_policy_towards_the_reference(tmp_path):
+  """train.beta > 0 in rl.agent: the reference is the policy rl.agent starts GRPO / PPO from, so the
+  first step's KL is ~0; with the reference moved away (its weights scaled) and zero advantages, the
+  update's only policy gradient is the KL's, and one step lowers it. A KL wired with the wrong sign
+  raises it; one not wired in leaves the weights where they were."""
+  cfg = _cfg(
+    tmp_path,
+    "train.algorithm=grpo",
+    "train.beta=0.5",
+    "train.learning_rate=1e-3",
+    "train.ppo_epochs=1",
+  )
+  trainer = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  assert trainer.ref_params is not None
+  first = trainer.step(0)
+  assert 0 <= first["train/kl"] < 1e-5, first["train/kl"]  # before its update: the reference itself
+  trainer.ref_params = jax.tree.map(lambda x: x * 1.5, trainer.ref_params)
+  batch = _captured_batch(trainer)
+  batch = batch._replace(advantages=jax.numpy.zeros_like(batch.advantages))
+  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
+  state = (
+    trainer.params,
+    trainer.head_params,
+    opt_state,
+    trainer.head_opt.init(trainer.head_params),
+  )
+  update = trainer._update(batch.model_mask.shape[-1])
+  kls = []
+  for _ in range(3):
+    state, metrics = update(state, batch)
+    kls.append(float(metrics["kl"]))
+  assert kls[0] > 1e-3 and kls[2] < kls[0], kls
+
+
 def test_separate_critic_of_another_preset_runs_and_resumes(tmp_path):
   """train.critic_preset: a critic of a different size (cpu-small's H = 128 under the tiny policy);
   the checkpoint holds its trunk, and --resume takes it back."""
@@ -244,8 +278,6 @@ def test_resume_restores_the_value_head(tmp_path):
 def test_refused_configs(tmp_path):
   with pytest.raises(ConfigError, match=r"train\.critic_preset=qwen9"):
     agent.AgentTrainer(_cfg(tmp_path, "train.critic=model", "train.critic_preset=qwen9"), AsciiEnv)
-  with pytest.raises(ConfigError, match=r"train\.beta"):  # no KL term in rl.agent yet
-    agent.AgentTrainer(_cfg(tmp_path, "train.beta=0.1"), AsciiEnv)
 
 
 def test_config_keys_are_checked():
