@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,9 @@ from rl.tokenizer import chatml
 from rl.update import completion_hidden, make_optimizer, warmup_schedule
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
+GRID_WARMUP_SEEDS = (
+  2**32
+)  # grid warm-up layouts: above the step (< 2**31) and eval (2**31 + i) seeds
 WIDTH_BUCKET = 32  # packed widths are rounded up to this: a handful of compiled shapes per run
 
 
@@ -268,6 +272,19 @@ class AgentTrainer(train.Trainer):
       )
     weights = self.cfg.reward.weights()
     return lambda: CalcEnv(self.train_data, env.max_turns, weights), None
+
+  def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
+    """The grid's warm-up example: a board on an expert path (a seeded layout from seeds that neither
+    training steps nor eval draw, walked a seeded number of expert moves) as a first-turn prompt, the
+    expert's next move as the answer. Other environments: rl.train's worked solutions."""
+    if self.cfg.env.name != "grid":
+      return super().sft_pair(index)
+    env, seed = self.env_factory(), GRID_WARMUP_SEEDS + index
+    env.reset(seed)
+    for _ in range(random.Random(seed).randrange(min(env.distance, env.max_turns))):  # not the goal
+      env.step(env.best_move())
+    end = self.tokenizer.encode("<|im_end|>")
+    return self.prompt_tokens(env.question()), self.tokenizer.encode(env.best_move()) + end
 
   def prompt_tokens(self, observation: str) -> list[int]:
     messages = [{"role": "system", "content": self.system}] if self.system else []

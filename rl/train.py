@@ -352,19 +352,24 @@ class Trainer:
     return out
 
   # ---------------------------------------------------------------------------------------- SFT warm-up
+  def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
+    """The `index`-th worked solution of the warm-up: (prompt tokens, answer tokens + end of turn),
+    from the train split in seeded order."""
+    example = self._order(index, 1)
+    answer = self.tokenizer.encode(example.answer) + self.tokenizer.encode("<|im_end|>")
+    return self.encode(example.question), answer
+
   def sft(self, steps: int, progress: bool) -> None:
     """Supervised warm-up on worked solutions (prompt + answer + end-of-turn), one token-mean NLL step
     per `sft_sequences` examples; the GRPO optimizer state starts fresh afterwards."""
     optimizer, compiled = self._sft
     opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
-    end = self.tokenizer.encode("<|im_end|>")
     n = self.cfg.sft_sequences
     guard = NonFiniteGuard(self.cfg.train.max_nonfinite_steps, "SFT step")
     bar = tqdm(range(steps), desc="sft", disable=not progress)
     for i in bar:
-      examples = [self._order(i * n + j, 1) for j in range(n)][_share(n)]
-      prompts = [self.encode(e.question) for e in examples]
-      answers = [self.tokenizer.encode(e.answer) + end for e in examples]
+      pairs = [self.sft_pair(i * n + j) for j in range(n)][_share(n)]
+      prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
       widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(
         axis=0
       )
@@ -375,7 +380,7 @@ class Trainer:
         )
       tokens, mask = pack(prompts, answers, pw, cw, self.tokenizer.pad_id)
       batch = self._to_batch(
-        tokens, mask, np.ones(len(examples), np.float32), accum_steps=self.cfg.sft_accum_steps
+        tokens, mask, np.ones(len(pairs), np.float32), accum_steps=self.cfg.sft_accum_steps
       )
       params, opt_state, step_metrics = compiled[cw](self.params, opt_state, batch)
       self._set_params(params)

@@ -34,6 +34,20 @@ def shortest_path(size: int, holes: frozenset, start: tuple, goal: tuple) -> int
   return None
 
 
+def best_move(size: int, holes: frozenset, start: tuple, goal: tuple) -> str | None:
+  """The first move of a shortest path from start to goal (ties: the order of MOVES), None when the
+  goal is unreachable or already reached."""
+  best = None
+  for name, (dr, dc) in MOVES.items():
+    nxt = (start[0] + dr, start[1] + dc)
+    if not (0 <= nxt[0] < size and 0 <= nxt[1] < size) or nxt in holes:
+      continue
+    dist = shortest_path(size, holes, nxt, goal)
+    if dist is not None and (best is None or dist < best[0]):
+      best = (dist, name)
+  return None if best is None or start == goal else best[1]
+
+
 class GridEnv:
   def __init__(self, size: int = 4, holes: int = 3, max_turns: int = 8, min_distance: int = 2):
     for name, value, lo in (
@@ -83,10 +97,17 @@ class GridEnv:
       rows.append("".join(row))
     return "\n".join(rows)
 
+  def question(self) -> str:  # the first turn's observation; later turns show the board alone
+    return self.render() + "\nMove: up, down, left or right?"
+
+  def best_move(self) -> str | None:
+    """The expert's move from the current cell (the warm-up's label)."""
+    return best_move(self.size, self.holes, self.pos, self.goal)
+
   def reset(self, seed: int) -> str:
     self.pos, self.goal, self.holes, self.distance = self.layout(seed)
     self.turn, self.done = 0, False
-    return self.render() + "\nMove: up, down, left or right?"  # later turns: the board alone
+    return self.question()
 
   def step(self, action: str) -> StepResult:
     if self.done:

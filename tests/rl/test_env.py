@@ -189,6 +189,22 @@ def test_grid_shortest_solution_succeeds(seed):
   assert res.reward == 1.0 and res.info["success"]
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_grid_expert_moves_walk_a_shortest_path(seed):
+  """The warm-up's label: every expert move shortens the remaining path by exactly one and never
+  enters a hole, so following it reaches the goal in `distance` moves (a move chosen without the
+  holes, or a greedy Manhattan step, fails on layouts whose path bends around them)."""
+  env = GridEnv(max_turns=16)
+  env.reset(seed)
+  for i in range(env.distance):
+    before = shortest_path(env.size, env.holes, env.pos, env.goal)
+    res = env.step(env.best_move())
+    assert env.pos not in env.holes
+    if i < env.distance - 1:
+      assert shortest_path(env.size, env.holes, env.pos, env.goal) == before - 1
+  assert res.done and res.info["success"] and env.best_move() is None
+
+
 def test_grid_hole_edge_invalid_and_max_turns():
   env = GridEnv(size=4, holes=3, max_turns=3)
   # find a seed whose start touches a hole, then step into it

@@ -254,6 +254,39 @@ def test_separate_critic_of_another_preset_runs_and_resumes(tmp_path):
     second.close()
 
 
+def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
+  """The grid's SFT examples: first-turn prompts in the agent's own chat format (its system line,
+  the board, the question) with the expert's move as the answer; layouts from seeds the steps and
+  eval never draw, several of them walked part of the way. A warm-up of a few steps then runs."""
+  cfg = _cfg(
+    tmp_path,
+    "env.name=grid",
+    "rollout.max_seq_len=256",
+    "train.warmup_sft_steps=2",
+    "train.steps=1",
+  )
+  trainer = agent.AgentTrainer(cfg)
+  try:
+    decode = trainer.tokenizer.decode
+    starts = 0
+    for i in range(20):
+      prompt, answer = trainer.sft_pair(i)
+      text = decode(prompt)
+      board = text.split("\nuser\n")[1]
+      assert agent.GRID_SYSTEM in text and board.count("@") == 1 and "Move: up, down" in board
+      move = decode(answer).replace("<|im_end|>", "").strip()
+      env = trainer.env_factory()
+      env.reset(agent.GRID_WARMUP_SEEDS + i)
+      starts += env.question() in text
+      assert move in ("up", "down", "left", "right")
+    assert 0 < starts < 20  # some examples start mid-path
+    trainer.sft(2, progress=False)
+  finally:
+    trainer.close()
+  rows = [r for r in read_metrics(str(tmp_path)) if "sft/loss" in r]
+  assert len(rows) == 2 and all(np.isfinite(r["sft/loss"]) for r in rows)
+
+
 def test_resume_restores_the_value_head(tmp_path):
   """A checkpoint holds the value head and its optimizer state; --resume takes them back (a run that
   resumed with a fresh, zero value head would train its critic from scratch without a word)."""
