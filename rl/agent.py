@@ -215,7 +215,8 @@ class AgentTrainer(train.Trainer):
       env_factory, system = self._env_factory()
     self.env_factory, self.system = env_factory, system or self.template.system
     self.head_graphdef, self.head_params = nnx.split(self._critic(), nnx.Param)
-    learning_rate = warmup_schedule(tcfg.learning_rate, tcfg.lr_warmup_steps)
+    decay = tcfg.steps if tcfg.lr_schedule == "cosine" else 0
+    learning_rate = warmup_schedule(tcfg.learning_rate, tcfg.lr_warmup_steps, decay)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
       learning_rate,

@@ -125,6 +125,9 @@ class TrainSection:
   # Linear warm-up of the learning rate over each optimizer's first updates (the SFT warm-up's and
   # the RL phase's, counted separately); 0: constant from the first step.
   lr_warmup_steps: int = 0
+  # cosine: after the warm-up, decay to a tenth of the rate by the phase's last update (the SFT
+  # warm-up's warmup_sft_steps, the RL phase's steps); constant: no decay.
+  lr_schedule: Literal["constant", "cosine"] = "constant"
   warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
   sft_learning_rate: float | None = None  # None: learning_rate
   # Worked solutions per SFT step; 0: prompts_per_step x group_size. Smaller batches mean more
@@ -171,6 +174,8 @@ class TrainSection:
     check_range("train.weight_decay", self.weight_decay, ge=0)
     check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
     check_range("train.lr_warmup_steps", self.lr_warmup_steps, ge=0)
+    if self.lr_schedule not in ("constant", "cosine"):
+      raise ValueError(f"train.lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
     check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
     check_range("train.sft_batch_size", self.sft_batch_size, ge=0)
     check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys

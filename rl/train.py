@@ -149,10 +149,11 @@ class Trainer:
     specs = partition_specs_of(self.params) if self.mesh.size > 1 else None
     mesh = self.mesh if specs is not None else None
 
-    def optimizer_with(learning_rate: float):
+    def optimizer_with(learning_rate: float, steps: int):
+      decay = steps if train_cfg.lr_schedule == "cosine" else 0
       return make_optimizer(
         train_cfg.optimizer,
-        warmup_schedule(learning_rate, train_cfg.lr_warmup_steps),
+        warmup_schedule(learning_rate, train_cfg.lr_warmup_steps, decay),
         train_cfg.weight_decay,
         train_cfg.max_grad_norm,
         train_cfg.fused_optimizer,
@@ -160,7 +161,7 @@ class Trainer:
         specs,
       )
 
-    optimizer = optimizer_with(train_cfg.learning_rate)
+    optimizer = optimizer_with(train_cfg.learning_rate, train_cfg.steps)
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
@@ -174,7 +175,8 @@ class Trainer:
     self.train_step = compile_train_step(
       self.graphdef, optimizer, self.loss, "grpo", self.state_shardings
     )
-    self._sft = (optimizer_with(train_cfg.sft_learning_rate or train_cfg.learning_rate), {})
+    sft_rate = train_cfg.sft_learning_rate or train_cfg.learning_rate
+    self._sft = (optimizer_with(sft_rate, train_cfg.warmup_sft_steps), {})
     # The reference policy: a frozen copy of the weights GRPO starts from (taken again after the SFT
     # warm-up, checkpointed with the run), kept only when the KL term is on.
     self.ref_params = jax.tree.map(jnp.copy, self.params) if train_cfg.beta > 0 else None

@@ -265,16 +265,28 @@ class Optimizer(NamedTuple):
   step: Any
 
 
-def warmup_schedule(learning_rate: float, warmup_steps: int):
+def warmup_schedule(learning_rate: float, warmup_steps: int, decay_steps: int = 0):
   """`learning_rate`, reached linearly over the first `warmup_steps` updates (step k uses
-  lr * (k + 1) / warmup_steps); 0 steps: the constant itself. A fresh Adam state's first updates move
-  every weight by about lr whatever the gradient's size, which is what knocks a warmed-up policy off
-  its supervised solution when RL starts at full rate."""
-  if warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-  if warmup_steps == 0:
+  lr * (k + 1) / warmup_steps), then, when `decay_steps` > 0, a cosine decay to a tenth of it at
+  update `decay_steps` (held there after); constant otherwise. A fresh Adam state's first updates
+  move every weight by about lr whatever the gradient's size, which is what knocks a warmed-up policy
+  off its supervised solution when RL starts at full rate; the decay keeps a policy that has learned
+  from being shaken out of it by the late updates' noise."""
+  if warmup_steps < 0 or decay_steps < 0:
+    raise ValueError(
+      f"warmup_steps and decay_steps must be >= 0, got {warmup_steps}, {decay_steps}"
+    )
+  if warmup_steps == 0 and decay_steps == 0:
     return learning_rate
-  return lambda count: learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
+
+  def rate(count):
+    warm = jnp.minimum(1.0, (count + 1) / max(warmup_steps, 1))
+    if decay_steps <= warmup_steps:
+      return learning_rate * warm
+    done = jnp.clip((count - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
+    return learning_rate * warm * (0.1 + 0.45 * (1.0 + jnp.cos(jnp.pi * done)))
+
+  return rate
 
 
 def make_optimizer(

@@ -88,6 +88,7 @@ def test_yaml_then_overrides(tmp_path):
     (["train.max_nonfinite_steps=0"], r"train\.max_nonfinite_steps must be >= 1, got 0"),
     (["train.warmup_sft_steps=-2"], r"train\.warmup_sft_steps must be >= 0"),
     (["train.lr_warmup_steps=-1"], r"train\.lr_warmup_steps must be >= 0"),
+    (["train.lr_schedule=linear"], r"train\.lr_schedule"),
     (["reward.correct=nan"], r"reward\.correct must be finite and >= 0, got nan"),
     (["reward.format=-1"], r"reward\.format must be finite and >= 0"),
     (["eval.every=-1"], r"eval\.every must be >= 0"),

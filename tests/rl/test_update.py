@@ -276,8 +276,19 @@ def test_warmup_schedule_scales_the_first_updates(fused):
   ratio = np.median(np.abs(deltas["warmup"][1][big]) / np.abs(deltas["constant"][1][big]))
   assert 0.35 < ratio < 0.7, ratio
   assert U.warmup_schedule(3e-3, 0) == 3e-3
-  with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+  with pytest.raises(ValueError, match="warmup_steps and decay_steps must be >= 0"):
     U.warmup_schedule(3e-3, -1)
+
+
+def test_warmup_cosine_schedule_by_hand():
+  """4 warm-up updates to the peak, then a cosine to a tenth of it at update 12, held after."""
+  rate = U.warmup_schedule(1.0, 4, 12)
+  got = [float(rate(k)) for k in (0, 3, 4, 8, 12, 20)]
+  np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
+  decay_only = U.warmup_schedule(1.0, 0, 10)
+  np.testing.assert_allclose(
+    [float(decay_only(k)) for k in (0, 5, 10)], [1.0, 0.55, 0.1], rtol=1e-6
+  )
 
 
 def test_update_that_overflows_the_weights_is_skipped():
