@@ -7,6 +7,13 @@ import pytest
 from bench import parity
 from tests.rl.test_train import TINY
 
+LOSS_ARMS = [
+  "--arm",
+  "xla: train.policy_loss_impl=xla",
+  "--arm",
+  "pallas: train.policy_loss_impl=pallas",
+]
+
 
 def test_paired_interval_by_hand():
   # diffs 1, 2, 3: mean 2, sd 1, t(2) = 4.303 -> half-width 4.303 / sqrt(3)
@@ -41,10 +48,7 @@ def test_parity_run_end_to_end(tmp_path):
       "1",
       "--out",
       str(tmp_path),
-      "--arm",
-      "xla: train.policy_loss_impl=xla",
-      "--arm",
-      "pallas: train.policy_loss_impl=pallas",
+      *LOSS_ARMS,
       *TINY,
       "train.steps=2",
       "train.warmup_sft_steps=0",
@@ -73,10 +77,7 @@ def test_ppo_parity_arms_on_the_grid(tmp_path):
       "1",
       "--out",
       str(tmp_path),
-      "--arm",
-      "xla: train.policy_loss_impl=xla",
-      "--arm",
-      "pallas: train.policy_loss_impl=pallas",
+      *LOSS_ARMS,
       "model.preset=tiny",
       "rollout.max_seq_len=256",
       "rollout.max_slots=16",

@@ -153,6 +153,19 @@ def _captured_batch(trainer):
   return captured[0]
 
 
+def _fresh_state(trainer):
+  """(params, critic, optimizer states) as copies (the update donates them), with fresh optimizer
+  states: the first step's Adam momentum would move every weight by itself."""
+  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
+  state = (
+    trainer.params,
+    trainer.head_params,
+    opt_state,
+    trainer.head_opt.init(trainer.head_params),
+  )
+  return jax.tree.map(jax.numpy.copy, state)
+
+
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_the_value_gradient_reaches_the_policy_only_through_a_shared_head(tmp_path, critic):
   """Zero advantages make the policy term's gradient exactly zero, so only the value loss moves
@@ -172,15 +185,7 @@ def test_the_value_gradient_reaches_the_policy_only_through_a_shared_head(tmp_pa
   batch = batch._replace(
     advantages=jax.numpy.zeros_like(batch.advantages), returns=batch.returns + 1.0
   )
-  # Fresh optimizer states: the first step's Adam momentum would move every weight by itself.
-  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
-  state = (
-    trainer.params,
-    trainer.head_params,
-    opt_state,
-    trainer.head_opt.init(trainer.head_params),
-  )
-  state = jax.tree.map(jax.numpy.copy, state)  # the update donates it
+  state = _fresh_state(trainer)
   before = jax.tree.map(np.asarray, state[:2])
   new, metrics = trainer._update(batch.model_mask.shape[-1])(state, batch)
   assert float(metrics["value_loss"]) > 0 and float(metrics["grad_norm"]) > 0
@@ -212,13 +217,7 @@ def test_kl_term_pulls_the_policy_towards_the_reference(tmp_path):
   trainer.ref_params = jax.tree.map(lambda x: x * 1.5, trainer.ref_params)
   batch = _captured_batch(trainer)
   batch = batch._replace(advantages=jax.numpy.zeros_like(batch.advantages))
-  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
-  state = (
-    trainer.params,
-    trainer.head_params,
-    opt_state,
-    trainer.head_opt.init(trainer.head_params),
-  )
+  state = _fresh_state(trainer)
   update = trainer._update(batch.model_mask.shape[-1])
   kls = []
   for _ in range(3):
