@@ -39,8 +39,8 @@ from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
-from rl.rollout.multiturn import episode_metrics, pack_episodes, rollout
-from rl.tokenizer import chatml
+from rl.rollout.multiturn import episode_metrics, observation_tokens, pack_episodes, rollout
+from rl.tokenizer import IM_END, chatml
 from rl.update import completion_hidden, make_optimizer, warmup_schedule
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
@@ -275,17 +275,21 @@ class AgentTrainer(train.Trainer):
     return lambda: CalcEnv(self.train_data, env.max_turns, weights), None
 
   def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
-    """The grid's warm-up example: a board on an expert path (a seeded layout from seeds that neither
-    training steps nor eval draw, walked a seeded number of expert moves) as a first-turn prompt, the
-    expert's next move as the answer. Other environments: rl.train's worked solutions."""
+    """The grid's warm-up example: a seeded layout (from seeds that neither training steps nor eval
+    draw) played by the expert for a seeded number of turns, in the orchestrator's own multi-turn
+    format (first prompt, each expert reply closed with <|im_end|>, each board as the next user
+    turn) as the prompt, and the expert's next move as the answer: every turn of an episode, history
+    included, looks like one the policy will meet. Other environments: rl.train's worked solutions."""
     if self.cfg.env.name != "grid":
       return super().sft_pair(index)
-    env, seed = self.env_factory(), GRID_WARMUP_SEEDS + index
-    env.reset(seed)
-    for _ in range(random.Random(seed).randrange(min(env.distance, env.max_turns))):  # not the goal
-      env.step(env.best_move())
-    end = self.tokenizer.encode("<|im_end|>")
-    return self.prompt_tokens(env.question()), self.tokenizer.encode(env.best_move()) + end
+    env, seed, tok = self.env_factory(), GRID_WARMUP_SEEDS + index, self.tokenizer
+    end = tok.encode(IM_END)
+    prompt = self.prompt_tokens(env.reset(seed))
+    for _ in range(random.Random(seed).randrange(min(env.distance, env.max_turns))):
+      move = env.best_move()
+      step = env.step(move)  # never the goal: fewer moves than the shortest path
+      prompt += tok.encode(move) + end + observation_tokens(tok, step.observation, closed=True)
+    return prompt, tok.encode(env.best_move()) + end
 
   def prompt_tokens(self, observation: str) -> list[int]:
     messages = [{"role": "system", "content": self.system}] if self.system else []

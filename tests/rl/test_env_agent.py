@@ -254,9 +254,10 @@ def test_separate_critic_of_another_preset_runs_and_resumes(tmp_path):
 
 
 def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
-  """The grid's SFT examples: first-turn prompts in the agent's own chat format (its system line,
-  the board, the question) with the expert's move as the answer; layouts from seeds the steps and
-  eval never draw, several of them walked part of the way. A warm-up of a few steps then runs."""
+  """The grid's SFT examples are expert episodes cut at a turn, in the agent's chat format: replaying
+  the history's replies on a fresh environment of the same seed must reproduce the last board shown,
+  and the answer must be the expert's move from there (a history out of step with its boards, or a
+  label one turn late, fails). Several examples are cut mid-episode; a warm-up of a few steps runs."""
   cfg = _cfg(
     tmp_path,
     "env.name=grid",
@@ -267,18 +268,22 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
   trainer = agent.AgentTrainer(cfg)
   try:
     decode = trainer.tokenizer.decode
-    starts = 0
+    later = 0
     for i in range(20):
       prompt, answer = trainer.sft_pair(i)
       text = decode(prompt)
-      board = text.split("\nuser\n")[1]
-      assert agent.GRID_SYSTEM in text and board.count("@") == 1 and "Move: up, down" in board
-      move = decode(answer).replace("<|im_end|>", "").strip()
+      assert text.count(agent.GRID_SYSTEM) == 1 and text.endswith("assistant\n")
+      turns = text.split("\nuser\n")[1:]  # each: board [+ question], assistant header, reply
+      replies = [t.split("assistant\n")[1].strip() for t in turns[:-1]]
       env = trainer.env_factory()
       env.reset(agent.GRID_WARMUP_SEEDS + i)
-      starts += env.question() in text
-      assert move in ("up", "down", "left", "right")
-    assert 0 < starts < 20  # some examples start mid-path
+      for move in replies:
+        assert move in ("up", "down", "left", "right"), move
+        env.step(move)
+      assert turns[-1].startswith(env.render())
+      assert decode(answer).replace("<|im_end|>", "").strip() == env.best_move()
+      later += bool(replies)
+    assert 0 < later < 20
     trainer.sft(2, progress=False)
   finally:
     trainer.close()
