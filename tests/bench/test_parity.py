@@ -87,6 +87,7 @@ def test_ppo_parity_arms_on_the_grid(tmp_path):
       "env.max_turns=2",
       "eval.batch=2",
       "train.steps=2",
+      "train.warmup_sft_steps=0",
       "run.progress=false",
       "run.tensorboard=false",
     ]
