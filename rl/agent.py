@@ -268,7 +268,9 @@ class AgentTrainer(train.Trainer):
     env = self.cfg.env
     if env.name == "grid":
       return (
-        lambda: GridEnv(env.grid_size, env.grid_holes, env.max_turns, env.grid_min_distance),
+        lambda: GridEnv(
+          env.grid_size, env.grid_holes, env.max_turns, env.grid_min_distance, env.grid_observation
+        ),
         GRID_SYSTEM,
       )
     weights = self.cfg.reward.weights()

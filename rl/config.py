@@ -209,6 +209,7 @@ class EnvSection:
   grid_size: int = 4
   grid_holes: int = 3
   grid_min_distance: int = 2
+  grid_observation: Literal["board", "words"] = "board"  # words: the goal's offset, moves to avoid
 
   def __post_init__(self):
     if self.name not in ("calc", "grid"):
@@ -217,6 +218,10 @@ class EnvSection:
     check_range("env.grid_size", self.grid_size, ge=2, le=16)
     check_range("env.grid_holes", self.grid_holes, ge=0, le=self.grid_size**2 - 3)
     check_range("env.grid_min_distance", self.grid_min_distance, ge=1, le=2 * (self.grid_size - 1))
+    if self.grid_observation not in ("board", "words"):
+      raise ValueError(
+        f"env.grid_observation must be board or words, got {self.grid_observation!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)

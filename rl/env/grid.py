@@ -49,7 +49,14 @@ def best_move(size: int, holes: frozenset, start: tuple, goal: tuple) -> str | N
 
 
 class GridEnv:
-  def __init__(self, size: int = 4, holes: int = 3, max_turns: int = 8, min_distance: int = 2):
+  def __init__(
+    self,
+    size: int = 4,
+    holes: int = 3,
+    max_turns: int = 8,
+    min_distance: int = 2,
+    observation: str = "board",
+  ):
     for name, value, lo in (
       ("size", size, 2),
       ("holes", holes, 0),
@@ -61,7 +68,10 @@ class GridEnv:
       raise ValueError(f"GridEnv holes={holes} leaves no room for a path on a {size}x{size} board")
     if min_distance > 2 * (size - 1):
       raise ValueError(f"GridEnv min_distance={min_distance} exceeds the {size}x{size} diameter")
+    if observation not in ("board", "words"):
+      raise ValueError(f"GridEnv observation must be board or words, got {observation!r}")
     self.size, self.num_holes, self.min_distance = size, holes, min_distance
+    self.observation = observation
     self.max_turns = check_max_turns(max_turns)
     self.pos = self.goal = None
     self.holes: frozenset = frozenset()
@@ -80,6 +90,22 @@ class GridEnv:
         return start, goal, holes, dist
 
   def render(self) -> str:
+    return self.board() if self.observation == "board" else self.words()
+
+  def words(self) -> str:
+    """The state in words a small byte model can read: where the goal is from here, and which moves
+    go into a hole or against the edge."""
+    (r, c), (gr, gc) = self.pos, self.goal
+    parts = [f"{abs(gr - r)} {'down' if gr > r else 'up'}"] if gr != r else []
+    parts += [f"{abs(gc - c)} {'right' if gc > c else 'left'}"] if gc != c else []
+    avoid = [
+      name
+      for name, (dr, dc) in MOVES.items()
+      if (r + dr, c + dc) in self.holes or not (0 <= r + dr < self.size and 0 <= c + dc < self.size)
+    ]
+    return f"Goal: {', '.join(parts)}. Avoid: {', '.join(avoid) or 'nothing'}."
+
+  def board(self) -> str:
     rows = []
     for r in range(self.size):
       row = []

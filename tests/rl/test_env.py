@@ -205,6 +205,20 @@ def test_grid_expert_moves_walk_a_shortest_path(seed):
   assert res.done and res.info["success"] and env.best_move() is None
 
 
+def test_grid_words_observation_by_hand():
+  """Seed 3: @ at row 1, column 3 and G at row 2, column 1 (board below), so the goal is 1 down and 2
+  left and only `right` (the edge) is to avoid; one move left puts a hole above and a hole to the left.
+  A swapped axis or sign, or an avoid list that forgets the edge, fails."""
+  env = GridEnv(observation="words")
+  first = env.reset(3)
+  assert env.board() == "..H.\n.H.@\nHG..\n...."
+  assert first == "Goal: 1 down, 2 left. Avoid: right.\nMove: up, down, left or right?"
+  res = env.step("left")
+  assert res.observation == "Goal: 1 down, 1 left. Avoid: up, left."
+  with pytest.raises(ValueError, match="observation must be board or words"):
+    GridEnv(observation="pixels")
+
+
 def test_grid_hole_edge_invalid_and_max_turns():
   env = GridEnv(size=4, holes=3, max_turns=3)
   # find a seed whose start touches a hole, then step into it
