@@ -109,7 +109,7 @@ def verdict(runs: Mapping[int, dict], min_reward_gain: float, min_eval_se: float
 
 def markdown(name: str, runs: Mapping[int, dict], v: dict, bars: tuple[float, float]) -> str:
   first = next(iter(runs.values()))
-  w, what = first["window"], _label(first)
+  w, what = first["window"], reward_label(first)
   lines = [
     f"| {name}: seed | {what}, first {w} steps | last {w} | gain | eval_full before | "
     "after | change (SE) | step_avg (s) |",
@@ -135,7 +135,7 @@ def markdown(name: str, runs: Mapping[int, dict], v: dict, bars: tuple[float, fl
   return "\n".join(lines) + "\n"
 
 
-def _label(run: dict) -> str:
+def reward_label(run: dict) -> str:  # the curve's name in the reports
   return "success rate" if run.get("reward_key") == SUCCESS else "correct reward"
 
 

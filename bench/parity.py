@@ -152,7 +152,7 @@ def markdown(report: dict) -> str:
   """Each run's learning figures (does every arm learn?), then the paired comparisons."""
   first = next(iter(next(iter(report["runs"].values())).values()))
   lines = [
-    f"| arm | seed | step_avg (s) | {learning._label(first)} first -> last steps | "
+    f"| arm | seed | step_avg (s) | {learning.reward_label(first)} first -> last steps | "
     "eval_full before -> after |",
     "|---|---|---|---|---|",
   ]

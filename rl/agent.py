@@ -41,12 +41,11 @@ from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import episode_metrics, observation_tokens, pack_episodes, rollout
 from rl.tokenizer import IM_END, chatml
-from rl.update import completion_hidden, make_optimizer, warmup_schedule
+from rl.update import batch_token_logps, completion_hidden, make_optimizer
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
-GRID_WARMUP_SEEDS = (
-  2**32
-)  # grid warm-up layouts: above the step (< 2**31) and eval (2**31 + i) seeds
+# Grid warm-up layouts come from seeds above the steps' (< 2**31) and eval's (2**31 + i).
+GRID_WARMUP_SEEDS = 2**32
 WIDTH_BUCKET = 32  # packed widths are rounded up to this: a handful of compiled shapes per run
 
 
@@ -81,21 +80,6 @@ def old_logps_and_values(graphdef, head_graphdef, params, head_params, batch, co
     ids = tokens[:, -completion_len:]
     logp, _ = token_logps_and_entropy(model.logits(hidden), jnp.where(mask, ids, 0), temp)
     return None, (jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0))
-
-  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def token_logps(graphdef, params, batch, completion_len, temp):
-  """A policy's log-probs of the model tokens, micro-batch by micro-batch: [K, M, C] (0 elsewhere)."""
-
-  def one(_, mb):
-    tokens, attn, mask = mb
-    model = nnx.merge(graphdef, params)
-    hidden = completion_hidden(model, tokens, attn, completion_len)
-    ids = jnp.where(mask, tokens[:, -completion_len:], 0)
-    logp, _ = token_logps_and_entropy(model.logits(hidden), ids, temp)
-    return None, jnp.where(mask, logp, 0.0)
 
   return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
 
@@ -215,8 +199,7 @@ class AgentTrainer(train.Trainer):
       env_factory, system = self._env_factory()
     self.env_factory, self.system = env_factory, system or self.template.system
     self.head_graphdef, self.head_params = nnx.split(self._critic(), nnx.Param)
-    decay = tcfg.steps if tcfg.lr_schedule == "cosine" else 0
-    learning_rate = warmup_schedule(tcfg.learning_rate, tcfg.lr_warmup_steps, decay)
+    learning_rate = train.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
       learning_rate,
@@ -366,7 +349,8 @@ class AgentTrainer(train.Trainer):
         adv = np.where(packed.model_mask, per_episode[:, None], 0.0).astype(np.float32)
       ref = None
       if self.ref_params is not None:  # train.beta > 0: the warmed-up policy anchors the update
-        ref = token_logps(self.graphdef, self.ref_params, stub, cw, cfg.sampling.temperature)
+        ref = batch_token_logps(self.graphdef, self.ref_params, stub, cw, cfg.sampling.temperature)
+        ref = jnp.where(mask, ref, 0.0)  # model tokens only, as the old log-probs
       batch = AgentBatch(
         tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns, ref
       )

@@ -33,7 +33,7 @@ from kernels.optim import partition_specs_of
 from rl import configlib, mismatch, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
 from rl.checkpointing import Checkpointer, CheckpointError
-from rl.config import GRPOConfig
+from rl.config import GRPOConfig, TrainSection
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
@@ -43,7 +43,7 @@ from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options, 
 from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
-from rl.tokenizer import load_tokenizer
+from rl.tokenizer import IM_END, load_tokenizer
 from rl.update import (
   Batch,
   LossSettings,
@@ -102,6 +102,13 @@ def _reading(key: str, value):
     raise ConfigError(f"{key}={value}: {e}") from e
 
 
+def learning_rate_schedule(train_cfg: TrainSection, learning_rate: float, steps: int):
+  """train.lr_warmup_steps and train.lr_schedule applied to one phase of `steps` updates (the SFT
+  warm-up, or the RL phase): a float or an optax schedule."""
+  decay = steps if train_cfg.lr_schedule == "cosine" else 0
+  return warmup_schedule(learning_rate, train_cfg.lr_warmup_steps, decay)
+
+
 def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
@@ -150,10 +157,9 @@ class Trainer:
     mesh = self.mesh if specs is not None else None
 
     def optimizer_with(learning_rate: float, steps: int):
-      decay = steps if train_cfg.lr_schedule == "cosine" else 0
       return make_optimizer(
         train_cfg.optimizer,
-        warmup_schedule(learning_rate, train_cfg.lr_warmup_steps, decay),
+        learning_rate_schedule(train_cfg, learning_rate, steps),
         train_cfg.weight_decay,
         train_cfg.max_grad_norm,
         train_cfg.fused_optimizer,
@@ -358,7 +364,7 @@ class Trainer:
     """The `index`-th worked solution of the warm-up: (prompt tokens, answer tokens + end of turn),
     from the train split in seeded order."""
     example = self._order(index, 1)
-    answer = self.tokenizer.encode(example.answer) + self.tokenizer.encode("<|im_end|>")
+    answer = self.tokenizer.encode(example.answer) + self.tokenizer.encode(IM_END)
     return self.encode(example.question), answer
 
   def sft(self, steps: int, progress: bool) -> None:

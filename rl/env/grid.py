@@ -123,7 +123,7 @@ class GridEnv:
       rows.append("".join(row))
     return "\n".join(rows)
 
-  def question(self) -> str:  # the first turn's observation; later turns show the board alone
+  def question(self) -> str:  # the first turn's observation; later turns show the state alone
     return self.render() + "\nMove: up, down, left or right?"
 
   def best_move(self) -> str | None:
