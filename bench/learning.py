@@ -175,7 +175,7 @@ def plot_curves(arms: Mapping[str, Mapping[int, dict]], path: str, smooth: int =
   ax.set_ylim(bottom=0)
   ax.legend(loc="upper left")
   ax.grid(alpha=0.3)
-  bx.set_xticks([0, 1], ["before", "after GRPO"])
+  bx.set_xticks([0, 1], ["before", "after RL"])
   bx.set_xlim(-0.5, 1.5)
   bx.set_ylabel("eval_full accuracy (greedy)")
   bx.set_title("eval_full per seed")

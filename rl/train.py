@@ -495,7 +495,7 @@ class Trainer:
     last: dict[str, float] = {}
     bar = tqdm(
       range(start, cfg.train.steps),
-      desc="grpo",
+      desc=cfg.train.algorithm,
       disable=not progress,
       initial=start,
       total=cfg.train.steps,
