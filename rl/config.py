@@ -209,7 +209,8 @@ class EnvSection:
   grid_size: int = 4
   grid_holes: int = 3
   grid_min_distance: int = 2
-  grid_observation: Literal["board", "words"] = "board"  # words: the goal's offset, moves to avoid
+  # words: the goal's offset and the moves to avoid; safe: the goal's offset and the safe moves
+  grid_observation: Literal["board", "words", "safe"] = "board"
 
   def __post_init__(self):
     if self.name not in ("calc", "grid"):
@@ -218,9 +219,9 @@ class EnvSection:
     check_range("env.grid_size", self.grid_size, ge=2, le=16)
     check_range("env.grid_holes", self.grid_holes, ge=0, le=self.grid_size**2 - 3)
     check_range("env.grid_min_distance", self.grid_min_distance, ge=1, le=2 * (self.grid_size - 1))
-    if self.grid_observation not in ("board", "words"):
+    if self.grid_observation not in ("board", "words", "safe"):
       raise ValueError(
-        f"env.grid_observation must be board or words, got {self.grid_observation!r}"
+        f"env.grid_observation must be board, words or safe, got {self.grid_observation!r}"
       )
 
 

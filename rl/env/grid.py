@@ -16,6 +16,7 @@ import re
 from rl.env.base import StepResult, check_max_turns
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+OBSERVATIONS = ("board", "words", "safe")
 _MOVE = re.compile(r"\b(up|down|left|right)\b", re.IGNORECASE)
 
 
@@ -68,8 +69,10 @@ class GridEnv:
       raise ValueError(f"GridEnv holes={holes} leaves no room for a path on a {size}x{size} board")
     if min_distance > 2 * (size - 1):
       raise ValueError(f"GridEnv min_distance={min_distance} exceeds the {size}x{size} diameter")
-    if observation not in ("board", "words"):
-      raise ValueError(f"GridEnv observation must be board or words, got {observation!r}")
+    if observation not in OBSERVATIONS:
+      raise ValueError(
+        f"GridEnv observation must be one of {', '.join(OBSERVATIONS)}, got {observation!r}"
+      )
     self.size, self.num_holes, self.min_distance = size, holes, min_distance
     self.observation = observation
     self.max_turns = check_max_turns(max_turns)
@@ -94,7 +97,8 @@ class GridEnv:
 
   def words(self) -> str:
     """The state in words a small byte model can read: where the goal is from here, and which moves
-    go into a hole or against the edge."""
+    go into a hole or against the edge (`words`) or, the complement, which moves are safe (`safe`:
+    picking a listed word is a copy, which the small model learns sooner than avoiding one)."""
     (r, c), (gr, gc) = self.pos, self.goal
     parts = [f"{abs(gr - r)} {'down' if gr > r else 'up'}"] if gr != r else []
     parts += [f"{abs(gc - c)} {'right' if gc > c else 'left'}"] if gc != c else []
@@ -103,6 +107,9 @@ class GridEnv:
       for name, (dr, dc) in MOVES.items()
       if (r + dr, c + dc) in self.holes or not (0 <= r + dr < self.size and 0 <= c + dc < self.size)
     ]
+    if self.observation == "safe":
+      safe = [name for name in MOVES if name not in avoid]
+      return f"Goal: {', '.join(parts)}. Safe: {', '.join(safe) or 'nothing'}."
     return f"Goal: {', '.join(parts)}. Avoid: {', '.join(avoid) or 'nothing'}."
 
   def board(self) -> str:

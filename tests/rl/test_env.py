@@ -208,14 +208,19 @@ def test_grid_expert_moves_walk_a_shortest_path(seed):
 def test_grid_words_observation_by_hand():
   """Seed 3: @ at row 1, column 3 and G at row 2, column 1 (board below), so the goal is 1 down and 2
   left and only `right` (the edge) is to avoid; one move left puts a hole above and a hole to the left.
-  A swapped axis or sign, or an avoid list that forgets the edge, fails."""
+  A swapped axis or sign, an avoid list that forgets the edge, or a safe list that is not its
+  complement, fails."""
   env = GridEnv(observation="words")
   first = env.reset(3)
   assert env.board() == "..H.\n.H.@\nHG..\n...."
   assert first == "Goal: 1 down, 2 left. Avoid: right.\nMove: up, down, left or right?"
   res = env.step("left")
   assert res.observation == "Goal: 1 down, 1 left. Avoid: up, left."
-  with pytest.raises(ValueError, match="observation must be board or words"):
+  # safe: the complement of the avoid list, in the order up, down, left, right
+  env = GridEnv(observation="safe")
+  assert env.reset(3).startswith("Goal: 1 down, 2 left. Safe: up, down, left.\n")
+  assert env.step("left").observation == "Goal: 1 down, 1 left. Safe: down, right."
+  with pytest.raises(ValueError, match="observation must be one of board, words, safe"):
     GridEnv(observation="pixels")
 
 

@@ -327,6 +327,7 @@ def test_config_keys_are_checked():
     ("env.name=chess", "env.name"),
     ("env.max_turns=0", "env.max_turns"),
     ("env.grid_holes=14", "env.grid_holes"),
+    ("env.grid_observation=pixels", "env.grid_observation"),
     ("train.critic=mlp", "train.critic"),
     ("train.critic_preset=tiny", "train.critic_preset"),
   ):
@@ -336,3 +337,4 @@ def test_config_keys_are_checked():
   assert cfg.train.algorithm == "ppo" and cfg.env.name == "calc"
   assert dataclasses.replace(cfg.env, name="grid").name == "grid"
   assert train.parse_args(["--config", "configs/cpu-grid.yaml"]).env.name == "grid"
+  assert train.parse_args(["env.grid_observation=safe"]).env.grid_observation == "safe"
