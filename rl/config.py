@@ -14,6 +14,7 @@ from typing import Literal
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES, LossSpec
 from rl.configlib import check_range
 from rl.data.synthetic import LEVELS
+from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
 from rl.prompts import TEMPLATES
 from rl.rollout.config import EngineConfig
 
@@ -219,9 +220,10 @@ class EnvSection:
     check_range("env.grid_size", self.grid_size, ge=2, le=16)
     check_range("env.grid_holes", self.grid_holes, ge=0, le=self.grid_size**2 - 3)
     check_range("env.grid_min_distance", self.grid_min_distance, ge=1, le=2 * (self.grid_size - 1))
-    if self.grid_observation not in ("board", "words", "safe"):
+    if self.grid_observation not in GRID_OBSERVATIONS:
       raise ValueError(
-        f"env.grid_observation must be board, words or safe, got {self.grid_observation!r}"
+        f"env.grid_observation must be one of {', '.join(GRID_OBSERVATIONS)}, "
+        f"got {self.grid_observation!r}"
       )
 
 
