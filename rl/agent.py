@@ -11,7 +11,8 @@ The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-to
 
 Everything else (model, tokenizer, data, engine, SFT warm-up, metrics writer, checkpoints, non-finite
 guard, `--resume`, the reference policy of train.beta > 0) is rl.train.Trainer's; checkpoints add the
-critic and its optimizer state. Single process only for now.
+critic and its optimizer state. Several processes (dist.initialize=true) split a step's environment
+seeds and eval's layouts between them, as rl.train splits prompts; the update runs on the global batch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import optax
 from flax import nnx
 
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import ppo, train
+from rl import ppo, sharding, train
 from rl.advantages import group_advantages
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
@@ -39,9 +40,21 @@ from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
-from rl.rollout.multiturn import episode_metrics, observation_tokens, pack_episodes, rollout
+from rl.rollout.multiturn import (
+  EPISODE_METRICS,
+  episode_rows,
+  observation_tokens,
+  pack_episodes,
+  rollout,
+)
 from rl.tokenizer import IM_END, chatml
-from rl.update import batch_token_logps, completion_hidden, make_optimizer
+from rl.update import (
+  batch_token_logps,
+  completion_hidden,
+  init_optimizer_state,
+  make_optimizer,
+  shardings_of,
+)
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 # Grid warm-up layouts come from seeds above the steps' (< 2**31) and eval's (2**31 + i).
@@ -191,14 +204,17 @@ class AgentTrainer(train.Trainer):
   def __init__(
     self, cfg: GRPOConfig, env_factory: EnvFactory | None = None, system: str | None = None
   ):
-    if jax.process_count() > 1:
-      raise ConfigError("rl.agent runs in a single process for now (dist.initialize=false)")
     super().__init__(cfg)
     cfg, tcfg = self.cfg, self.cfg.train
     if env_factory is None:
       env_factory, system = self._env_factory()
     self.env_factory, self.system = env_factory, system or self.template.system
-    self.head_graphdef, self.head_params = nnx.split(self._critic(), nnx.Param)
+    head_graphdef, head_params = nnx.split(self._critic(), nnx.Param)
+    # On the mesh (replicated where fresh) so that one jit over every process's devices takes it.
+    self.head_graphdef, self.head_params = (
+      head_graphdef,
+      sharding.replicated(self.mesh, head_params),
+    )
     learning_rate = train.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
@@ -208,7 +224,7 @@ class AgentTrainer(train.Trainer):
       tcfg.fused_optimizer,
     )
     self.head_opt = optax.adamw(learning_rate, weight_decay=tcfg.weight_decay)
-    self.head_opt_state = self.head_opt.init(self.head_params)
+    self.head_opt_state = init_optimizer_state(self.head_opt, self.head_params, self.mesh)
     self._updates: dict[int, Callable] = {}
 
   def _critic(self) -> ValueHead | CriticModel:
@@ -312,16 +328,25 @@ class AgentTrainer(train.Trainer):
     cfg, tcfg, timer = self.cfg, self.cfg.train, self.timer
     t_step = time.perf_counter()
     group = cfg.sampling.group_size
-    env_seeds = [self.env_seed(step, i) for i in range(tcfg.prompts_per_step)]
+    share = train._share(tcfg.prompts_per_step)  # this process's seeds (all, in one process)
+    env_seeds = [self.env_seed(step, i) for i in range(share.start, share.stop)]
+    first = share.start * group  # the global index of this process's first episode
     with timer("rollout"):
       episodes, stats = self.episodes(
-        env_seeds, group, lambda i: self.prompt_seed(step, i), cfg.sampling.temperature
+        env_seeds, group, lambda i: self.prompt_seed(step, first + i), cfg.sampling.temperature
       )
-    pw = train.round_up(max(ep.prompt_len for ep in episodes), WIDTH_BUCKET)
-    cw = train.round_up(max(len(ep.tokens) - ep.prompt_len for ep in episodes), WIDTH_BUCKET)
+    prompt_len = max(ep.prompt_len for ep in episodes)
+    rest_len = max(len(ep.tokens) - ep.prompt_len for ep in episodes)
+    widths = sharding.allgather(np.array([[prompt_len, rest_len]])).max(
+      0
+    )  # every process packs alike
+    pw, cw = (train.round_up(int(w), WIDTH_BUCKET) for w in widths)
     packed = pack_episodes(episodes, pw, cw, self.tokenizer.pad_id)
     k = cfg.grad_accum_steps
-    shape = lambda x: jnp.asarray(x.reshape(k, x.shape[0] // k, *x.shape[1:]))
+    shape = lambda x: sharding.global_batch(self.mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
+    # Whitening, explained variance and the value mean are over every process's rows.
+    gathered = lambda x: sharding.allgather(np.asarray(x))
+    mine = slice(jax.process_index() * len(episodes), (jax.process_index() + 1) * len(episodes))
     with timer("update"):
       tokens, attn, mask = (
         shape(packed.tokens),
@@ -333,16 +358,16 @@ class AgentTrainer(train.Trainer):
         self.graphdef, self.head_graphdef, self.params, self.head_params, stub, cw,
         cfg.sampling.temperature,
       )  # fmt: skip
-      flat = lambda x: x.reshape(-1, cw)
+      values = sharding.local_rows(self.mesh, old_values).reshape(-1, cw)  # [N_local, C]
       returns = jnp.zeros_like(old_values)
       if tcfg.algorithm == "ppo":
-        adv, ret = ppo.gae(
-          packed.rewards, flat(old_values), packed.model_mask, tcfg.gamma, tcfg.gae_lambda
-        )
+        adv, ret = ppo.gae(packed.rewards, values, packed.model_mask, tcfg.gamma, tcfg.gae_lambda)
+        all_mask = gathered(packed.model_mask)
         if tcfg.whiten_advantages:
-          adv = ppo.whiten(adv, packed.model_mask)
-        returns = ret.reshape(old_values.shape)
-        explained = float(ppo.explained_variance(flat(old_values), ret, packed.model_mask))
+          adv = np.asarray(ppo.whiten(gathered(adv), all_mask))[mine]
+        returns = shape(np.asarray(ret))
+        all_values = gathered(values)
+        explained = float(ppo.explained_variance(all_values, gathered(ret), all_mask))
       else:
         totals = np.array([ep.reward for ep in episodes], np.float32)
         per_episode = np.asarray(group_advantages(totals, group))
@@ -367,11 +392,15 @@ class AgentTrainer(train.Trainer):
     step_s = time.perf_counter() - t_step
     out["time/train/step_s"] = step_s
     out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
-    out.update(episode_metrics(episodes))
+    out.update(self._episode_metrics(episodes))
     out["reward/total/mean"] = out["env/reward_mean"]
-    out["rollout/generated_tokens"] = stats.generated_tokens
-    out["rollout/prefill_tokens"] = stats.prefill_tokens
-    out["rollout/engine_calls"] = stats.engine_calls
+    counts = sharding.allgather(
+      np.array([[stats.generated_tokens, stats.prefill_tokens, stats.engine_calls]])
+    )  # [processes, 3]
+    out["rollout/generated_tokens"], out["rollout/prefill_tokens"] = counts[:, :2].sum(0).tolist()
+    out["rollout/engine_calls"] = int(
+      counts[:, 2].max()
+    )  # the processes call their engines at once
     mean = lambda key: float(np.mean([e[key] for e in epochs]))
     for key in ("loss", "policy_loss", "entropy", "kl", "grad_norm", "nonfinite"):
       out[f"train/{key}"] = mean(key)
@@ -380,8 +409,19 @@ class AgentTrainer(train.Trainer):
       out["critic/value_loss"] = mean("value_loss")
       out["critic/value_clip_fraction"] = mean("value_clip_fraction")
       out["critic/explained_variance"] = explained
-      out["critic/value_mean"] = float(flat(old_values)[packed.model_mask].mean())
+      out["critic/value_mean"] = float(all_values[all_mask].mean())
     return out
+
+  def _episode_metrics(self, episodes) -> dict[str, float]:
+    """rl.rollout.multiturn's episode metrics over every process's episodes (shares may differ by
+    one: padded with NaN rows for the gather, dropped after)."""
+    rows = episode_rows(episodes)  # [n_local, len(EPISODE_METRICS)]
+    if jax.process_count() > 1:
+      most = int(sharding.allgather(np.array([len(rows)])).max())
+      pad = np.full((most - len(rows), rows.shape[1]), np.nan)
+      rows = sharding.allgather(np.concatenate([rows, pad]))
+      rows = rows[~np.isnan(rows[:, 0])]
+    return dict(zip(EPISODE_METRICS, rows.mean(0).tolist()))
 
   def _update(self, completion_len: int):
     if completion_len not in self._updates:
@@ -399,11 +439,13 @@ class AgentTrainer(train.Trainer):
         tcfg.fused_lm_head,
         tcfg.beta,
       )
+      state = (self.params, self.head_params, self.opt_state, self.head_opt_state)
       self._updates[completion_len] = jax.jit(
         functools.partial(
           update_step, self.graphdef, self.head_graphdef, self.policy_opt, self.head_opt, settings
         ),
         donate_argnums=(0,),
+        out_shardings=(shardings_of(state), None),  # the state keeps its layout step after step
       )
     return self._updates[completion_len]
 
@@ -417,14 +459,16 @@ class AgentTrainer(train.Trainer):
       seeds = list(range(min(n, len(self.test_data))))
     else:  # layouts from seeds no training step draws
       factory, seeds = self.env_factory, [2**31 + i for i in range(n)]
-    envs = [factory() for _ in seeds]
+    share = train._share(len(seeds))  # this process's layouts
+    mine = seeds[share]
+    envs = [factory() for _ in mine]
     sampling = self.cfg.sampling
     params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=temperature)
     episodes, _ = rollout(
-      self.engine, self.tokenizer, envs, seeds, [seed + i for i in range(len(seeds))],
+      self.engine, self.tokenizer, envs, mine, [seed + i for i in range(share.start, share.stop)],
       self.prompt_tokens, params,
     )  # fmt: skip
-    m = episode_metrics(episodes)
+    m = self._episode_metrics(episodes)
     return {
       f"{prefix}/accuracy": m["env/success_rate"],
       f"{prefix}/reward_mean": m["env/reward_mean"],
@@ -442,6 +486,7 @@ class AgentTrainer(train.Trainer):
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   cfg = train.parse_args(argv)
+  train.start_process(cfg)
   trainer = AgentTrainer(cfg)
   try:
     metrics = trainer.run()

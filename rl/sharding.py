@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -94,3 +95,27 @@ def allgather(x):
   if jax.process_count() == 1:
     return x
   return multihost_utils.process_allgather(x, tiled=True)
+
+
+def local_rows(
+  mesh: Mesh,
+  x: jax.Array,  # [K, M, ...] a global_batch-laid-out array
+):  # -> np.ndarray [K, M_local, ...]
+  """The inverse of global_batch: this process's rows of every micro-batch, on the host."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  local = multihost_utils.global_array_to_host_local_array(x, mesh, P(None, data_axes()))
+  return np.asarray(local)
+
+
+def replicated(mesh: Mesh, tree):
+  """Leaves not laid out on `mesh` yet (freshly initialised, one device) -> replicated over it, so a
+  jit over the mesh (several processes included) takes them; leaves already on it are kept."""
+
+  def put(x):
+    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, P()), lambda i: host[i])
+
+  return jax.tree.map(put, tree)

@@ -576,9 +576,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOConfig:
   return cfg
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
-  cfg = parse_args(argv)  # every config value error surfaces here, before jax starts
+def start_process(cfg: GRPOConfig) -> None:
+  """Before jax touches a device: run.host_devices simulated CPU devices, and (dist.initialize) this
+  process joins the multi-process run."""
   dist = cfg.dist
   sharding.initialize_distributed(
     dist.initialize,
@@ -588,6 +588,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     dist.cpu_collectives,
     cfg.run.host_devices,
   )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+  """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
+  cfg = parse_args(argv)  # every config value error surfaces here, before jax starts
+  start_process(cfg)
   trainer = Trainer(cfg)
   try:
     metrics = trainer.run()

@@ -210,11 +210,22 @@ def pack_episodes(
   return PackedEpisodes(tokens, attention, model_mask, logps, rewards)
 
 
-def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-  return {
-    "env/success_rate": float(np.mean([ep.success for ep in episodes])),
-    "env/turns_mean": float(np.mean([ep.num_turns for ep in episodes])),
-    "env/reward_mean": float(np.mean([ep.reward for ep in episodes])),
-    "env/truncated_fraction": float(np.mean([ep.truncated for ep in episodes])),
-    "env/model_tokens_mean": float(np.mean([sum(r == MODEL for r in ep.roles) for ep in episodes])),
-  }
+EPISODE_METRICS = (
+  "env/success_rate",
+  "env/turns_mean",
+  "env/reward_mean",
+  "env/truncated_fraction",
+  "env/model_tokens_mean",
+)
+
+
+def episode_rows(episodes: Sequence[Episode]) -> np.ndarray:  # [N, len(EPISODE_METRICS)] f64
+  """One row per episode, a column per EPISODE_METRICS entry; their means are the metrics (several
+  processes gather the rows first)."""
+  return np.array(
+    [
+      [ep.success, ep.num_turns, ep.reward, ep.truncated, sum(r == MODEL for r in ep.roles)]
+      for ep in episodes
+    ],
+    np.float64,
+  ).reshape(len(episodes), len(EPISODE_METRICS))

@@ -338,3 +338,88 @@ def test_config_keys_are_checked():
   assert dataclasses.replace(cfg.env, name="grid").name == "grid"
   assert train.parse_args(["--config", "configs/cpu-grid.yaml"]).env.name == "grid"
   assert train.parse_args(["env.grid_observation=safe"]).env.grid_observation == "safe"
+
+
+_RUN_ASCII = (
+  "import sys; from rl import agent, train; from tests.rl.test_env_agent import AsciiEnv; "
+  "cfg = train.parse_args(sys.argv[1:]); train.start_process(cfg); "
+  "t = agent.AgentTrainer(cfg, AsciiEnv, 'Be brief.'); t.run(); t.close()"
+)
+
+
+def test_two_processes_match_one(tmp_path):
+  """Two local processes (gloo collectives, one CPU device each) == one process with two devices:
+  each rolls out its share of the episodes, GAE runs on its own rows, whitening, explained variance
+  and the episode metrics are over both, the update is on the global batch; eval's 3 problems split
+  2 + 1 (unequal shares gathered without counting the padding)."""
+  import os
+  import socket
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  common = [
+    "model.preset=tiny",
+    "rollout.max_seq_len=384",  # eval: calc problems under the GSM8K system prompt
+    "rollout.max_slots=16",
+    "rollout.page_size=8",
+    "sampling.group_size=2",
+    "sampling.max_new_tokens=6",
+    "train.algorithm=ppo",
+    "train.prompts_per_step=4",
+    "train.micro_batch_size=4",
+    "train.learning_rate=3e-3",
+    "train.ppo_epochs=2",
+    "train.loss_type=dapo",
+    "train.steps=2",
+    "train.whiten_advantages=true",
+    "data.synthetic_train=20",
+    "data.synthetic_test=4",
+    "eval.full_at_end=true",
+    "eval.batch=3",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "mesh.fsdp=2",
+  ]
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="")
+  run = lambda *args: subprocess.Popen(
+    [sys.executable, "-c", _RUN_ASCII, *common, *args],
+    cwd=root,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  procs = [
+    run(
+      f"run.out_dir={tmp_path / 'multi'}",
+      "run.host_devices=1",
+      "dist.initialize=true",
+      f"dist.coordinator_address=localhost:{port}",
+      "dist.num_processes=2",
+      f"dist.process_id={i}",
+    )
+    for i in range(2)
+  ]
+  single = run(f"run.out_dir={tmp_path / 'single'}", "run.host_devices=2")
+  for p in (*procs, single):
+    out = p.communicate(timeout=900)[0]
+    assert p.returncode == 0, out[-3000:]
+  a, b = read_metrics(str(tmp_path / "single")), read_metrics(str(tmp_path / "multi"))
+  assert [r["step"] for r in b] == [0, 1, 2]  # only process 0 writes
+  for x, y in zip(a, b):
+    assert x.get("eval_full/examples") == y.get("eval_full/examples")
+    for key in ("eval_full/accuracy", "eval_full/reward_mean"):
+      np.testing.assert_allclose(y.get(key, np.nan), x.get(key, np.nan), rtol=1e-6, err_msg=key)
+  assert b[-1]["eval_full/examples"] == 3
+  for x, y in zip(a[1:], b[1:]):
+    assert x["rollout/generated_tokens"] == y["rollout/generated_tokens"]
+    for key in ("env/success_rate", "env/reward_mean"):  # the gather goes through float32
+      np.testing.assert_allclose(y[key], x[key], rtol=1e-6, err_msg=key)
+    for key in ("train/loss", "critic/value_loss", "critic/explained_variance", "train/grad_norm"):
+      np.testing.assert_allclose(y[key], x[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  # the update had a signal to get wrong: a non-zero policy gradient and value loss
+  assert b[1]["train/grad_norm"] > 0 and b[1]["critic/value_loss"] > 0
