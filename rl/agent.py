@@ -485,7 +485,7 @@ class AgentTrainer(train.Trainer):
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  cfg = train.parse_args(argv)
+  cfg = train.parse_args(argv, "python -m rl.agent", __doc__)
   train.start_process(cfg)
   trainer = AgentTrainer(cfg)
   try:

@@ -560,8 +560,10 @@ def _log(enabled: bool, msg: str) -> None:
     print(f"[rl.train] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> GRPOConfig:
-  ap = argparse.ArgumentParser(prog="python -m rl.train", description=__doc__.split("\n\n")[0])
+def parse_args(
+  argv: Sequence[str] | None = None, prog: str = "python -m rl.train", doc: str = __doc__
+) -> GRPOConfig:
+  ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
   ap.add_argument(
     "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
   )
