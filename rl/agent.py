@@ -38,6 +38,7 @@ from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
+from rl.evaluate import process_slice
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import (
@@ -328,7 +329,7 @@ class AgentTrainer(train.Trainer):
     cfg, tcfg, timer = self.cfg, self.cfg.train, self.timer
     t_step = time.perf_counter()
     group = cfg.sampling.group_size
-    share = train._share(tcfg.prompts_per_step)  # this process's seeds (all, in one process)
+    share = process_slice(tcfg.prompts_per_step)  # this process's seeds (all, in one process)
     env_seeds = [self.env_seed(step, i) for i in range(share.start, share.stop)]
     first = share.start * group  # the global index of this process's first episode
     with timer("rollout"):
@@ -337,9 +338,8 @@ class AgentTrainer(train.Trainer):
       )
     prompt_len = max(ep.prompt_len for ep in episodes)
     rest_len = max(len(ep.tokens) - ep.prompt_len for ep in episodes)
-    widths = sharding.allgather(np.array([[prompt_len, rest_len]])).max(
-      0
-    )  # every process packs alike
+    # every process packs to the same widths
+    widths = sharding.allgather(np.array([[prompt_len, rest_len]])).max(0)
     pw, cw = (train.round_up(int(w), WIDTH_BUCKET) for w in widths)
     packed = pack_episodes(episodes, pw, cw, self.tokenizer.pad_id)
     k = cfg.grad_accum_steps
@@ -398,9 +398,8 @@ class AgentTrainer(train.Trainer):
       np.array([[stats.generated_tokens, stats.prefill_tokens, stats.engine_calls]])
     )  # [processes, 3]
     out["rollout/generated_tokens"], out["rollout/prefill_tokens"] = counts[:, :2].sum(0).tolist()
-    out["rollout/engine_calls"] = int(
-      counts[:, 2].max()
-    )  # the processes call their engines at once
+    # the processes call their engines at the same time: the most calls, not their sum
+    out["rollout/engine_calls"] = int(counts[:, 2].max())
     mean = lambda key: float(np.mean([e[key] for e in epochs]))
     for key in ("loss", "policy_loss", "entropy", "kl", "grad_norm", "nonfinite"):
       out[f"train/{key}"] = mean(key)
@@ -459,7 +458,7 @@ class AgentTrainer(train.Trainer):
       seeds = list(range(min(n, len(self.test_data))))
     else:  # layouts from seeds no training step draws
       factory, seeds = self.env_factory, [2**31 + i for i in range(n)]
-    share = train._share(len(seeds))  # this process's layouts
+    share = process_slice(len(seeds))  # this process's layouts
     mine = seeds[share]
     envs = [factory() for _ in mine]
     sampling = self.cfg.sampling

@@ -3,6 +3,9 @@ environment, the update is the same whatever the gradient-accumulation split, th
 written, and configurations it cannot run are refused before anything compiles."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -12,6 +15,7 @@ from rl import agent, train
 from rl.configlib import ConfigError
 from rl.env.base import StepResult
 from rl.metrics import read_metrics
+from tests.rl.test_train import _free_port
 
 
 class AsciiEnv:
@@ -352,11 +356,6 @@ def test_two_processes_match_one(tmp_path):
   each rolls out its share of the episodes, GAE runs on its own rows, whitening, explained variance
   and the episode metrics are over both, the update is on the global batch; eval's 3 problems split
   2 + 1 (unequal shares gathered without counting the padding)."""
-  import os
-  import socket
-  import subprocess
-  import sys
-
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   common = [
     "model.preset=tiny",
@@ -381,9 +380,7 @@ def test_two_processes_match_one(tmp_path):
     "run.tensorboard=false",
     "mesh.fsdp=2",
   ]
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
+  port = _free_port()
   env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="")
   run = lambda *args: subprocess.Popen(
     [sys.executable, "-c", _RUN_ASCII, *common, *args],
