@@ -23,6 +23,16 @@ TABLE = {
   "attention": (4, 2, 8),  # attention outputs in q's dtype: p is rounded to it for the PV matmul
 }
 
+# A whole-model comparison (an engine's sampler log-probs vs a teacher-forced forward of the same
+# tokens) also carries the model's own sensitivity to evaluation order, which the per-reduction budget
+# does not model: the bench's x10-scaled random models amplify f32 rounding through every layer. It is
+# measured, not assumed: `floor` = the largest change of the teacher-forced forward when the rows are
+# laid out with more left padding (exact in real arithmetic; 3e-5 - 1.1e-4 nats on the h128 model).
+# A re-layout perturbs only the attention sums, a cached decoder every matmul: correct engines
+# measured up to 3.9x that floor (12 sglang-jax generations, ours up to 2.2x), hence 8x is allowed.
+# A wrong engine (stale weights, a wrong page) is off by nats, thousands of floors.
+FLOOR_FACTOR = 8.0
+
 
 def tolerance(quantity: str, dtype, reduction_len: int, scale: float = 1.0) -> dict:
   """``rtol`` / ``atol`` for ``np.testing.assert_allclose``."""
@@ -34,8 +44,11 @@ def tolerance(quantity: str, dtype, reduction_len: int, scale: float = 1.0) -> d
   )
 
 
-def parity_error(actual, expected, quantity: str, dtype, reduction_len: int) -> float:
-  """Largest |actual - expected| / (atol + rtol * |expected|): <= 1 is within tolerance."""
+def parity_error(
+  actual, expected, quantity: str, dtype, reduction_len: int, floor: float = 0.0
+) -> float:
+  """Largest |actual - expected| / max(atol + rtol * |expected|, FLOOR_FACTOR * floor): <= 1 is
+  within tolerance. `floor`: the reference's own measured re-layout change (see FLOOR_FACTOR)."""
   actual = np.asarray(actual, dtype=np.float64)
   expected = np.asarray(expected, dtype=np.float64)
   if actual.shape != expected.shape:
@@ -43,7 +56,7 @@ def parity_error(actual, expected, quantity: str, dtype, reduction_len: int) -> 
   if not expected.size:
     return 0.0
   tol = tolerance(quantity, dtype, reduction_len, float(np.max(np.abs(expected))))
-  bound = tol["atol"] + tol["rtol"] * np.abs(expected)
+  bound = np.maximum(tol["atol"] + tol["rtol"] * np.abs(expected), FLOOR_FACTOR * floor)
   err = np.abs(actual - expected)
   nan_mismatch = np.isnan(actual) != np.isnan(expected)
   if nan_mismatch.any():

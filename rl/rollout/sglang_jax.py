@@ -17,8 +17,9 @@ land on exactly one sglang leaf of the same shape, and every sglang weight must 
 else is an error, never a silent partial sync (a stale untied head is the classic bug).
 
 Differences from the `paged` / `dense` backends, by design of sglang-jax 0.1.0rc0:
-  * sampling draws are sglang's (seeded per sample from (seed, sample_index)), so sampled tokens differ
-    from ours; greedy outputs match ours token for token (tested);
+  * sampling draws are sglang's (it is given a seed per sample from (seed, sample_index)), so sampled
+    tokens differ from ours, and on CPU they also differ between two calls with the same requests and
+    seeds (5 of 6 repeats, measured); greedy outputs match ours token for token (tested);
   * the log-probs are under softmax(logits / temperature) without top-k / top-p renormalisation (equal
     to ours when top_k = 0 and top_p = 1, and for greedy);
   * stop strings are applied after generation (the engine runs without a tokenizer); prefill / decode
