@@ -16,7 +16,9 @@ default tolerance is 0.25.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -35,7 +37,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HISTORY = ROOT / "bench" / "history" / "loop.jsonl"
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 # The fields that make two rows comparable: the same work on the same software and hardware.
-KEY = ("device_kind", "jax", "config", "overrides", "steps", "skip")
+# `config_digest` is the resolved config's: a config file whose contents change (a new default) starts
+# a new series instead of reading as a regression of the old one.
+KEY = ("device_kind", "jax", "config", "config_digest", "overrides", "steps", "skip")
+
+
+def config_digest(config: str, overrides: Sequence[str] = ()) -> str:
+  """A short hash of the typed config the loop runs (YAML + overrides + defaults), `run.*` (paths,
+  logging) left out: the same digest means the same work."""
+  resolved = dataclasses.asdict(train.parse_args(["--config", str(config), *overrides]))
+  resolved.pop("run", None)
+  text = json.dumps(resolved, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def measure(config: str, steps: int, skip: int, overrides: Sequence[str] = ()) -> dict:
@@ -79,6 +92,7 @@ def row_for(config: str, steps: int, skip: int, overrides: Sequence[str], timing
     "device_kind": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "config": str(config),
+    "config_digest": config_digest(config, overrides),
     "overrides": list(overrides),
     "steps": steps,
     "skip": skip,

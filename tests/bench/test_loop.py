@@ -8,7 +8,15 @@ import pytest
 from bench import loop
 from tests.rl.test_train import TINY
 
-KEYS = dict(device_kind="cpu", jax="0.10.2", config="c.yaml", overrides=[], steps=12, skip=2)
+KEYS = dict(
+  device_kind="cpu",
+  jax="0.10.2",
+  config="c.yaml",
+  config_digest="d1",
+  overrides=[],
+  steps=12,
+  skip=2,
+)
 
 
 def _row(step_s, **changes):
@@ -24,6 +32,15 @@ def test_compare_with_the_last_row_of_the_same_key():
   assert loop.compare(_row(1.4), history, 0.25)["verdict"] == "faster"
   first = loop.compare(_row(1.0, jax="0.11.2"), history, 0.25)  # another jax: nothing to compare
   assert first["previous"] is None and first["verdict"].startswith("first row")
+  # the same file with other contents (a new default) is a new series, not a 10x regression
+  changed = loop.compare(_row(20.0, config_digest="d2"), history, 0.25)
+  assert changed["previous"] is None
+
+
+def test_config_digest_follows_the_resolved_config_not_the_path():
+  base = loop.config_digest("configs/cpu-default.yaml")
+  assert base == loop.config_digest("configs/cpu-default.yaml", ["run.out_dir=/elsewhere"])
+  assert base != loop.config_digest("configs/cpu-default.yaml", ["train.ppo_epochs=3"])
 
 
 def test_history_file(tmp_path):
