@@ -117,7 +117,7 @@ PARITY_DEFAULT = [
 
 @nox.session(**SHARED)
 def parity(session: nox.Session):
-  """The GRPO loop per arm and seed, paired interval and verdict (CPU default: 4 runs, ~40 min).
+  """The GRPO loop per arm and seed, paired interval and verdict (CPU default: 4 runs of ~8 min).
   Own arms / seeds / config after --, e.g. -- --config configs/gpu-qwen2.5-0.5b.yaml --seeds 0 1 2 --arm ..."""
   in_dev(session, "-m", "bench.parity", *(session.posargs or PARITY_DEFAULT))
 
