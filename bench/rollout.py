@@ -139,9 +139,8 @@ def teacher_forced_error(
       pad_id=0,
     )
     n = len(tokens)
-    pad = (
-      -n % rows_per_call
-    )  # whole chunks: one compile; [rows, C, V] logits stay small on a real vocab
+    # whole chunks: one compile; [rows, C, V] logits stay small on a real vocab
+    pad = -n % rows_per_call
     tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, 0)])
     mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
     return np.concatenate(
