@@ -5,27 +5,40 @@ from __future__ import annotations
 import dataclasses
 
 from kernels.backend import Target
+from kernels.paged_attention import plan as plan_lib
 
-GPU_SM_TARGET = 264  # programs to keep ~2 per SM busy on an H100 (132 SMs)
+GPU_TILE_TOKENS = 64  # Triton K / V tile: 4 pages of 16; 32 KiB of bf16 K + V per stage at D = 128
+GPU_STAGES = 4  # Triton software-pipeline depth: 3 tiles (96 KiB) requested while one is computed
+GPU_WARPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedBlocks:
   """How one (sequence, kv head) walks its pages.
 
-  pages_per_block: pages whose keys form one [pages_per_block * page_size, D] score tile.
+  pages_per_block: pages whose keys form one [pages_per_block * page_size, D] score tile (the page
+    ids of a block are read once, as one vector, then its pages are gathered together).
   num_splits: split-K partitions of the page list, run in parallel and merged exactly (log-sum-exp);
-    they add parallelism when batch x kv heads is too small to fill the chip at long contexts.
+    they add programs when batch x kv heads is too small to fill the chip (see :mod:`.plan`).
+  num_stages: GPU (Triton) software-pipeline depth of the page loop: the gathers of the next
+    ``num_stages - 1`` blocks are in flight while one block is computed. Ignored on TPU / CPU.
+  num_warps: GPU (Triton) warps per program. Ignored on TPU / CPU.
   """
 
   pages_per_block: int
   num_splits: int = 1
+  num_stages: int = GPU_STAGES
+  num_warps: int = GPU_WARPS
 
   def __post_init__(self):
-    for name in ("pages_per_block", "num_splits"):
+    for name in ("pages_per_block", "num_splits", "num_stages", "num_warps"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"PagedBlocks.{name} must be a positive int, got {value!r}")
+    if self.num_warps & (self.num_warps - 1) or self.num_warps > 16:
+      raise ValueError(f"PagedBlocks.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    if self.num_stages > 8:
+      raise ValueError(f"PagedBlocks.num_stages must be in [1, 8], got {self.num_stages}")
 
   def check(self, target: Target, page_size: int, head_dim: int, dtype_bytes: int) -> None:
     """Raise ValueError unless these blocks are legal for ``target``."""
@@ -47,27 +60,57 @@ class PagedBlocks:
       if head_dim % 128:
         raise ValueError(f"TPU head_dim must be a multiple of 128, got {head_dim}")
 
+  def plan(
+    self,
+    *,
+    batch: int,
+    kv_heads: int,
+    q_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    lengths,  # [B] ints
+    itemsize: int,
+  ) -> plan_lib.LaunchPlan:
+    """The Triton launch's account (:func:`.plan.launch_plan`). Shared memory is an estimate: Triton
+    allocates it; its pipeline keeps ``num_stages`` K / V tile buffers plus the padded query tile."""
+    bk = self.pages_per_block * page_size
+    gp = max(16, 1 << (q_heads // kv_heads - 1).bit_length())
+    smem = self.num_stages * 2 * bk * head_dim * itemsize + gp * head_dim * itemsize
+    return plan_lib.launch_plan(
+      batch=batch,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
+      page_size=page_size,
+      pages_per_seq=pages_per_seq,
+      lengths=lengths,
+      itemsize=itemsize,
+      pages_per_block=self.pages_per_block,
+      num_splits=self.num_splits,
+      stages=self.num_stages,
+      smem_per_cta=smem,
+    )
+
 
 def default_blocks(
   target: Target, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int
 ) -> PagedBlocks:
   """The heuristic. Why these numbers (not yet tuned on hardware; none was available):
 
-  * GPU: a 128-token key tile (pages_per_block * page_size, at least 16 for the Triton dot), and split-K
-    until batch x kv heads x splits reaches ~2 programs per H100 SM — decode is bandwidth-bound, so the
-    goal is enough loads in flight, not arithmetic.
+  * GPU: a 64-token K / V tile (pages_per_block * page_size, at least 16 for the Triton dot) in a
+    4-stage pipeline (3 tiles in flight per program: 96 KiB of bf16 at D = 128, above the ~23-64 KiB
+    per SM that Little's law asks), 4 warps, and split-K by wave efficiency
+    (:func:`.plan.wave_splits`): none once batch x kv heads fills ~80 % of the 132 SMs.
   * TPU: 512 tokens per grid step (each page its own double-buffered DMA), one split: the grid's batch
     and kv-head axes are parallel, which already spreads over megacore's two TensorCores.
   * CPU interpreter: the whole page list in one step, because each grid step costs interpreter overhead.
   """
   if target.platform == "gpu":
-    ppb = max(1, min(_pow2_floor(max(128 // page_size, 1)), _pow2_ceil(pages_per_seq)))
+    tile = max(GPU_TILE_TOKENS // page_size, 1)
+    ppb = max(1, min(_pow2_floor(tile), _pow2_ceil(pages_per_seq)))
     while ppb * page_size < 16:
       ppb *= 2
-    blocks_total = -(-pages_per_seq // ppb)
-    splits = 1
-    while batch * num_kv_heads * splits < GPU_SM_TARGET and splits * 2 <= blocks_total:
-      splits *= 2
+    splits = plan_lib.wave_splits(batch * num_kv_heads, -(-pages_per_seq // ppb))
     return PagedBlocks(ppb, splits)
   if target.platform == "tpu" and not target.interpret:
     return PagedBlocks(max(1, min(512 // page_size, pages_per_seq)), 1)

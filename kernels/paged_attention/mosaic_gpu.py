@@ -3,23 +3,48 @@
 One CTA (one warpgroup) per (sequence b, kv head h, split s) computes the online softmax of the G query
 heads that share kv head h over the split's pages, so each K/V page is read from HBM once per kv head:
 
-* the G query rows are padded to the 64-row wgmma tile once, in the wrapper, and sit in shared memory;
+* the split's page ids are staged once into shared memory by one bulk copy, so no page gather waits on
+  a global-memory load of its id;
+* the G query rows are padded to the 64-row wgmma tile once, in the wrapper, and sit in shared memory:
+  the G heads of a kv head share every K / V tile on the tensor cores;
 * K and V pages are gathered by TMA bulk copies (one per page, each with its own barrier) into a
-  ``stages``-deep ring of [pages_per_block * page_size, D] shared-memory tiles, so the copies of the
-  next blocks are in flight while this one is multiplied;
+  ``stages``-deep ring of [pages_per_block * page_size, D] shared-memory tiles: the copies of block
+  j + stages - 1 are issued at the top of iteration j, so ``stages - 1`` blocks are in flight while
+  block j is multiplied;
 * scores q·kᵀ and p·v are warpgroup MMAs (wgmma) accumulating in f32 registers (p is staged through
   shared memory); the softmax statistics are WGMMA-layout row reductions;
-* each split writes its normalised output and log-sum-exp; ``reference.combine_splits`` merges them.
+* each split writes its normalised output (the G live rows only) and log-sum-exp;
+  ``reference.combine_splits`` merges them.
 
-Only the blocks holding tokens below ``lengths[b]`` are copied (the trip count comes from the length);
-tokens past the length inside the last block are masked. bf16 / f16 pages only: wgmma on f32 operands is
-tf32, which would not meet the f32 tolerance (use impl="pallas" for f32 caches).
+Only the blocks holding tokens below ``lengths[b]`` are copied (the trip count comes from the length).
+Inside the last block, tokens past the length are masked out of the scores, and their V rows are zeroed
+in shared memory before p·v: a recycled page's stale NaN / inf would otherwise give 0 * NaN = NaN.
+bf16 / f16 pages only: wgmma on f32 operands is tf32, which would not meet the f32 tolerance (use
+impl="pallas" for f32 caches).
+
+Launch account at the bench's production shapes with the default blocks (H100: 132 SMs, ~3.0 TB/s,
+~1 us latency; :meth:`MosaicPagedBlocks.plan`, re-derived by a test):
+
+* decode-4k (B 64, 16 q / 2 kv heads, D 128, page 16, ctx 4096, 64-token blocks, 4 stages, 1 split):
+  {decode-4k}
+* decode-16k-b8 (B 8, ctx 16384, 8 splits):
+  {decode-16k-b8}
+
+Why that should reach the target: 128 programs fill one wave at 97 % with no split (FlashAttention-2's
+rule), and each keeps 3 x 32 KiB = 96 KiB of K / V requested while it computes, 4x the ~23 KiB per SM
+that Little's law asks at 3.0 TB/s x 1 us (and above the 32-64 KiB with headroom), so the memory
+system never waits on the program. The time floor is then the busiest SM's bytes at its share of the
+bandwidth: ~90 us at decode-4k (<= 0.11 ms, 80 % of 3.0 TB/s on the ideal bytes; 3.6x jax's 0.329 ms)
+and ~45 us at decode-16k-b8 (4.6x jax's 0.208 ms). The previous kernel (2 stages of 128 tokens, 196 KiB
+of shared memory, 256 programs on 132 SMs: two waves of one CTA per SM, page ids read from global
+memory before each gather) measured 0.322 / 0.269 ms. Unmeasured here: no GPU was available.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,31 +53,45 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
+from kernels.paged_attention import plan as plan_lib
 from kernels.paged_attention.pallas import MASK
 from kernels.paged_attention.reference import combine_splits
 
 ROWS = 64  # the wgmma M tile: query heads of one kv head are padded to it
 SMEM_BUDGET = 200 * 1024
 DTYPES = ("bfloat16", "float16")
+TILE_TOKENS = 64  # default K / V tile: 4 pages of 16; 32 KiB of bf16 K + V per stage at D = 128
+IDX_COLS = (
+  128  # page ids staged as [rows, <= 128] int32 (a bulk copy's box is <= 256 per dimension)
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPagedBlocks:
   """pages_per_block: pages gathered into one [pages_per_block * page_size, D] key / value tile (a
   multiple of 64 tokens, at most 256: the wgmma N / K extents). num_splits: split-K partitions.
-  stages: depth of the K / V ring."""
+  stages: depth of the K / V ring (``stages - 1`` blocks in flight while one is computed)."""
 
   pages_per_block: int
   num_splits: int = 1
-  stages: int = 2
+  stages: int = 4
 
   def __post_init__(self):
     for name in ("pages_per_block", "num_splits", "stages"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"MosaicPagedBlocks.{name} must be a positive int, got {value!r}")
 
-  def check(self, page_size: int, head_dim: int, dtype) -> None:
+  def smem_bytes(self, page_size: int, head_dim: int, dtype, pages_per_seq: int = 0) -> int:
+    """Shared memory of one CTA: q, the K / V ring, p, the f32 output tile, lse, the page ids (of a
+    split of a ``pages_per_seq``-wide page table; 0: not counted)."""
+    bk = self.pages_per_block * page_size
+    itemsize = jnp.dtype(dtype).itemsize
+    tiles = ((ROWS + 2 * self.stages * bk) * head_dim + ROWS * bk) * itemsize
+    ids = _pages_per_split(pages_per_seq, self) if pages_per_seq else 0
+    return tiles + ROWS * head_dim * 4 + ROWS * 4 + 4 * ids
+
+  def check(self, page_size: int, head_dim: int, dtype, pages_per_seq: int = 0) -> None:
     bk = self.pages_per_block * page_size
     if bk % 64 or bk > 256:
       raise ValueError(
@@ -61,35 +100,57 @@ class MosaicPagedBlocks:
       )
     if page_size % 8:
       raise ValueError(f"the Mosaic GPU kernel needs page_size a multiple of 8, got {page_size}")
-    itemsize = jnp.dtype(dtype).itemsize
-    smem = ((ROWS + 2 * self.stages * bk) * head_dim + ROWS * bk) * itemsize + ROWS * head_dim * 4
+    smem = self.smem_bytes(page_size, head_dim, dtype, pages_per_seq)
     if smem > SMEM_BUDGET:
       raise ValueError(
         f"MosaicPagedBlocks use {smem} bytes of shared memory (stages={self.stages}, tile {bk} x "
         f"{head_dim}); at most {SMEM_BUDGET}"
       )
 
+  def plan(self, *, batch, kv_heads, head_dim, page_size, pages_per_seq, lengths, dtype):
+    """The launch's account (:func:`.plan.launch_plan`); lengths [B] ints."""
+    return plan_lib.launch_plan(
+      batch=batch,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
+      page_size=page_size,
+      pages_per_seq=pages_per_seq,
+      lengths=lengths,
+      itemsize=jnp.dtype(dtype).itemsize,
+      pages_per_block=self.pages_per_block,
+      num_splits=self.num_splits,
+      stages=self.stages,
+      smem_per_cta=self.smem_bytes(page_size, head_dim, dtype, pages_per_seq),
+    )
+
+
+def _pages_per_split(pages_per_seq: int, blocks: MosaicPagedBlocks) -> int:
+  """Pages of one split's row of the padded page table: a whole number of blocks, and of 4 ids (16
+  bytes, a bulk copy's unit); above IDX_COLS a whole number of IDX_COLS rows."""
+  pps = -(-pages_per_seq // blocks.num_splits)
+  unit = math.lcm(blocks.pages_per_block, 4)
+  pps = -(-pps // unit) * unit
+  if pps > IDX_COLS:
+    unit = math.lcm(blocks.pages_per_block, IDX_COLS)
+    pps = -(-pps // unit) * unit
+  return pps
+
 
 def default_blocks(
   batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int, dtype
 ) -> MosaicPagedBlocks:
-  """128-token K/V tiles (64 when a sequence is shorter), split-K until batch x kv heads x splits reaches
-  ~2 CTAs per H100 SM (as the Triton heuristic), and as many ring stages (2-4) as fit.
+  """64-token K / V tiles (4 pages of 16), split-K by wave efficiency (:func:`.plan.wave_splits`:
+  none once batch x kv heads fills ~80 % of the 132 SMs), and the deepest ring (4 down to 1 stages)
+  that fits the shared-memory budget: 4 stages of 32 KiB at D = 128 bf16 (188 KiB per CTA).
   Not tuned on hardware (none was available); the autotuner's cache overrides it per device."""
-  from kernels.paged_attention.blocks import GPU_SM_TARGET
-
-  tokens = 128 if pages_per_seq * page_size > 64 else 64
-  ppb = max(1, tokens // page_size)
+  ppb = max(1, TILE_TOKENS // page_size)
   while (ppb * page_size) % 64:
     ppb += 1
-  blocks_total = -(-pages_per_seq // ppb)
-  splits = 1
-  while batch * num_kv_heads * splits < GPU_SM_TARGET and splits * 2 <= blocks_total:
-    splits *= 2
+  splits = plan_lib.wave_splits(batch * num_kv_heads, -(-pages_per_seq // ppb))
   for stages in (4, 3, 2):
     blocks = MosaicPagedBlocks(ppb, splits, stages)
     try:
-      blocks.check(page_size, head_dim, dtype)
+      blocks.check(page_size, head_dim, dtype, pages_per_seq)
       return blocks
     except ValueError:
       continue
@@ -105,92 +166,63 @@ class MosaicPagedConfig:
 
 def _kernel(
   lengths_gmem,  # [B] int32
-  pages_gmem,  # [B, splits, pages_per_split] int32
+  pages_gmem,  # [B, splits, id_rows, id_cols] int32
   q_gmem,  # [B, Hkv, 64, D]
   k_gmem,  # [Hkv, P, page_size, D]
   v_gmem,
-  o_gmem,  # [splits, B, Hkv, 64, D] f32
+  o_gmem,  # [splits, B, Hkv, G8, D] f32 (G8: the live query rows, rounded up to 8)
   lse_gmem,  # [splits, B, Hkv, 64] f32
-  q_smem,
-  k_smem,
+  ids_smem,  # [id_rows, id_cols] int32: this split's page ids
+  q_smem,  # [64, D]
+  k_smem,  # [stages, bk, D]
   v_smem,
-  p_smem,
-  o_smem,
-  lse_smem,
+  p_smem,  # [64, bk]
+  o_smem,  # [64, D] f32
+  lse_smem,  # [64] f32
+  ids_bar,
   q_bar,
-  k_bar,
+  k_bar,  # [stages * pages_per_block]: one per page of the ring
   v_bar,
   *,
   cfg: MosaicPagedConfig,
 ):
   plgpu = backend.mosaic_gpu_module()
-  wg = plgpu.Layout.WGMMA
-  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
   b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
   ppb, stages = cfg.blocks.pages_per_block, cfg.blocks.stages
   page_size, d = k_gmem.shape[2], k_gmem.shape[3]
   bk = ppb * page_size
-  pps = pages_gmem.shape[2]
+  id_cols = pages_gmem.shape[3]
+  pps = pages_gmem.shape[2] * id_cols
   length = lengths_gmem[b]
   split_start = s * pps * page_size
   trips = jnp.clip(lax.div(jnp.maximum(length - split_start, 0) + bk - 1, bk), 0, pps // ppb)
 
-  def issue(j):  # TMA-gather block j's pages into ring slot j % stages
+  def issue(j):  # TMA-gather block j's pages into ring slot j % stages; ids from shared memory
     slot = lax.rem(j, stages)
     for i in range(ppb):
-      page = pages_gmem[b, s, j * ppb + i]
+      k = j * ppb + i
+      page = ids_smem[lax.div(k, id_cols), lax.rem(k, id_cols)]
       rows = pl.ds(i * page_size, page_size)
       bar = slot * ppb + i
       plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_smem.at[slot, rows], k_bar.at[bar])
       plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_smem.at[slot, rows], v_bar.at[bar])
 
+  plgpu.copy_gmem_to_smem(pages_gmem.at[b, s], ids_smem, ids_bar)
   plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
-  for j in range(stages):
+  plgpu.barrier_wait(ids_bar)
+  for j in range(stages - 1):  # the prologue: blocks 0 .. stages - 2 in flight
     pl.when(j < trips)(functools.partial(issue, j))
   plgpu.barrier_wait(q_bar)
+  refs = (q_smem, k_smem, v_smem, p_smem, k_bar, v_bar)
 
   def body(j, carry):
-    m, l, acc = carry
-    slot = lax.rem(j, stages)
-    for i in range(ppb):
-      plgpu.barrier_wait(k_bar.at[slot * ppb + i])
+    # Slot (j - 1) % stages is free (block j - 1's wgmmas are done: their results are in registers):
+    # refill it with block j + stages - 1 before waiting on block j.
+    pl.when(j + stages - 1 < trips)(lambda: issue(j + stages - 1))
+    return _block(cfg, refs, j, split_start + j * bk, length, carry)
 
-    def scores(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-      return acc_ref[...]
-
-    if cfg.target.interpret and not backend.INTERPRETER_TRANSPOSED_WGMMA:
-      # Interpreter gap (jax 0.10): wgmma with a transposed operand fails there, so it computes the
-      # same product from the shared-memory tiles; jax 0.11's interpreter runs the wgmma itself.
-      k_tile = k_smem.at[slot][...]
-      qk = jnp.dot(q_smem[...], k_tile.T, preferred_element_type=jnp.float32)
-    else:
-      qk = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
-    qk = qk * cfg.scale
-    pos = split_start + j * bk + cast(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), wg)
-    qk = jnp.where(pos < length, qk, MASK)
-    m_new = jnp.maximum(m, qk.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    l = alpha * l + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    for i in range(ppb):
-      plgpu.barrier_wait(v_bar.at[slot * ppb + i])
-
-    # p goes through shared memory: wgmma's A operand from registers is another interpreter gap, and
-    # the 64 x bk tile is small next to the K / V tiles. commit_smem orders the stores before the wgmma.
-    p_smem[...] = p.astype(p_smem.dtype)
-    plgpu.commit_smem()
-
-    def pv(acc_ref):  # a fresh accumulator (the interpreter has no run_state to seed one with acc)
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-      return acc_ref[...]
-
-    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
-    # Both wgmmas have read this slot (their results are in registers): refill it.
-    pl.when(j + stages < trips)(lambda: issue(j + stages))
-    return m_new, l, acc
-
+  wg = plgpu.Layout.WGMMA
+  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
   init = (
     cast(jnp.full((ROWS,), MASK, jnp.float32), wg.reduce(1)),
     cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)),
@@ -202,13 +234,70 @@ def _kernel(
   o_smem[...] = acc * lax.broadcast_in_dim(1.0 / safe_l, acc.shape, [0])
   lse_smem[...] = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, b, h])
+  plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, o_gmem.shape[3])], o_gmem.at[s, b, h])
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[s, b, h])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices):
-  """q [B, Hkv, 64, D]; page_indices [B, splits * k * pages_per_block] -> (o, lse) per split."""
+def _block(cfg: MosaicPagedConfig, refs, j, start, length, carry):
+  """One online-softmax step over ring slot j % stages, whose tokens start at ``start``."""
+  plgpu = backend.mosaic_gpu_module()
+  wg = plgpu.Layout.WGMMA
+  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
+  q_smem, k_smem, v_smem, p_smem, k_bar, v_bar = refs
+  ppb, stages = cfg.blocks.pages_per_block, cfg.blocks.stages
+  bk, d = k_smem.shape[1], k_smem.shape[2]
+  m, l, acc = carry
+  slot = lax.rem(j, stages)
+  for i in range(ppb):
+    plgpu.barrier_wait(k_bar.at[slot * ppb + i])
+
+  def scores(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+    return acc_ref[...]
+
+  if cfg.target.interpret and not backend.INTERPRETER_TRANSPOSED_WGMMA:
+    # Interpreter gap (jax 0.10): wgmma with a transposed operand fails there, so it computes the
+    # same product from the shared-memory tiles; jax 0.11's interpreter runs the wgmma itself.
+    k_tile = k_smem.at[slot][...]
+    qk = jnp.dot(q_smem[...], k_tile.T, preferred_element_type=jnp.float32)
+  else:
+    qk = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
+  qk = qk * cfg.scale
+  pos = start + cast(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), wg)
+  qk = jnp.where(pos < length, qk, MASK)  # a select: stale NaN keys past the length vanish too
+  m_new = jnp.maximum(m, qk.max(axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+  l = alpha * l + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  for i in range(ppb):
+    plgpu.barrier_wait(v_bar.at[slot * ppb + i])
+
+  @pl.when(start + bk > length)
+  def _zero_stale_values():
+    # The last block: V rows past the length (a recycled page's stale NaN / inf, or the filler page)
+    # would give p * v = 0 * NaN = NaN. Once per program, on one [bk, D] tile in shared memory.
+    tile = v_smem.at[slot]
+    rows = start + cast(lax.broadcasted_iota(jnp.int32, (bk, d), 0), wg)
+    tile[...] = jnp.where(rows < length, tile[...], jnp.zeros((), tile.dtype))
+
+  # p goes through shared memory: wgmma's A operand from registers is another interpreter gap, and
+  # the 64 x bk tile is small next to the K / V tiles. commit_smem orders the stores (and the V
+  # zeroing above) before the wgmma reads them.
+  p_smem[...] = p.astype(p_smem.dtype)
+  plgpu.commit_smem()
+
+  def pv(acc_ref):  # a fresh accumulator (the interpreter has no run_state to seed one with acc)
+    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+    return acc_ref[...]
+
+  acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+  return m_new, l, acc
+
+
+def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, live_rows):
+  """q [B, Hkv, 64, D]; page_indices [B, splits, id_rows, id_cols] -> (o, lse) per split."""
   plgpu = backend.mosaic_gpu_module()
   b, hkv, _, d = q.shape
   page_size = k_pages.shape[2]
@@ -220,10 +309,11 @@ def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices):
     functools.partial(_kernel, cfg=cfg),
     target=cfg.target,
     out_type=(
-      jax.ShapeDtypeStruct((splits, b, hkv, ROWS, d), jnp.float32),
+      jax.ShapeDtypeStruct((splits, b, hkv, live_rows, d), jnp.float32),
       jax.ShapeDtypeStruct((splits, b, hkv, ROWS), jnp.float32),
     ),
     scratch_types=(
+      plgpu.SMEM(page_indices.shape[2:], jnp.int32),
       plgpu.SMEM((ROWS, d), dtype, transforms=tiles),
       plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
       plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
@@ -233,12 +323,13 @@ def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices):
       ),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_arrivals=1),
+      plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
       plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
     ),
     grid=(b, hkv, splits),
     grid_names=("b", "h", "s"),
-  )(lengths, page_indices.reshape(b, splits, -1), q, k_pages, v_pages)
+  )(lengths, page_indices, q, k_pages, v_pages)
 
 
 def paged_attention(
@@ -267,11 +358,12 @@ def paged_attention(
     raise ValueError(
       f"the Mosaic GPU kernel handles at most {ROWS} query heads per kv head, got {g}"
     )
+  pages_per_seq = page_indices.shape[1]
   if blocks is None:
-    blocks = default_blocks(b, hkv, page_indices.shape[1], page_size, d, k_pages.dtype)
+    blocks = default_blocks(b, hkv, pages_per_seq, page_size, d, k_pages.dtype)
   if not isinstance(blocks, MosaicPagedBlocks):
     raise TypeError(f"blocks for impl='mosaic_gpu' must be MosaicPagedBlocks, got {type(blocks)}")
-  blocks.check(page_size, d, k_pages.dtype)
+  blocks.check(page_size, d, k_pages.dtype, pages_per_seq)
   return _call(MosaicPagedConfig(target, blocks, scale), q, k_pages, v_pages, lengths, page_indices)
 
 
@@ -282,9 +374,13 @@ def _call(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices):
   g = hq // hkv
   qg = q.reshape(b, hkv, g, d).astype(k_pages.dtype)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))  # zero rows: sliced off below
-  per_step = cfg.blocks.pages_per_block * cfg.blocks.num_splits
-  pad = -page_indices.shape[1] % per_step
+  splits = cfg.blocks.num_splits
+  pps = _pages_per_split(page_indices.shape[1], cfg.blocks)
+  pad = splits * pps - page_indices.shape[1]
   page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))  # filler page 0: beyond every length
-  o, lse = _splits(cfg, qg, k_pages, v_pages, lengths.astype(jnp.int32), page_indices)
-  out = o[0] if cfg.blocks.num_splits == 1 else combine_splits(o, lse)
+  id_cols = min(pps, IDX_COLS)
+  ids = page_indices.reshape(b, splits, pps // id_cols, id_cols)
+  live_rows = -(-g // 8) * 8  # whole 8-row tiles of the swizzled output tile
+  o, lse = _splits(cfg, qg, k_pages, v_pages, lengths.astype(jnp.int32), ids, live_rows)
+  out = o[0] if splits == 1 else combine_splits(o, lse[..., :live_rows])
   return out[:, :, :g].reshape(b, hq, d).astype(q.dtype)

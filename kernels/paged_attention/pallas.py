@@ -229,7 +229,9 @@ def _rowloop(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
       jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
       jax.ShapeDtypeStruct((splits, b, hkv, g), jnp.float32),
     ],
-    compiler_params=backend.compiler_params(cfg.target, num_warps=4, num_stages=2),
+    compiler_params=backend.compiler_params(
+      cfg.target, num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages
+    ),
     interpret=cfg.target.interpret,
     name="paged_attention_rowloop",
   )(lengths[:, None], page_indices.reshape(b, splits, pages_per_split), q, k_pages, v_pages)
