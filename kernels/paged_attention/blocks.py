@@ -82,7 +82,8 @@ class PagedBlocks:
       kv_heads=kv_heads,
       head_dim=head_dim,
       page_size=page_size,
-      pages_per_seq=pages_per_seq,
+      pages_per_split=-(-pages_per_seq // (self.pages_per_block * self.num_splits))
+      * self.pages_per_block,
       lengths=lengths,
       itemsize=itemsize,
       pages_per_block=self.pages_per_block,

@@ -26,18 +26,24 @@ Launch account at the bench's production shapes with the default blocks (H100: 1
 ~1 us latency; :meth:`MosaicPagedBlocks.plan`, re-derived by a test):
 
 * decode-4k (B 64, 16 q / 2 kv heads, D 128, page 16, ctx 4096, 64-token blocks, 4 stages, 1 split):
-  {decode-4k}
-* decode-16k-b8 (B 8, ctx 16384, 8 splits):
-  {decode-16k-b8}
+  128 programs on 132 SMs (97% of a wave), block 32 KiB x 4 stages, in flight 96 KiB/SM (Little:
+  22 KiB), smem 185 KiB/CTA, busiest program 2.00 MiB, ideal 238.1 MB = 79 us at 3.0 TB/s, tail
+  bound 89 us
+* decode-16k-b8 (B 8, ctx 16384, 7 splits by the wave rule):
+  112 programs on 132 SMs (85% of a wave), block 32 KiB x 4 stages, in flight 96 KiB/SM (Little:
+  22 KiB), smem 185 KiB/CTA, busiest program 1.19 MiB, ideal 133.1 MB = 44 us at 3.0 TB/s, tail
+  bound 46 us
 
 Why that should reach the target: 128 programs fill one wave at 97 % with no split (FlashAttention-2's
 rule), and each keeps 3 x 32 KiB = 96 KiB of K / V requested while it computes, 4x the ~23 KiB per SM
 that Little's law asks at 3.0 TB/s x 1 us (and above the 32-64 KiB with headroom), so the memory
-system never waits on the program. The time floor is then the busiest SM's bytes at its share of the
-bandwidth: ~90 us at decode-4k (<= 0.11 ms, 80 % of 3.0 TB/s on the ideal bytes; 3.6x jax's 0.329 ms)
-and ~45 us at decode-16k-b8 (4.6x jax's 0.208 ms). The previous kernel (2 stages of 128 tokens, 196 KiB
-of shared memory, 256 programs on 132 SMs: two waves of one CTA per SM, page ids read from global
-memory before each gather) measured 0.322 / 0.269 ms. Unmeasured here: no GPU was available.
+system need not wait on the program. The time floor is then the busiest SM's bytes at its share of the
+bandwidth (the tail bound): 89 us at decode-4k, i.e. the ideal bytes at 89 % of 3.0 TB/s (target
+<= 0.11 ms) and 3.7x jax's 0.329 ms; 46 us at decode-16k-b8 (96 %, 4.5x jax's 0.208 ms). The previous
+defaults (2 stages of 128 tokens, 192 KiB of shared memory, split-K to >= 264 programs: 512 programs
+of one CTA per SM, ~3.9 waves, each page id read from global memory right before its gather) measured
+0.322 / 0.269 ms. Whether the per-block work (two wgmmas, the softmax, p through shared memory: ~1.4 us
+of budget per 32 KiB block at 23 GB/s per SM) keeps up is unmeasured: no GPU was available here.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class MosaicPagedBlocks:
     bk = self.pages_per_block * page_size
     itemsize = jnp.dtype(dtype).itemsize
     tiles = ((ROWS + 2 * self.stages * bk) * head_dim + ROWS * bk) * itemsize
-    ids = _pages_per_split(pages_per_seq, self) if pages_per_seq else 0
+    ids = math.prod(_id_shape(_pages_per_split(pages_per_seq, self))) if pages_per_seq else 0
     return tiles + ROWS * head_dim * 4 + ROWS * 4 + 4 * ids
 
   def check(self, page_size: int, head_dim: int, dtype, pages_per_seq: int = 0) -> None:
@@ -114,7 +120,7 @@ class MosaicPagedBlocks:
       kv_heads=kv_heads,
       head_dim=head_dim,
       page_size=page_size,
-      pages_per_seq=pages_per_seq,
+      pages_per_split=_pages_per_split(pages_per_seq, self),
       lengths=lengths,
       itemsize=jnp.dtype(dtype).itemsize,
       pages_per_block=self.pages_per_block,
@@ -125,15 +131,18 @@ class MosaicPagedBlocks:
 
 
 def _pages_per_split(pages_per_seq: int, blocks: MosaicPagedBlocks) -> int:
-  """Pages of one split's row of the padded page table: a whole number of blocks, and of 4 ids (16
-  bytes, a bulk copy's unit); above IDX_COLS a whole number of IDX_COLS rows."""
-  pps = -(-pages_per_seq // blocks.num_splits)
-  unit = math.lcm(blocks.pages_per_block, 4)
-  pps = -(-pps // unit) * unit
-  if pps > IDX_COLS:
-    unit = math.lcm(blocks.pages_per_block, IDX_COLS)
-    pps = -(-pps // unit) * unit
-  return pps
+  """Pages of one split's part of the page table: a whole number of blocks."""
+  ppb = blocks.pages_per_block
+  return -(-pages_per_seq // (ppb * blocks.num_splits)) * ppb
+
+
+def _id_shape(pages_per_split: int) -> tuple[int, int]:
+  """[rows, cols] of one split's staged ids, padded: cols <= IDX_COLS, a multiple of 32 ids (128
+  bytes: jax 0.10 splits a bulk copy evenly over the warpgroup's 128 threads)."""
+  rows = -(-pages_per_split // IDX_COLS)
+  per_row = -(-pages_per_split // rows)
+  cols = -(-per_row // 32) * 32
+  return rows, cols
 
 
 def default_blocks(
@@ -166,7 +175,7 @@ class MosaicPagedConfig:
 
 def _kernel(
   lengths_gmem,  # [B] int32
-  pages_gmem,  # [B, splits, id_rows, id_cols] int32
+  pages_gmem,  # [B, splits, id_rows, id_cols] int32: each split's ids, then filler
   q_gmem,  # [B, Hkv, 64, D]
   k_gmem,  # [Hkv, P, page_size, D]
   v_gmem,
@@ -185,6 +194,7 @@ def _kernel(
   v_bar,
   *,
   cfg: MosaicPagedConfig,
+  pages_per_split: int,
 ):
   plgpu = backend.mosaic_gpu_module()
   b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -192,7 +202,7 @@ def _kernel(
   page_size, d = k_gmem.shape[2], k_gmem.shape[3]
   bk = ppb * page_size
   id_cols = pages_gmem.shape[3]
-  pps = pages_gmem.shape[2] * id_cols
+  pps = pages_per_split
   length = lengths_gmem[b]
   split_start = s * pps * page_size
   trips = jnp.clip(lax.div(jnp.maximum(length - split_start, 0) + bk - 1, bk), 0, pps // ppb)
@@ -296,7 +306,7 @@ def _block(cfg: MosaicPagedConfig, refs, j, start, length, carry):
   return m_new, l, acc
 
 
-def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, live_rows):
+def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, live_rows, pps):
   """q [B, Hkv, 64, D]; page_indices [B, splits, id_rows, id_cols] -> (o, lse) per split."""
   plgpu = backend.mosaic_gpu_module()
   b, hkv, _, d = q.shape
@@ -306,7 +316,7 @@ def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, 
   dtype = k_pages.dtype
   tiles = backend.smem_transforms(dtype, cfg.target)
   return backend.mosaic_gpu_kernel(
-    functools.partial(_kernel, cfg=cfg),
+    functools.partial(_kernel, cfg=cfg, pages_per_split=pps),
     target=cfg.target,
     out_type=(
       jax.ShapeDtypeStruct((splits, b, hkv, live_rows, d), jnp.float32),
@@ -376,11 +386,12 @@ def _call(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices):
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))  # zero rows: sliced off below
   splits = cfg.blocks.num_splits
   pps = _pages_per_split(page_indices.shape[1], cfg.blocks)
+  rows, cols = _id_shape(pps)
   pad = splits * pps - page_indices.shape[1]
   page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))  # filler page 0: beyond every length
-  id_cols = min(pps, IDX_COLS)
-  ids = page_indices.reshape(b, splits, pps // id_cols, id_cols)
+  ids = jnp.pad(page_indices.reshape(b, splits, pps), ((0, 0), (0, 0), (0, rows * cols - pps)))
+  ids = ids.reshape(b, splits, rows, cols)
   live_rows = -(-g // 8) * 8  # whole 8-row tiles of the swizzled output tile
-  o, lse = _splits(cfg, qg, k_pages, v_pages, lengths.astype(jnp.int32), ids, live_rows)
+  o, lse = _splits(cfg, qg, k_pages, v_pages, lengths.astype(jnp.int32), ids, live_rows, pps)
   out = o[0] if splits == 1 else combine_splits(o, lse[..., :live_rows])
   return out[:, :, :g].reshape(b, hq, d).astype(q.dtype)

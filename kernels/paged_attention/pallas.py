@@ -9,7 +9,31 @@ Each split writes its normalised output and its log-sum-exp; `reference.combine_
   reads the page id, so Pallas double-buffers the page DMAs. Blocks past a sequence's length map to its
   last valid block (no new DMA) and skip compute.
 * rowloop (GPU, Triton): grid (B, Hkv, splits); each program walks its split with a `fori_loop` whose
-  trip count comes from the length, gathering `pages_per_block` pages per step.
+  trip count comes from the length (an `scf.for` in the Triton IR), gathering `pages_per_block` pages
+  per step with one vector load of their ids and one masked gather each of K and V, which feed the two
+  dots directly: Triton's software pipeliner (`num_stages` in the compiler params) issues them as
+  asynchronous copies into shared memory `num_stages - 1` blocks ahead. The G query heads of the kv
+  head (padded to Triton's 16-row dot minimum) form one [G, D] x [D, bk] tensor-core dot.
+
+Launch account of the rowloop at the bench's production shapes with the default blocks (64-token
+blocks, 4 stages, 4 warps; H100: 132 SMs, ~3.0 TB/s, ~1 us latency; :meth:`PagedBlocks.plan`,
+re-derived by a test; shared memory is an estimate, Triton allocates it):
+
+* decode-4k (B 64, 16 q / 2 kv heads, D 128, page 16, ctx 4096, 1 split):
+  128 programs on 132 SMs (97% of a wave), block 32 KiB x 4 stages, in flight 96 KiB/SM (Little:
+  22 KiB), smem 132 KiB/CTA, busiest program 2.00 MiB, ideal 238.1 MB = 79 us at 3.0 TB/s, tail
+  bound 89 us
+* decode-16k-b8 (B 8, ctx 16384, 7 splits by the wave rule):
+  112 programs on 132 SMs (85% of a wave), block 32 KiB x 4 stages, in flight 96 KiB/SM (Little:
+  22 KiB), smem 132 KiB/CTA, busiest program 1.16 MiB, ideal 133.1 MB = 44 us at 3.0 TB/s, tail
+  bound 45 us
+
+The case for the target is the Mosaic GPU kernel's (:mod:`.mosaic_gpu`): one wave at 97 %, 96 KiB in
+flight per SM against the ~23 KiB Little's law asks, a tail bound of 89 us (decode-4k, <= 0.11 ms and
+3.7x jax's 0.329 ms) and 45 us (decode-16k-b8, 4.6x jax's 0.208 ms). It holds only if Triton does
+pipeline the gathers (its pipeliner handles indirect loads whose ids are loaded in the loop); the
+previous defaults (128-token blocks, 2 stages, split-K to 512 programs) measured 0.312 / 0.174 ms.
+Unmeasured here: no GPU was available.
 """
 
 from __future__ import annotations
@@ -39,11 +63,12 @@ class PagedConfig:
 
 def _online_update(q, k, v, valid, valid_kv, m, l, acc, scale):
   """One online-softmax step. q [G, D], k/v [bk, D], valid [G, bk] and valid_kv [bk, 1 or D] bool (the
-  same positions); m/l [G, 1], acc [G, D] f32."""
+  same positions; None: v is already zero there); m/l [G, 1], acc [G, D] f32."""
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [G, bk]
   s = jnp.where(valid, s, MASK)
   # Slots past the length may hold a recycled page's stale NaN / inf: p = 0 there, but 0 * NaN = NaN.
-  v = jnp.where(valid_kv, v, jnp.zeros((), v.dtype))
+  if valid_kv is not None:
+    v = jnp.where(valid_kv, v, jnp.zeros((), v.dtype))
   m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
   alpha = jnp.exp(m - m_new)
   p = jnp.exp(s - m_new)
@@ -180,12 +205,19 @@ def _rowloop_kernel(
 
   def body(j, carry):
     m, l, acc = carry
-    pages = pages_ref[pl.ds(j * ppb, ppb)]
-    k = k_ref[pages].reshape(bk, d)
-    v = v_ref[pages].reshape(bk, d)
+    pages = pages_ref[pl.ds(j * ppb, ppb)]  # the block's page ids: one vector load, then one gather
     pos = split_start + j * bk + jnp.arange(bk)
     valid = pos < length
-    return _online_update(q, k, v, valid[None, :], valid[:, None], m, l, acc, scale)
+    # Masked gathers: slots past the length are neither read nor trusted (a recycled page's stale
+    # NaN / inf becomes 0), and k / v feed the dots straight from the load, which Triton's software
+    # pipeliner turns into asynchronous copies `num_stages - 1` blocks ahead.
+    # Every axis indexed by an array (not page ids + slices): the interpreter's masked load takes
+    # only that form, and Triton lowers both to the same pointer tensor.
+    idx = (pages[:, None, None], jnp.arange(page_size)[None, :, None], jnp.arange(d)[None, None, :])
+    live = jnp.broadcast_to(valid.reshape(ppb, page_size, 1), (ppb, page_size, d))
+    k = backend.masked_load(k_ref.at[idx], mask=live, other=0).reshape(bk, d)
+    v = backend.masked_load(v_ref.at[idx], mask=live, other=0).reshape(bk, d)
+    return _online_update(q, k, v, valid[None, :], None, m, l, acc, scale)
 
   init = (
     jnp.full((g, 1), MASK, jnp.float32),

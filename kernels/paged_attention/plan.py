@@ -106,7 +106,7 @@ def launch_plan(
   kv_heads: int,
   head_dim: int,
   page_size: int,
-  pages_per_seq: int,
+  pages_per_split: int,
   lengths,  # [B] ints: tokens each sequence attends to
   itemsize: int,
   pages_per_block: int,
@@ -118,8 +118,7 @@ def launch_plan(
   """The account of a launch with these blocks (see :class:`LaunchPlan`)."""
   bk = pages_per_block * page_size
   token_bytes = 2 * head_dim * itemsize  # one token's K and V row
-  per_step = pages_per_block * num_splits
-  split_tokens = -(-pages_per_seq // per_step) * pages_per_block * page_size
+  split_tokens = pages_per_split * page_size
   programs = batch * kv_heads * num_splits
   moved, busiest = 0, 0
   for length in lengths:
