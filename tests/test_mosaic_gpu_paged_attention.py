@@ -81,6 +81,10 @@ def _fits(blocks, page_size, d, dtype) -> bool:
 
 
 def test_default_blocks_at_tiny_and_production_shapes():
+  """The heuristic's blocks run at the tiny shape; at the production shapes they are a >= 3-stage ring
+  of 64-token tiles within the shared-memory budget, split by wave efficiency: none at decode-4k (128
+  programs already fill 97 % of the 132 SMs; the old heuristic split to 512 programs, ~3.9 waves), and
+  enough at decode-16k-b8 (16 programs alone would leave 88 % of the SMs idle)."""
   s = PAGED_SHAPES["tiny"]
   args = _draw(
     np.random.default_rng(2),
@@ -94,12 +98,45 @@ def test_default_blocks_at_tiny_and_production_shapes():
     jnp.bfloat16,
   )
   _check(args)
-  prod = PAGED_SHAPES["decode-4k"]
-  dims = (prod.batch, prod.kv_heads, prod.pages_per_seq, prod.page_size, prod.head_dim)
-  blocks = default_blocks(*dims, jnp.bfloat16)
-  blocks.check(prod.page_size, prod.head_dim, jnp.bfloat16)
-  assert blocks.pages_per_block * prod.page_size == 128 and blocks.stages >= 2
-  assert prod.batch * prod.kv_heads * blocks.num_splits >= 256
+  for name, splits in (("decode-4k", 1), ("decode-16k-b8", 7)):
+    prod = PAGED_SHAPES[name]
+    dims = (prod.batch, prod.kv_heads, prod.pages_per_seq, prod.page_size, prod.head_dim)
+    blocks = default_blocks(*dims, jnp.bfloat16)
+    blocks.check(prod.page_size, prod.head_dim, jnp.bfloat16, prod.pages_per_seq)
+    assert blocks.pages_per_block * prod.page_size == 64 and blocks.stages >= 3, name
+    assert blocks.num_splits == splits, name
+
+
+def test_stale_nonfinite_kv_past_the_length_is_never_read():
+  """A recycled page keeps its old content: NaN / inf in K and V past each length (the rest of the
+  last page, the unreached pages of the last block, the filler page 0 that pads the table) leaves the
+  output exactly as with clean pages. The kernel used to feed those V rows to p·v with p = 0, and
+  0 * NaN = NaN reached the output."""
+  lengths = [13, 70, 0]
+  q, k, v, lens, pages = _draw(np.random.default_rng(7), 3, 4, 1, 64, 8, 12, lengths, jnp.bfloat16)
+  k_bad, v_bad = np.array(k, np.float32), np.array(v, np.float32)
+  live = {(int(pages[b, t // 8]), t % 8) for b, n in enumerate(lengths) for t in range(n)}
+  for page in range(k.shape[1]):
+    for slot in range(8):
+      if (page, slot) not in live:
+        k_bad[:, page, slot] = np.nan if slot % 2 else np.inf
+        v_bad[:, page, slot] = np.inf if slot % 2 else np.nan
+  bad = (q, jnp.asarray(k_bad, k.dtype), jnp.asarray(v_bad, v.dtype), lens, pages)
+  for blocks in (MosaicPagedBlocks(8, 1, 3), MosaicPagedBlocks(16, 2, 2)):
+    kw = dict(impl="mosaic_gpu", platform="cpu", interpret=True, blocks=blocks)
+    clean = kernels.paged_attention(q, k, v, lens, pages, **kw)
+    dirty = kernels.paged_attention(*bad, **kw)
+    assert np.isfinite(np.asarray(dirty, np.float32)).all(), blocks
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+
+
+def test_page_ids_staged_over_several_rows():
+  """A split of more than 128 pages stages its ids as several [<= 128] rows of shared memory (136
+  pages of 8 here: 2 rows of 96): a wrong row / column for page k would read another page of the
+  permuted table, and the output would differ from the reference."""
+  rng = np.random.default_rng(9)
+  args = _draw(rng, 1, 2, 1, 64, 8, 136, [1037], jnp.bfloat16, spare_pages=0)
+  _check(args, MosaicPagedBlocks(16, 1, 3))
 
 
 def test_recycled_pages_with_huge_stale_values_never_leak():

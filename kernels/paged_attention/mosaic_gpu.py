@@ -31,15 +31,15 @@ Launch account at the bench's production shapes with the default blocks (H100: 1
   bound 89 us
 * decode-16k-b8 (B 8, ctx 16384, 7 splits by the wave rule):
   112 programs on 132 SMs (85% of a wave), block 32 KiB x 4 stages, in flight 96 KiB/SM (Little:
-  22 KiB), smem 185 KiB/CTA, busiest program 1.19 MiB, ideal 133.1 MB = 44 us at 3.0 TB/s, tail
-  bound 46 us
+  22 KiB), smem 185 KiB/CTA, busiest program 1.16 MiB, ideal 133.1 MB = 44 us at 3.0 TB/s, tail
+  bound 45 us
 
 Why that should reach the target: 128 programs fill one wave at 97 % with no split (FlashAttention-2's
 rule), and each keeps 3 x 32 KiB = 96 KiB of K / V requested while it computes, 4x the ~23 KiB per SM
 that Little's law asks at 3.0 TB/s x 1 us (and above the 32-64 KiB with headroom), so the memory
 system need not wait on the program. The time floor is then the busiest SM's bytes at its share of the
 bandwidth (the tail bound): 89 us at decode-4k, i.e. the ideal bytes at 89 % of 3.0 TB/s (target
-<= 0.11 ms) and 3.7x jax's 0.329 ms; 46 us at decode-16k-b8 (96 %, 4.5x jax's 0.208 ms). The previous
+<= 0.11 ms) and 3.7x jax's 0.329 ms; 45 us at decode-16k-b8 (98 %, 4.6x jax's 0.208 ms). The previous
 defaults (2 stages of 128 tokens, 192 KiB of shared memory, split-K to >= 264 programs: 512 programs
 of one CTA per SM, ~3.9 waves, each page id read from global memory right before its gather) measured
 0.322 / 0.269 ms. Whether the per-block work (two wgmmas, the softmax, p through shared memory: ~1.4 us
