@@ -116,32 +116,44 @@ def paged_problems(size: str, platform: str) -> list[autotune.Problem]:
 
 
 def paged_candidates(problem: autotune.Problem, platform: str) -> list[autotune.Candidate]:
+  """xla, then Triton over tile tokens x pipeline stages x splits x warps, and Mosaic GPU over tile
+  tokens x ring stages x splits. Splits: 1, the wave heuristic's (:func:`plan.wave_splits`), and its
+  double; a tile must leave at least one block per split. On CPU (the interpreters) the
+  heuristic blocks only, plus one Mosaic GPU config: the plumbing, not a timing."""
+  from kernels.paged_attention import plan
+
   s = problem.shape
   fn = lambda impl, blocks: functools.partial(_paged, impl, platform, blocks)
   cands = [autotune.Candidate("xla", None, fn("xla", None))]
-  pages = s["ctx"] // s["page_size"]
+  ps, pages = s["page_size"], -(-s["ctx"] // s["page_size"])
+  work = s["batch"] * s["kv_heads"]
+
+  def splits_for(tokens: int) -> list[int]:
+    blocks_total = -(-pages // max(1, tokens // ps))
+    wave = plan.wave_splits(work, blocks_total)
+    return sorted({n for n in (1, wave, 2 * wave) if n <= blocks_total})
+
   if platform == "gpu":
-    for tokens, splits in itertools.product((64, 128, 256), (1, 2, 4, 8)):
-      ppb = max(1, tokens // s["page_size"])
-      if ppb * splits > pages:
+    for tokens, stages, warps in itertools.product((32, 64, 128), (2, 3, 4, 6), (4, 8)):
+      if max(1, tokens // ps) * ps < 16 or (tokens >= 128 and stages > 4):  # Triton dot; smem
         continue
-      blocks = PagedBlocks(ppb, splits)
-      cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
+      for splits in splits_for(tokens):
+        blocks = PagedBlocks(max(1, tokens // ps), splits, num_stages=stages, num_warps=warps)
+        cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
   else:
     cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
   mosaic_ok = jnp.dtype(s["dtype"]).name in ("bfloat16", "float16") and s["head_dim"] % 64 == 0
-  if platform in ("gpu", "cpu") and mosaic_ok and s["page_size"] % 8 == 0:
-    grid = list(itertools.product((64, 128), (1, 2, 4, 8), (2, 3)))
+  if platform in ("gpu", "cpu") and mosaic_ok and ps % 8 == 0:
+    grid = [(t, st) for t in (64, 128) for st in (2, 3, 4, 5)]
     if platform == "cpu":
-      grid = [(64, 1, 2)]
-    for tokens, splits, stages in grid:
-      ppb = max(1, tokens // s["page_size"])
-      blocks = MosaicPagedBlocks(ppb, splits, stages)
-      try:
-        blocks.check(s["page_size"], s["head_dim"], s["dtype"])
-      except ValueError:
-        continue
-      if ppb * splits <= pages:
+      grid = [(64, 2)]
+    for tokens, stages in grid:
+      for splits in splits_for(tokens) if platform == "gpu" else [1]:
+        blocks = MosaicPagedBlocks(max(1, tokens // ps), splits, stages)
+        try:
+          blocks.check(ps, s["head_dim"], s["dtype"], pages)
+        except ValueError:  # tile not a multiple of 64 tokens, or over the shared-memory budget
+          continue
         cands.append(autotune.Candidate("mosaic_gpu", blocks, fn("mosaic_gpu", blocks)))
   return cands
 

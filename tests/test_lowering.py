@@ -174,3 +174,54 @@ def test_paged_attention_lowers_at_production_shape(platform, impl, shape_name):
     text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
   marker = backend.MOSAIC_GPU_MARKER if impl == "mosaic_gpu" else None
   assert text.count(marker or backend.LOWERED_KERNEL_MARKERS[platform]) == 1
+
+
+def _lower_paged(shape_name, impl, blocks):
+  s = PAGED_SHAPES[shape_name]
+  dtype = jnp.dtype(s.dtype)
+  pool = s.batch * s.pages_per_seq
+  kv = jax.ShapeDtypeStruct((s.kv_heads, pool, s.page_size, s.head_dim), dtype)
+  specs = [
+    jax.ShapeDtypeStruct((s.batch, s.q_heads, s.head_dim), dtype),
+    kv,
+    kv,
+    jax.ShapeDtypeStruct((s.batch,), jnp.int32),
+    jax.ShapeDtypeStruct((s.batch, s.pages_per_seq), jnp.int32),
+  ]
+  target = backend.make_target("gpu", interpret=False)
+  fn = lambda *a: kernels.paged_attention(
+    *a, impl=impl, platform="gpu", interpret=False, blocks=blocks
+  )
+  with backend.use_target("gpu", interpret=False):
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
+
+
+@pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
+@pytest.mark.parametrize(
+  "blocks",
+  [
+    kernels.PagedBlocks(2, 1, num_stages=6, num_warps=8),
+    kernels.PagedBlocks(8, 3, num_stages=3, num_warps=4),
+  ],
+  ids=str,
+)
+def test_paged_triton_tuner_configs_lower_at_production_shape(shape_name, blocks):
+  """Tuner candidates beyond the defaults (32- and 128-token tiles, 2-6 pipeline stages, 8 warps,
+  split-K) lower to one Triton kernel, with the blocks' num_stages / num_warps in its compiler params:
+  a config the tuner would time but CUDA lowering rejects, or params silently dropped, fail here."""
+  text = _lower_paged(shape_name, "pallas", blocks)
+  assert text.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
+  assert f"num_stages = {blocks.num_stages} : i32, num_warps = {blocks.num_warps} : i32" in text
+
+
+@pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
+@pytest.mark.parametrize("ring", [(4, 2, 3), (4, 5, 4), (8, 1, 2), (4, 16, 1)], ids=str)
+def test_paged_mosaic_gpu_tuner_configs_lower_at_production_shape(shape_name, ring):
+  """The Mosaic GPU ring at other depths (1-4 stages), 128-token tiles and split counts whose page ids
+  stage as one or several rows (decode-4k, 1 split: 256 ids as 2 rows of 128): TMA gathers, the
+  stale-V zeroing in the WGMMA layout and the live-rows write-back lower for sm_90."""
+  from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
+
+  text = _lower_paged(shape_name, "mosaic_gpu", MosaicPagedBlocks(*ring))
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 1
+  assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text

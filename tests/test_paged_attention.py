@@ -463,3 +463,31 @@ def test_illegal_blocks_are_rejected():
     )
   with pytest.raises(ValueError, match="positive"):
     PagedBlocks(0, 1)
+
+
+@pytest.mark.parametrize("shape_name", PRODUCTION_PAGED_SHAPES)
+def test_tuner_candidates_are_legal_and_cover_the_heuristic(shape_name):
+  """bench.tune's GPU grid at the production shapes: every candidate passes its blocks' own check
+  (the tuner would otherwise spend a compile on an error), stages / warps / splits all vary, the
+  Mosaic GPU ring reaches >= 3 stages, both kernels' default blocks are among the candidates (the
+  tuner can only improve on the heuristic), and the grid stays small enough to tune in minutes."""
+  from bench import tune
+  from kernels import autotune
+  from kernels.paged_attention import mosaic_gpu
+
+  s = PAGED_SHAPES[shape_name]
+  shape = dict(dtype=s.dtype, batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads)
+  shape.update(head_dim=s.head_dim, page_size=s.page_size, ctx=s.ctx)
+  cands = tune.paged_candidates(autotune.Problem("paged_attention", shape, None, None, ()), "gpu")
+  triton = [c.blocks for c in cands if c.impl == "pallas"]
+  mosaic = [c.blocks for c in cands if c.impl == "mosaic_gpu"]
+  for b in triton:
+    b.check(Target("gpu"), s.page_size, s.head_dim, 2)
+  for b in mosaic:
+    b.check(s.page_size, s.head_dim, s.dtype, s.pages_per_seq)
+  assert {b.num_stages for b in triton} >= {2, 3, 4} and {b.num_warps for b in triton} == {4, 8}
+  assert len({b.num_splits for b in triton}) >= 2 and max(b.stages for b in mosaic) >= 3
+  assert default_blocks(Target("gpu"), s.batch, s.kv_heads, s.pages_per_seq, s.page_size) in triton
+  dims = (s.batch, s.kv_heads, s.pages_per_seq, s.page_size, s.head_dim, s.dtype)
+  assert mosaic_gpu.default_blocks(*dims) in mosaic
+  assert len(cands) <= 120
