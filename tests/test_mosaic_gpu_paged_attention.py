@@ -3,9 +3,11 @@ through the Mosaic GPU interpreter (TMA page gathers, per-page barriers, the K/V
 GPU when there is one.
 
 Untested by the interpreter, so covered by the AOT lowering (tests/test_lowering.py) and the
-`gpu`-marked test below: register layouts (``layout_cast`` is the identity there), the swizzled TMA
-tiles, and, under jax 0.10 only, the scores wgmma with its transposed K operand (the 0.10 interpreter
-cannot read a transposed operand, so the kernel takes a plain dot there; jax 0.11 runs the wgmma).
+`gpu`-marked tests below: register layouts (``layout_cast`` is the identity there: the WGMMA layout of
+the scores mask and of the last block's stale-V zeroing), the swizzled TMA tiles, the bulk copy of the
+staged page ids, and, under jax 0.10 only, the scores wgmma with its transposed K operand (the 0.10
+interpreter cannot read a transposed operand, so the kernel takes a plain dot there; jax 0.11 runs
+the wgmma). Every other primitive of the kernel runs in both interpreters.
 """
 
 import hypothesis.strategies as st
@@ -197,3 +199,29 @@ def test_parity_on_gpu_production_shape(shape_name):
   s = PAGED_SHAPES[shape_name]
   args = make_inputs(s, seed=0)
   _check(args, dtype=jnp.dtype(s.dtype), platform="gpu", interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend.host_platform() != "gpu", reason="needs an NVIDIA GPU")
+def test_stale_pages_never_leak_on_gpu_production_shape():
+  """On hardware, at decode-4k: NaN in every K / V slot past each length (the zeroing of the last
+  block's V rows in the WGMMA register layout, which the interpreter cannot check) leaves the
+  output identical to that with clean pages."""
+  from bench.cases.paged_attention import make_inputs
+
+  q, k, v, lengths, pages = make_inputs(PAGED_SHAPES["decode-4k"], seed=0)
+  ps = k.shape[2]
+  pos = np.arange(pages.shape[1] * ps).reshape(pages.shape[1], ps)
+  stale = np.zeros(k.shape[1:3], bool)
+  table, lens = np.asarray(pages), np.asarray(lengths)
+  stale[table.reshape(-1)] = True  # every page of a table, then clear the live slots
+  for b in range(table.shape[0]):
+    rows, slots = np.nonzero(pos < lens[b])
+    stale[table[b, rows], slots] = False
+  mask = jnp.asarray(stale)[None, :, :, None]
+  bad_k, bad_v = jnp.where(mask, jnp.nan, k), jnp.where(mask, jnp.nan, v)
+  kw = dict(impl="mosaic_gpu", platform="gpu", interpret=False)
+  clean = np.asarray(kernels.paged_attention(q, k, v, lengths, pages, **kw))
+  dirty = np.asarray(kernels.paged_attention(q, bad_k, bad_v, lengths, pages, **kw))
+  assert np.isfinite(dirty.astype(np.float32)).all()
+  np.testing.assert_array_equal(dirty, clean)
