@@ -67,16 +67,14 @@ def test_parity_hypothesis(
   lengths = data.draw(st.lists(st.integers(0, cap), min_size=b, max_size=b), label="lengths")
   args = _draw(np.random.default_rng(seed), b, group * hkv, hkv, d, page_size, pps, lengths, dtype)
   blocks = MosaicPagedBlocks(max(tile // page_size, 1), splits, stages)
-  while blocks.stages > 1 and not _fits(
-    blocks, page_size, d, dtype
-  ):  # the smem budget, tested below
+  while blocks.stages > 1 and not _fits(blocks, page_size, d, dtype, pps):  # the smem budget
     blocks = MosaicPagedBlocks(blocks.pages_per_block, splits, blocks.stages - 1)
   _check(args, blocks, dtype)
 
 
-def _fits(blocks, page_size, d, dtype) -> bool:
+def _fits(blocks, page_size, d, dtype, pages_per_seq) -> bool:
   try:
-    blocks.check(page_size, d, dtype)
+    blocks.check(page_size, d, dtype, pages_per_seq)
   except ValueError:
     return False
   return True
