@@ -223,3 +223,24 @@ def test_stale_pages_never_leak_on_gpu_production_shape():
   dirty = np.asarray(kernels.paged_attention(q, bad_k, bad_v, lengths, pages, **kw))
   assert np.isfinite(dirty.astype(np.float32)).all()
   np.testing.assert_array_equal(dirty, clean)
+
+
+@pytest.mark.parametrize(
+  "ring,pages_per_seq", [((4, 1, 4), 256), ((8, 7, 2), 1024), ((1, 3, 3), 5)]
+)
+def test_smem_account_is_the_kernels_allocation(ring, pages_per_seq):
+  """MosaicPagedBlocks.smem_bytes (the budget check, the plan's smem figure) against the scratch the
+  kernel really allocates, at D = 128 bf16, page 16 / 64: a buffer added to the kernel but not to the
+  account would let the budget pass blocks that fail to launch (or misstate the docstrings)."""
+  from kernels.paged_attention import mosaic_gpu
+
+  blocks = MosaicPagedBlocks(*ring)
+  page_size = 64 // ring[0] if ring[0] > 1 else 64
+  cfg = mosaic_gpu.MosaicPagedConfig(backend.make_target("gpu", interpret=False), blocks, 1.0)
+  pps = mosaic_gpu._pages_per_split(pages_per_seq, blocks)
+  bk = blocks.pages_per_block * page_size
+  scratch = mosaic_gpu._scratch(cfg, bk, 128, jnp.bfloat16, mosaic_gpu._id_shape(pps))
+  allocated = sum(
+    int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize for r in scratch if hasattr(r, "dtype")
+  )
+  assert blocks.smem_bytes(page_size, 128, jnp.bfloat16, pages_per_seq) == allocated

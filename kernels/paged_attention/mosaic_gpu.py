@@ -35,15 +35,14 @@ Launch account at the bench's production shapes with the default blocks (H100: 1
   bound 45 us
 
 Why that should reach the target: 128 programs fill one wave at 97 % with no split (FlashAttention-2's
-rule), and each keeps 3 x 32 KiB = 96 KiB of K / V requested while it computes, 4x the ~23 KiB per SM
-that Little's law asks at 3.0 TB/s x 1 us (and above the 32-64 KiB with headroom), so the memory
-system need not wait on the program. The time floor is then the busiest SM's bytes at its share of the
-bandwidth (the tail bound): 89 us at decode-4k, i.e. the ideal bytes at 89 % of 3.0 TB/s (target
-<= 0.11 ms) and 3.7x jax's 0.329 ms; 45 us at decode-16k-b8 (98 %, 4.6x jax's 0.208 ms). The previous
-defaults (2 stages of 128 tokens, 192 KiB of shared memory, split-K to >= 264 programs: 512 programs
-of one CTA per SM, ~3.9 waves, each page id read from global memory right before its gather) measured
-0.322 / 0.269 ms. Whether the per-block work (two wgmmas, the softmax, p through shared memory: ~1.4 us
-of budget per 32 KiB block at 23 GB/s per SM) keeps up is unmeasured: no GPU was available here.
+rule), each keeping 3 x 32 KiB = 96 KiB of K / V requested while it computes: 4x the 22 KiB per SM that
+Little's law asks at 3.0 TB/s x 1 us, above the 32-64 KiB of headroom. The floor is then the busiest
+SM's bytes at its share of the bandwidth (the tail bound): 89 us at decode-4k, the ideal bytes at 89 %
+of 3.0 TB/s (target <= 0.11 ms), 3.7x jax's 0.329 ms; 45 us at decode-16k-b8 (98 %, 4.6x jax's
+0.208 ms). The previous defaults (2 stages of 128 tokens, 192 KiB of shared memory, split-K to 512
+programs of one CTA per SM: ~3.9 waves; each page id read from global memory right before its gather)
+measured 0.322 / 0.269 ms. Unmeasured (no GPU here): whether the per-block work (two wgmmas, the
+softmax, p through shared memory) fits the ~1.4 us a 32 KiB block allows at 23 GB/s per SM.
 """
 
 from __future__ import annotations
@@ -306,15 +305,33 @@ def _block(cfg: MosaicPagedConfig, refs, j, start, length, carry):
   return m_new, l, acc
 
 
+def _scratch(cfg: MosaicPagedConfig, bk: int, d: int, dtype, id_shape) -> tuple:
+  """The CTA's shared memory, in _kernel's argument order (MosaicPagedBlocks.smem_bytes counts it)."""
+  plgpu = backend.mosaic_gpu_module()
+  stages, ppb = cfg.blocks.stages, cfg.blocks.pages_per_block
+  tiles = backend.smem_transforms(dtype, cfg.target)
+  return (
+    plgpu.SMEM(tuple(id_shape), jnp.int32),
+    plgpu.SMEM((ROWS, d), dtype, transforms=tiles),
+    plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+    plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+    plgpu.SMEM((ROWS, bk), dtype, transforms=tiles),
+    plgpu.SMEM((ROWS, d), jnp.float32, transforms=backend.smem_transforms(jnp.float32, cfg.target)),
+    plgpu.SMEM((ROWS,), jnp.float32),
+    plgpu.Barrier(num_arrivals=1),
+    plgpu.Barrier(num_arrivals=1),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
+  )
+
+
 def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, live_rows, pps):
   """q [B, Hkv, 64, D]; page_indices [B, splits, id_rows, id_cols] -> (o, lse) per split."""
-  plgpu = backend.mosaic_gpu_module()
   b, hkv, _, d = q.shape
   page_size = k_pages.shape[2]
-  ppb, splits, stages = cfg.blocks.pages_per_block, cfg.blocks.num_splits, cfg.blocks.stages
-  bk = ppb * page_size
+  splits = cfg.blocks.num_splits
+  bk = cfg.blocks.pages_per_block * page_size
   dtype = k_pages.dtype
-  tiles = backend.smem_transforms(dtype, cfg.target)
   return backend.mosaic_gpu_kernel(
     functools.partial(_kernel, cfg=cfg, pages_per_split=pps),
     target=cfg.target,
@@ -322,21 +339,7 @@ def _splits(cfg: MosaicPagedConfig, q, k_pages, v_pages, lengths, page_indices, 
       jax.ShapeDtypeStruct((splits, b, hkv, live_rows, d), jnp.float32),
       jax.ShapeDtypeStruct((splits, b, hkv, ROWS), jnp.float32),
     ),
-    scratch_types=(
-      plgpu.SMEM(page_indices.shape[2:], jnp.int32),
-      plgpu.SMEM((ROWS, d), dtype, transforms=tiles),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-      plgpu.SMEM((ROWS, bk), dtype, transforms=tiles),
-      plgpu.SMEM(
-        (ROWS, d), jnp.float32, transforms=backend.smem_transforms(jnp.float32, cfg.target)
-      ),
-      plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_arrivals=1),
-      plgpu.Barrier(num_arrivals=1),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages * ppb),
-    ),
+    scratch_types=_scratch(cfg, bk, d, dtype, page_indices.shape[2:]),
     grid=(b, hkv, splits),
     grid_names=("b", "h", "s"),
   )(lengths, page_indices, q, k_pages, v_pages)
