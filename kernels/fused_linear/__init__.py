@@ -13,8 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import backend, checks, loss_spec
 from kernels.fused_linear import chunked as _chunked
+from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
+from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss import validate_loss_args
@@ -26,6 +28,7 @@ from kernels.objective import policy_objective
 __all__ = [
   "IMPLS",
   "LinearBlocks",
+  "MosaicLinearBlocks",
   "default_blocks",
   "default_chunk",
   "fused_linear_grpo_loss",
@@ -33,15 +36,15 @@ __all__ = [
   "vocab_stats_reference",
 ]
 
-IMPLS = ("auto", "pallas", "chunked", "xla")
+IMPLS = ("auto", "pallas", "mosaic_gpu", "chunked", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
   """Everything static about one call (hashable: it is a custom_vjp non-differentiable argument)."""
 
-  impl: str  # "pallas" | "chunked"
-  fused: _pallas.FusedConfig | None
+  impl: str  # "pallas" | "mosaic_gpu" | "chunked"
+  fused: _pallas.FusedConfig | _mosaic.MosaicLinearConfig | None
   softmax: LossConfig  # the grpo_loss softmax kernels' config (chunked path)
   chunk: int
   mesh: Mesh | None
@@ -67,7 +70,7 @@ def fused_linear_grpo_loss(
   impl: str = "auto",
   platform: backend.Platform | None = None,
   interpret: bool | None = None,
-  blocks: LinearBlocks | None = None,
+  blocks: LinearBlocks | MosaicLinearBlocks | None = None,
   chunk_size: int | None = None,
   mesh: Mesh | None = None,
   vocab_axis: str | None = None,
@@ -174,15 +177,14 @@ def fused_linear_grpo_loss(
       **logps,
     )
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
-  if impl == "pallas" and target.family == "rowloop":
-    raise ValueError(
-      "impl='pallas' (the fully fused kernels) needs grid-axis accumulation, which GPU "
-      "programs lack; use impl='chunked' on GPU"
-    )
+  if impl == "pallas" and target.platform == "gpu":
+    impl = "mosaic_gpu"  # the GPU's fused kernels (Triton cannot hold the tiles; see pallas.py)
 
   n, vs = b * t, v // tp
   fused = None
-  if impl == "pallas":
+  if impl == "mosaic_gpu":
+    fused = _mosaic.make_config(target, blocks, n, hd, vs, hidden.dtype, spec.temperature)
+  elif impl == "pallas":
     blocks = default_blocks(target, n, hd, vs) if blocks is None else blocks
     blocks.check(target, n, hd, vs)
     fused = _pallas.FusedConfig(target, blocks, vs, spec.temperature)
@@ -315,7 +317,8 @@ def _local_stats(static: _Spec, h, w, ids):
     )
     stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
   else:
-    stats = _combine(static, *_pallas.stats(static.fused, h, w, ids))
+    kernel = _mosaic.stats if static.impl == "mosaic_gpu" else _pallas.stats
+    stats = _combine(static, *kernel(static.fused, h, w, ids))
   empty = jnp.zeros(
     (0,), jnp.float32
   )  # built per call: a module-level array would start the backend at import
@@ -330,7 +333,8 @@ def _local_grads(static: _Spec, h, w, ids, lse, g):
   else:
     # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
-    dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
+    kernel = _mosaic.grads if static.impl == "mosaic_gpu" else _pallas.grads
+    dh, dw = kernel(static.fused, h, w, ids, lse, g, dtype, w.dtype)
   if static.axis is not None:
     dh = jax.lax.psum(dh, static.axis)
   return (), dh, dw
