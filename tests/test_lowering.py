@@ -174,3 +174,25 @@ def test_paged_attention_lowers_at_production_shape(platform, impl, shape_name):
     text = jax.jit(fn).trace(*specs).lower(lowering_platforms=(target.lowering_platform,)).as_text()
   marker = backend.MOSAIC_GPU_MARKER if impl == "mosaic_gpu" else None
   assert text.count(marker or backend.LOWERED_KERNEL_MARKERS[platform]) == 1
+
+
+@pytest.mark.parametrize("shape_name", ["qwen2.5-3b-8k", "qwen2.5-3b-16k"])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_fused_linear_mosaic_gpu_lowers_at_production_shape(shape_name, grad):
+  """The Mosaic GPU fused LM-head kernels lower for sm_90 at N = 8192 / 16384, H = 2048, V = 151936
+  (wgmma from swizzled TMA tiles, WGMMA-layout row reductions, dynamic chunk offsets proven
+  multiples of block_v). The loss alone runs the statistics kernel; differentiated, the dlogits
+  kernel too: one instance inside the loop over full vocabulary chunks, one for the tail chunk."""
+  text = lower_fused_linear("gpu", LINEAR_LOSS_SHAPES[shape_name], "mosaic_gpu", grad=grad)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == (3 if grad else 1)
+  # impl="pallas" on GPU is the same Mosaic GPU kernels (no Triton variant of the fused loss)
+  if not grad:
+    pallas = lower_fused_linear("gpu", LINEAR_LOSS_SHAPES[shape_name], "pallas", grad=False)
+    assert pallas.count(backend.MOSAIC_GPU_MARKER) == 1
+
+
+def test_fused_linear_mosaic_gpu_spec_options_lower_at_production_shape():
+  """Sequence-level options: statistics pass, [B, T] objective in XLA, then the gradient pass."""
+  shape = LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"]
+  text = lower_fused_linear("gpu", shape, "mosaic_gpu", grad=True, **SPEC_OPTIONS)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 3
