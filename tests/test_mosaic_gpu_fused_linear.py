@@ -65,7 +65,7 @@ def test_parity_sequence_level_option():
   hd=st.sampled_from([64, 192]),
   v=st.integers(2, 400),
   bv=st.sampled_from([64, 128]),
-  stages=st.integers(1, 3),
+  stages=st.integers(2, 4),
   splits=st.integers(1, 4),
   chunk_tiles=st.integers(1, 3),
   seed=st.integers(0, 2**31),
@@ -122,6 +122,7 @@ def test_bad_settings_raise_before_lowering(blocks, dtype, error, match):
     (dict(block_v=256), "one warpgroup"),
     (dict(vocab_chunk=100), "multiple of block_v"),
     (dict(stages=0), "positive int"),
+    (dict(stages=1), "stages must be >= 2"),
     (dict(splits=True), "positive int"),
   ],
 )

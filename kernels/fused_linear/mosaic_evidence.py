@@ -11,8 +11,11 @@ At the production shape (N = 8192, H = 2048, V = 151936, bf16) with the heuristi
   SMs, more than an H100's L2 is usually measured to deliver (~5.5-7 TB/s): a 1-warpgroup 128 x 128
   tile is L2-bound, so this kernel is not expected near the matmul ceiling (a 2-warpgroup 128 x 256
   tile with cluster multicast, as CUTLASS / Liger do, would quadruple the intensity — not built).
-  Rows vary fastest in the grid, so the CTAs resident at once share their split's w tiles in L2 and
-  w is read from HBM about once per split range, not once per row block.
+  Rows are the grid's last axis (blockIdx.x, launched fastest), so the ~132 CTAs resident at once
+  are two splits' worth of row blocks sweeping the same w tiles: w comes from HBM about once
+  (622 MB, ~0.2 ms at 3 TB/s), not once per row block (40 GB), and the 32 MiB of h stays in L2.
+  Consecutive wgmmas overlap (one in flight while the next tile's TMA is awaited); no warp
+  specialisation, no clusters.
 * shared memory: 3 x (128 + 128) x 64 x 2 B = 96 KiB ring + 32 KiB dl tile (dlogits kernel) < 200 KiB.
 * flops: 2 N·H·V (stats) + 2 (recompute in the dlogits kernel) + 4 (XLA GEMMs dw = h^T dl and
   dh += dl w^T) = 8 N·H·V. Counting the 6 N·H·V the benchmark credits, 600 TF/s would need 800 TF/s

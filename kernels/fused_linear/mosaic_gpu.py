@@ -57,7 +57,8 @@ class MosaicLinearBlocks:
   block_v: vocabulary columns per logits tile, a multiple of 64 (128 bytes of bf16: the swizzle),
     at most 256 (the wgmma N extent); block_n * block_v <= 128 * 128.
   block_h: hidden columns per pipelined h / w tile (the wgmma K chunk), a multiple of 64; divides H.
-  stages: depth of the TMA ring.
+  stages: depth of the TMA ring, at least 2 (one slot's release is delayed a step so that
+    consecutive wgmmas overlap).
   splits: vocabulary ranges of the statistics kernel (grid (N / block_n, splits)).
   vocab_chunk: vocabulary columns per backward chunk (a multiple of block_v): the dlogits buffer is
     [N, vocab_chunk].
@@ -85,6 +86,8 @@ class MosaicLinearBlocks:
         f"MosaicLinearBlocks: block_n * block_v must be <= {128 * 128} (one warpgroup's f32 "
         f"registers), got {self.block_n} * {self.block_v}"
       )
+    if self.stages < 2:
+      raise ValueError(f"MosaicLinearBlocks.stages must be >= 2, got {self.stages}")
     if self.vocab_chunk % self.block_v:
       raise ValueError(
         f"MosaicLinearBlocks.vocab_chunk={self.vocab_chunk} must be a multiple of "
@@ -182,14 +185,16 @@ def _logits_tile(h_rows, w_gmem, col0, acc_ref, cfg: MosaicLinearConfig):
 
   def step(_, h_smem, w_smem):
     plgpu.wgmma(acc_ref, h_smem, w_smem)
-    plgpu.wgmma_wait(0)  # the ring slot is refilled once the body returns: the wgmma must be done
+    # delay_release=1: a slot is refilled one step after its body returns, so only the previous
+    # step's wgmma must be done (it has read its slot) and this one overlaps the next TMA wait
+    plgpu.wgmma_wait(1)
 
   plgpu.emit_pipeline(
     step,
     grid=(w_gmem.shape[0] // bh,),
     in_specs=[
-      plgpu.BlockSpec((bn, bh), lambda k: (0, k), transforms=tiles),
-      plgpu.BlockSpec((bh, bv), lambda k: (k, 0), transforms=tiles),
+      plgpu.BlockSpec((bn, bh), lambda k: (0, k), transforms=tiles, delay_release=1),
+      plgpu.BlockSpec((bh, bv), lambda k: (k, 0), transforms=tiles, delay_release=1),
     ],
     max_concurrent_steps=cfg.blocks.stages,
   )(h_rows, w_gmem.at[:, pl.ds(col0, bv)])
@@ -293,8 +298,9 @@ def _stats_call(cfg: MosaicLinearConfig, h, w, ids):
       plgpu.SMEM((4, bn), jnp.float32),
       plgpu.Barrier(num_arrivals=1),
     ),
-    grid=(n // bn, splits),
-    grid_names=("rows", "split"),
+    # rows last = blockIdx.x, the fastest-varying: the CTAs resident together share w tiles in L2
+    grid=(splits, n // bn),
+    grid_names=("split", "rows"),
   )(h, w, ids)
 
 
@@ -316,8 +322,8 @@ def _dlogits_call(cfg: MosaicLinearConfig, h, w, ids, lse, g, c0, width: int):
       plgpu.SMEM((bn, bv), h.dtype, transforms=backend.smem_transforms(h.dtype, cfg.target)),
       plgpu.Barrier(num_arrivals=3),
     ),
-    grid=(n // bn, width // bv),
-    grid_names=("rows", "cols"),
+    grid=(width // bv, n // bn),  # rows fastest, as in the statistics kernel
+    grid_names=("cols", "rows"),
   )(h, w, ids, lse, g, c0)
 
 
