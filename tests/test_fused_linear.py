@@ -561,10 +561,8 @@ def test_bad_input_raises_clearly():
     kernels.fused_linear_grpo_loss(h, w.astype(jnp.bfloat16), *args[2:])
   with pytest.raises(ValueError, match="impl"):
     kernels.fused_linear_grpo_loss(*args, impl="triton")
-  with pytest.raises(
-    ValueError, match="bfloat16 / float16"
-  ):  # pallas on GPU: the Mosaic GPU kernels
-    kernels.fused_linear_grpo_loss(*args, impl="pallas", platform="gpu", interpret=True)
+  with pytest.raises(ValueError, match="bfloat16 / float16"):  # wgmma's f32 is tf32
+    kernels.fused_linear_grpo_loss(*args, impl="mosaic_gpu", platform="gpu", interpret=True)
   with pytest.raises(ValueError, match="together"):
     kernels.fused_linear_grpo_loss(*args, vocab_axis="tp")
   with pytest.raises(ValueError, match="divisible"):

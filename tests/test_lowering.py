@@ -4,6 +4,8 @@ Lowering runs the whole Pallas -> Mosaic / Triton-IR path, which is where TPU-il
 (the (8, 128) rule) and Triton's power-of-two rule are rejected; no accelerator is needed.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -185,10 +187,17 @@ def test_fused_linear_mosaic_gpu_lowers_at_production_shape(shape_name, grad):
   kernel too: one instance inside the loop over full vocabulary chunks, one for the tail chunk."""
   text = lower_fused_linear("gpu", LINEAR_LOSS_SHAPES[shape_name], "mosaic_gpu", grad=grad)
   assert text.count(backend.MOSAIC_GPU_MARKER) == (3 if grad else 1)
-  # impl="pallas" on GPU is the same Mosaic GPU kernels (no Triton variant of the fused loss)
+  # impl="pallas" on GPU is the same Mosaic GPU kernels for bf16 (no Triton variant of the fused
+  # loss), and the chunked path (its Triton softmax kernels) for f32, which wgmma cannot meet
   if not grad:
-    pallas = lower_fused_linear("gpu", LINEAR_LOSS_SHAPES[shape_name], "pallas", grad=False)
+    shape = LINEAR_LOSS_SHAPES[shape_name]
+    pallas = lower_fused_linear("gpu", shape, "pallas", grad=False)
     assert pallas.count(backend.MOSAIC_GPU_MARKER) == 1
+    f32 = lower_fused_linear(
+      "gpu", dataclasses.replace(shape, dtype="float32"), "pallas", grad=False
+    )
+    assert backend.MOSAIC_GPU_MARKER not in f32
+    assert f32.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
 
 
 def test_fused_linear_mosaic_gpu_spec_options_lower_at_production_shape():

@@ -101,14 +101,18 @@ def fused_linear_grpo_loss(
   gradient w.r.t. each token's log p becomes the per-row weight of the softmax gradient.
 
   Args:
-    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops).
+    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops;
+      on GPU ``mosaic_gpu`` for bf16 / f16 and ``chunked`` for f32).
+      ``"mosaic_gpu"``: the Hopper kernels of :mod:`kernels.fused_linear.mosaic_gpu` (GPU or the Mosaic
+      GPU interpreter; bf16 / f16; logits on chip, dl per vocabulary chunk in HBM, 8 N·H·V flops).
       ``"chunked"``: XLA matmuls per token chunk + grpo_loss's Pallas softmax kernels (every backend;
       one f32 [chunk, V] buffer, 6 N·H·V flops; 8 with a sequence-level option, whose token weights
       need a whole first pass). ``"xla"``: the reference, materialising the logits.
       ``"auto"``: ``xla`` on CPU (the interpreter is a correctness tool), ``chunked`` on GPU (no fused
       Triton variant: see ``kernels/fused_linear/pallas.py``) and on TPU (fewer flops; ``pallas`` when
       memory matters more — neither has been timed on a TPU yet).
-    blocks, chunk_size: tiles of the ``pallas`` path and tokens per chunk of the ``chunked`` path.
+    blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
+      (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
     mesh, vocab_axis: tensor parallelism. ``lm_head`` is split over its vocabulary on mesh axis
       ``vocab_axis`` (``shard_map``): each shard computes its partial max / sum-exp / chosen logit,
       combined across the axis before the loss, and its own slice of the LM-head gradient. The other
@@ -117,7 +121,9 @@ def fused_linear_grpo_loss(
   Raises:
     ValueError: everything ``grpo_loss`` rejects (:func:`kernels.grpo_loss.validate_loss_args`), and
       H or dtype mismatches between ``hidden`` and ``lm_head``, a non-floating dtype, an unknown
-      ``impl``, ``impl="pallas"`` on GPU, a vocabulary the axis does not divide, ``chunk_size`` <= 0.
+      ``impl``, ``impl="mosaic_gpu"`` with f32 or on TPU or with illegal ``MosaicLinearBlocks``, a
+      vocabulary the axis does not divide, ``chunk_size`` <= 0.
+    TypeError: ``impl="mosaic_gpu"`` with ``blocks`` that are not ``MosaicLinearBlocks``.
   """
   checks.choice("impl", impl, IMPLS)
   spec = loss_spec.resolve(spec, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature, max_log_ratio=max_log_ratio, is_mode=is_mode, is_cap=is_cap, importance_sampling_level=importance_sampling_level, epsilon_c=epsilon_c, max_completion_length=max_completion_length)  # fmt: skip
@@ -178,7 +184,9 @@ def fused_linear_grpo_loss(
     )
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
   if impl == "pallas" and target.platform == "gpu":
-    impl = "mosaic_gpu"  # the GPU's fused kernels (Triton cannot hold the tiles; see pallas.py)
+    # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
+    # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
+    impl = "mosaic_gpu" if hidden.dtype.name in _mosaic.DTYPES else "chunked"
 
   n, vs = b * t, v // tp
   fused = None
