@@ -152,7 +152,9 @@ def test_heuristic_and_candidates_at_production_shapes(name):
     ) or blocks.block_v > 128
   e = evidence(s.tokens, s.hidden, s.vocab, base)
   assert e["stats_programs"] >= 2 * mg.NUM_SMS and e["stats_wave_efficiency"] > 0.9
-  assert mg.candidate_blocks(s, "cpu") == []
+  assert mg.candidate_blocks(s, "cpu") == [base] and mg.candidate_blocks(s, "tpu") == []
+  as_dict = dict(tokens=s.tokens, hidden=s.hidden, vocab=s.vocab, dtype="float32")
+  assert mg.candidate_blocks(as_dict, "gpu") == []  # f32: no wgmma path
 
 
 def test_evidence_figures():

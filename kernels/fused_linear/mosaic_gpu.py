@@ -140,12 +140,18 @@ def default_blocks(n: int, h: int, v: int) -> MosaicLinearBlocks:
 
 
 def candidate_blocks(shape, platform: str = "gpu") -> list[MosaicLinearBlocks]:
-  """Legal blocks for the autotuner at ``shape`` (tokens N, hidden H, vocab V via attributes
-  ``tokens`` / ``hidden`` / ``vocab``, e.g. bench.shapes.LinearLossShape), the heuristic first.
-  Empty off GPU (the interpreter is a correctness tool, not something to tune)."""
-  if platform != "gpu":
+  """Legal blocks for the autotuner, the heuristic first.
+
+  shape: tokens N, hidden H, vocab V (one shard) and dtype, as attributes (bench.shapes.
+  LinearLossShape) or mapping keys (an autotune Problem's ``shape`` dict). platform: "gpu" gives the
+  grid below; "cpu" (the interpreter) only the heuristic, to exercise the plumbing; anything else,
+  or a dtype other than bf16 / f16, none."""
+  get = shape.get if isinstance(shape, dict) else lambda k: getattr(shape, k)
+  n, h, v = get("tokens"), get("hidden"), get("vocab")
+  if platform not in ("gpu", "cpu") or jnp.dtype(get("dtype")).name not in DTYPES:
     return []
-  n, h, v = shape.tokens, shape.hidden, shape.vocab
+  if platform == "cpu":
+    return [default_blocks(n, h, v)]
   base = default_blocks(n, h, v)
   out = [base]
   for bn, bv, bh, stages in (
