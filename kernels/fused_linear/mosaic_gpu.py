@@ -1,31 +1,27 @@
 """Mosaic GPU kernels for the fused LM-head loss (``impl="mosaic_gpu"``): Hopper wgmma + TMA.
 
 Two kernels over flat tokens (h [Np, H], w [H, Vp] one vocabulary shard, both padded to tile
-multiples by the wrapper; ids [Np] shard-local), each CTA one warpgroup:
+multiples by the wrapper; ids [Np] shard-local), each CTA one warpgroup, token rows the fastest
+(last) grid axis:
 
-  stats    grid (Np / block_n, splits). A CTA owns block_n token rows and a contiguous range of
-           vocabulary tiles (the vocabulary is cut into ``splits`` ranges so the grid fills the SMs).
-           For each [block_n, block_v] logits tile it streams h and w tiles of block_h hidden columns
-           through a ``stages``-deep TMA ring (``plgpu.emit_pipeline``) into wgmma, accumulating in
-           f32 registers; the finished tile folds into the rows' online max / sum-exp / E[z] / chosen
-           logit and is dropped. Each split writes its partial statistics; the wrapper combines the
-           splits exactly as vocabulary shards are combined (log-sum-exp of log-sum-exps).
-  dlogits  grid (Np / block_n, vocab_chunk / block_v) for one chunk of vocabulary columns: the same
-           logits tile is recomputed on chip, dl = g * (onehot(id) - exp(z - lse)) formed from the
-           global log-sum-exp, and written (input dtype) by TMA stores into a [Np, vocab_chunk] buffer.
-           XLA matmuls then give dw[:, chunk] = h^T dl (final, no f32 [H, V] accumulator) and
-           dh += dl w_chunk^T (an f32 [Np, H] accumulator) — cuBLAS-class wgmma GEMMs.
+  stats    grid (splits, Np / block_n). A CTA owns block_n rows and one of ``splits`` contiguous
+           ranges of vocabulary tiles. For each [block_n, block_v] logits tile it streams h and w
+           tiles of block_h hidden columns through a ``stages``-deep TMA ring (``emit_pipeline``)
+           into wgmma, accumulating in f32 registers; the tile folds into the rows' online max /
+           sum-exp / E[z] / chosen logit and is dropped. The splits' partial statistics are combined
+           in XLA exactly as vocabulary shards are (log-sum-exp of log-sum-exps).
+  dlogits  grid (vocab_chunk / block_v, Np / block_n) for one chunk of vocabulary columns: the same
+           tile recomputed on chip, dl = g * (onehot(id) - exp(z - lse)) from the global lse, written
+           (input dtype) by TMA into a [Np, vocab_chunk] buffer. XLA GEMMs then give the chunk's
+           final dw[:, chunk] = h^T dl and add dl w_chunk^T to an f32 dh.
 
-Why not the TPU kernel's decomposition (dh and dw accumulated in the kernel): its accumulators, a
-[block_n, H] and an [H, block_v] f32 tile, are 256 KiB-1 MiB at H = 2048 — VMEM holds them, but an
-SM has 256 KiB of registers and 227 KiB of shared memory in all, and GPU programs cannot accumulate
-across a grid axis (cross-CTA reduction would need TMA reduce-add stores, which the Mosaic GPU
-interpreter cannot run). So the logits never reach HBM, their gradient does, one vocabulary chunk
-at a time (temp memory: one [Np, vocab_chunk] buffer, see :func:`evidence`).
-
-Flops: 2 N·H·V (stats) + 2 (recompute) + 4 (the two gradient GEMMs) = 8 N·H·V, against 6 for a path
-that keeps logits (``chunked``): the price of never storing them (Cut Cross-Entropy pays the same).
-bf16 / f16 only: wgmma on f32 operands is tf32, which would not meet the f32 tolerance.
+Not the TPU kernel's decomposition (dh, dw accumulated in the kernel): its [block_n, H] and
+[H, block_v] f32 accumulators (256 KiB-1 MiB at H = 2048) exceed an SM's 256 KiB of registers and
+227 KiB of shared memory, and cross-CTA accumulation would need TMA reduce-add stores, which the
+Mosaic GPU interpreter cannot run. So logits never reach HBM; their gradient does, a chunk at a time.
+Flops: 2 N·H·V (stats) + 2 (recompute) + 4 (GEMMs) = 8 N·H·V, against 6 for ``chunked``, which keeps
+f32 logits chunks (figures: :mod:`kernels.fused_linear.mosaic_evidence`). bf16 / f16 only: wgmma on
+f32 operands is tf32, which would not meet the f32 tolerance.
 """
 
 from __future__ import annotations
