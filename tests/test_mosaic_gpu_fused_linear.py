@@ -6,10 +6,11 @@ Every primitive the kernels use runs in the interpreter (jax 0.10 and 0.11): TMA
 wgmma into a run_scoped accumulator, barriers. What it does not check, so the `gpu`-marked test does
 on hardware: register layouts (``plgpu.layout_cast`` is the identity there) and the real swizzled TMA
 tiles; tests/test_lowering.py checks that they lower for sm_90 at the production shapes. Not run here:
-vocabulary sharding (mesh / vocab_axis) — the interpreter's simulated shared memory fails under an
-8-device shard_map ("Barrier remains allocated" on device 6, jax 0.11.2); the kernels see only their
-shard's columns and shard-local ids, and the split combination they feed is tested. Interpreter
-runs cost ~2-4 s per differentiated call, so the shapes are tiny and hypothesis runs few examples.
+vocabulary sharding (mesh / vocab_axis) — the interpreter's simulated shared memory fails under a
+multi-device shard_map ("Barrier remains allocated", jax 0.11.2; grpo_loss's Mosaic GPU kernel fails
+the same way on 2 devices); the kernels see only their shard's columns and shard-local ids, and the
+split combination they feed is tested. Interpreter runs cost ~3-20 s per differentiated call, so the
+shapes are tiny and the hypothesis test is marked slow.
 """
 
 import hypothesis.strategies as st
