@@ -8,6 +8,7 @@ Public ops (the policy loss described by one :class:`LossSpec`): :func:`grpo_los
 from kernels import optim
 from kernels.fused_linear import (
   LinearBlocks,
+  MosaicLinearBlocks,
   fused_linear_grpo_loss,
   fused_linear_grpo_loss_reference,
 )
@@ -31,6 +32,7 @@ __all__ = [
   "LinearBlocks",
   "LossBlocks",
   "LossSpec",
+  "MosaicLinearBlocks",
   "PagedBlocks",
   "adamw_update",
   "fused_adamw",

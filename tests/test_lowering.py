@@ -4,6 +4,8 @@ Lowering runs the whole Pallas -> Mosaic / Triton-IR path, which is where TPU-il
 (the (8, 128) rule) and Triton's power-of-two rule are rejected; no accelerator is needed.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -225,3 +227,32 @@ def test_paged_mosaic_gpu_tuner_configs_lower_at_production_shape(shape_name, ri
   text = _lower_paged(shape_name, "mosaic_gpu", MosaicPagedBlocks(*ring))
   assert text.count(backend.MOSAIC_GPU_MARKER) == 1
   assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text
+
+
+@pytest.mark.parametrize("shape_name", ["qwen2.5-3b-8k", "qwen2.5-3b-16k"])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_fused_linear_mosaic_gpu_lowers_at_production_shape(shape_name, grad):
+  """The Mosaic GPU fused LM-head kernels lower for sm_90 at N = 8192 / 16384, H = 2048, V = 151936
+  (wgmma from swizzled TMA tiles, WGMMA-layout row reductions, dynamic chunk offsets proven
+  multiples of block_v). The loss alone runs the statistics kernel; differentiated, the dlogits
+  kernel too: one instance inside the loop over full vocabulary chunks, one for the tail chunk."""
+  text = lower_fused_linear("gpu", LINEAR_LOSS_SHAPES[shape_name], "mosaic_gpu", grad=grad)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == (3 if grad else 1)
+  # impl="pallas" on GPU is the same Mosaic GPU kernels for bf16 (no Triton variant of the fused
+  # loss), and the chunked path (its Triton softmax kernels) for f32, which wgmma cannot meet
+  if not grad:
+    shape = LINEAR_LOSS_SHAPES[shape_name]
+    pallas = lower_fused_linear("gpu", shape, "pallas", grad=False)
+    assert pallas.count(backend.MOSAIC_GPU_MARKER) == 1
+    f32 = lower_fused_linear(
+      "gpu", dataclasses.replace(shape, dtype="float32"), "pallas", grad=False
+    )
+    assert backend.MOSAIC_GPU_MARKER not in f32
+    assert f32.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
+
+
+def test_fused_linear_mosaic_gpu_spec_options_lower_at_production_shape():
+  """Sequence-level options: statistics pass, [B, T] objective in XLA, then the gradient pass."""
+  shape = LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"]
+  text = lower_fused_linear("gpu", shape, "mosaic_gpu", grad=True, **SPEC_OPTIONS)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 3

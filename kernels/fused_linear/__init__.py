@@ -13,8 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import backend, checks, loss_spec
 from kernels.fused_linear import chunked as _chunked
+from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
+from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss import validate_loss_args
@@ -26,6 +28,7 @@ from kernels.objective import policy_objective
 __all__ = [
   "IMPLS",
   "LinearBlocks",
+  "MosaicLinearBlocks",
   "default_blocks",
   "default_chunk",
   "fused_linear_grpo_loss",
@@ -33,15 +36,15 @@ __all__ = [
   "vocab_stats_reference",
 ]
 
-IMPLS = ("auto", "pallas", "chunked", "xla")
+IMPLS = ("auto", "pallas", "mosaic_gpu", "chunked", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
   """Everything static about one call (hashable: it is a custom_vjp non-differentiable argument)."""
 
-  impl: str  # "pallas" | "chunked"
-  fused: _pallas.FusedConfig | None
+  impl: str  # "pallas" | "mosaic_gpu" | "chunked"
+  fused: _pallas.FusedConfig | _mosaic.MosaicLinearConfig | None
   softmax: LossConfig  # the grpo_loss softmax kernels' config (chunked path)
   chunk: int
   mesh: Mesh | None
@@ -67,7 +70,7 @@ def fused_linear_grpo_loss(
   impl: str = "auto",
   platform: backend.Platform | None = None,
   interpret: bool | None = None,
-  blocks: LinearBlocks | None = None,
+  blocks: LinearBlocks | MosaicLinearBlocks | None = None,
   chunk_size: int | None = None,
   mesh: Mesh | None = None,
   vocab_axis: str | None = None,
@@ -98,14 +101,18 @@ def fused_linear_grpo_loss(
   gradient w.r.t. each token's log p becomes the per-row weight of the softmax gradient.
 
   Args:
-    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops).
+    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops;
+      on GPU ``mosaic_gpu`` for bf16 / f16 and ``chunked`` for f32).
+      ``"mosaic_gpu"``: the Hopper kernels of :mod:`kernels.fused_linear.mosaic_gpu` (GPU or the Mosaic
+      GPU interpreter; bf16 / f16; logits on chip, dl per vocabulary chunk in HBM, 8 N·H·V flops).
       ``"chunked"``: XLA matmuls per token chunk + grpo_loss's Pallas softmax kernels (every backend;
       one f32 [chunk, V] buffer, 6 N·H·V flops; 8 with a sequence-level option, whose token weights
       need a whole first pass). ``"xla"``: the reference, materialising the logits.
       ``"auto"``: ``xla`` on CPU (the interpreter is a correctness tool), ``chunked`` on GPU (no fused
       Triton variant: see ``kernels/fused_linear/pallas.py``) and on TPU (fewer flops; ``pallas`` when
       memory matters more — neither has been timed on a TPU yet).
-    blocks, chunk_size: tiles of the ``pallas`` path and tokens per chunk of the ``chunked`` path.
+    blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
+      (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
     mesh, vocab_axis: tensor parallelism. ``lm_head`` is split over its vocabulary on mesh axis
       ``vocab_axis`` (``shard_map``): each shard computes its partial max / sum-exp / chosen logit,
       combined across the axis before the loss, and its own slice of the LM-head gradient. The other
@@ -114,7 +121,9 @@ def fused_linear_grpo_loss(
   Raises:
     ValueError: everything ``grpo_loss`` rejects (:func:`kernels.grpo_loss.validate_loss_args`), and
       H or dtype mismatches between ``hidden`` and ``lm_head``, a non-floating dtype, an unknown
-      ``impl``, ``impl="pallas"`` on GPU, a vocabulary the axis does not divide, ``chunk_size`` <= 0.
+      ``impl``, ``impl="mosaic_gpu"`` with f32 or on TPU or with illegal ``MosaicLinearBlocks``, a
+      vocabulary the axis does not divide, ``chunk_size`` <= 0.
+    TypeError: ``impl="mosaic_gpu"`` with ``blocks`` that are not ``MosaicLinearBlocks``.
   """
   checks.choice("impl", impl, IMPLS)
   spec = loss_spec.resolve(spec, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature, max_log_ratio=max_log_ratio, is_mode=is_mode, is_cap=is_cap, importance_sampling_level=importance_sampling_level, epsilon_c=epsilon_c, max_completion_length=max_completion_length)  # fmt: skip
@@ -174,15 +183,16 @@ def fused_linear_grpo_loss(
       **logps,
     )
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
-  if impl == "pallas" and target.family == "rowloop":
-    raise ValueError(
-      "impl='pallas' (the fully fused kernels) needs grid-axis accumulation, which GPU "
-      "programs lack; use impl='chunked' on GPU"
-    )
+  if impl == "pallas" and target.platform == "gpu":
+    # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
+    # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
+    impl = "mosaic_gpu" if hidden.dtype.name in _mosaic.DTYPES else "chunked"
 
   n, vs = b * t, v // tp
   fused = None
-  if impl == "pallas":
+  if impl == "mosaic_gpu":
+    fused = _mosaic.make_config(target, blocks, n, hd, vs, hidden.dtype, spec.temperature)
+  elif impl == "pallas":
     blocks = default_blocks(target, n, hd, vs) if blocks is None else blocks
     blocks.check(target, n, hd, vs)
     fused = _pallas.FusedConfig(target, blocks, vs, spec.temperature)
@@ -315,7 +325,8 @@ def _local_stats(static: _Spec, h, w, ids):
     )
     stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
   else:
-    stats = _combine(static, *_pallas.stats(static.fused, h, w, ids))
+    kernel = _mosaic.stats if static.impl == "mosaic_gpu" else _pallas.stats
+    stats = _combine(static, *kernel(static.fused, h, w, ids))
   empty = jnp.zeros(
     (0,), jnp.float32
   )  # built per call: a module-level array would start the backend at import
@@ -330,7 +341,8 @@ def _local_grads(static: _Spec, h, w, ids, lse, g):
   else:
     # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
-    dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
+    kernel = _mosaic.grads if static.impl == "mosaic_gpu" else _pallas.grads
+    dh, dw = kernel(static.fused, h, w, ids, lse, g, dtype, w.dtype)
   if static.axis is not None:
     dh = jax.lax.psum(dh, static.axis)
   return (), dh, dw
