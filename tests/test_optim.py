@@ -564,3 +564,17 @@ def test_launch_evidence_by_hand_and_docstring_table():
       assert e.bytes_in_flight_per_sm >= 4 * e.needed_in_flight_per_sm
       row = evidence.table_row(tree, rule, n_in + n_out, e)
       assert row in evidence.__doc__, row
+
+
+def test_bench_case_memory_donated_outputs_alias_inputs():
+  """bench/cases/optim.py's memory figures at the tiny tree: donated, the in-place step and the
+  reference write into their inputs (peak = the 4 input trees, no output buffers), and the case
+  needs less than undonated (a state conversion that broke aliasing would give 7 trees)."""
+  from bench.cases.optim import memory_need
+
+  tree = 4 * sum(np.prod(s) for s in decoder_param_shapes("tiny").values()) / 2**30
+  donated, kept = memory_need("tiny", "adamw", True), memory_need("tiny", "adamw", False)
+  for side in ("kernel", "reference"):
+    assert donated[f"{side}_peak"] == pytest.approx(4 * tree, rel=0.01)
+    assert kept[f"{side}_peak"] == pytest.approx(7 * tree, rel=0.01)
+  assert donated["case_need"] < kept["case_need"]
