@@ -31,6 +31,7 @@ import optax
 from bench.cases import Case, Check
 from bench.shapes import decoder_param_shapes
 from kernels import optim
+from kernels.optim.evidence import launch_evidence
 
 SHAPES_BY_SIZE = {
   "tiny": ("tiny",),
@@ -40,6 +41,7 @@ SHAPES_BY_SIZE = {
 # bytes per f32 parameter: AdamW reads p, g, mu, nu and writes p, mu, nu; Lion reads p, g, mu, writes
 # p, mu; SGD with momentum reads p, g, trace, writes p, trace
 BYTES_PER_PARAM = {"adamw": 7 * 4, "lion": 5 * 4, "sgd": 5 * 4}
+ARRAYS = {"adamw": (4, 3), "lion": (3, 2), "sgd": (3, 2)}  # (read, written) per parameter
 HYPER = {
   "adamw": dict(learning_rate=1e-3, weight_decay=0.1),
   "lion": dict(learning_rate=1e-4, weight_decay=0.1),
@@ -108,7 +110,9 @@ def cases(size: str, platform: str) -> list[Case]:
     for which in HYPER:
       inputs = functools.partial(make_inputs, shapes, which)
       ref = functools.partial(_reference, which)
+      plan = launch_evidence([math.prod(s) for s in shapes.values()], *ARRAYS[which])
       info = dict(model=name, params=n_params, leaves=n_leaves, dtype="float32")
+      info.update(programs=plan.programs, waves_h100=round(plan.waves, 1))
       for variant, fn in (("inplace", _inplace), ("optax-api", _optax_api)):
         out.append(
           Case(
