@@ -256,3 +256,35 @@ def test_fused_linear_mosaic_gpu_spec_options_lower_at_production_shape():
   shape = LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"]
   text = lower_fused_linear("gpu", shape, "mosaic_gpu", grad=True, **SPEC_OPTIONS)
   assert text.count(backend.MOSAIC_GPU_MARKER) == 3
+
+
+@pytest.mark.parametrize(
+  "tree,rule",
+  [
+    ("qwen2.5-0.5b", "adamw"),
+    ("qwen2.5-1.5b", "adamw"),
+    pytest.param("qwen2.5-1.5b", "lion", marks=pytest.mark.slow),  # ~20 s; AdamW covers the path
+  ],
+)
+def test_optimizer_step_lowers_as_one_launch_at_production_trees(tree, rule):
+  """The bench's 0.5B / 1.5B f32 trees (290 / 338 leaves), the donated in-place step: ONE Triton
+  launch for the whole tree (a per-leaf or per-dtype fallback would count hundreds), every param and
+  state leaf aliased into it (a dropped alias is an XLA copy: 2 extra words per element)."""
+  from bench.shapes import decoder_param_shapes
+
+  shapes = decoder_param_shapes(tree)
+  specs = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  make = kernels.optim.fused_adamw_step if rule == "adamw" else kernels.optim.fused_lion_step
+  tx, step = make(1e-3, impl="pallas")
+  target = backend.make_target("gpu", interpret=False)
+  with backend.use_target("gpu", interpret=False):
+    state = jax.eval_shape(tx.init, specs)
+    text = (
+      jax.jit(step, donate_argnums=(0, 2))
+      .trace(specs, specs, state)
+      .lower(lowering_platforms=(target.lowering_platform,))
+      .as_text()
+    )
+  assert text.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
+  n_slots = 2 if rule == "adamw" else 1
+  assert text.count("stablehlo.output_operand_alias<") == len(shapes) * (1 + n_slots)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -15,7 +15,7 @@ import kernels
 from bench.shapes import decoder_param_shapes
 from bench.tolerances import assert_close
 from kernels import backend
-from kernels.optim import ElementwiseBlocks
+from kernels.optim import ElementwiseBlocks, MultiTensorBlocks
 from tests.compiles import compile_events
 
 FAMILIES = {"tiled": "cpu", "rowloop": "gpu"}
@@ -205,8 +205,10 @@ def test_kernel_matches_reference_of_same_rule_hypothesis(
       assert_close(a, b, "optimizer", a.dtype, 1, f"{type(rule).__name__}", scale=scale)
 
 
-def _small_blocks(family):  # small tiles so ragged edges are exercised
-  return ElementwiseBlocks(8, 128) if family == "tiled" else ElementwiseBlocks(1, 64)
+def _small_blocks(
+  family,
+):  # small tiles / chunks so ragged edges and multi-step programs are exercised
+  return ElementwiseBlocks(8, 128) if family == "tiled" else MultiTensorBlocks(128, 256, 4)
 
 
 @pytest.mark.parametrize("which", ["adamw_tx", "sgd_step"])
@@ -242,13 +244,14 @@ def _lowered_text(make, tree, platform, target):
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_lowers_real_kernel_at_1_5b_shapes(platform):
   """Every distinct parameter shape of Qwen2.5-1.5B, AdamW, Lion and SGD, lowered for the real
-  backend."""
+  backend: one Triton launch for the whole tree on GPU, one Mosaic kernel per leaf on TPU."""
   shapes = sorted(set(decoder_param_shapes("qwen2.5-1.5b").values()))
   tree = {str(s): jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes}
   target = backend.make_target(platform, interpret=False)
   for make in (kernels.fused_adamw(1e-3), kernels.fused_lion(1e-3), kernels.fused_sgd(1e-3)):
     text = _lowered_text(make, tree, platform, target)
-    assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == len(shapes)
+    expected = len(shapes) if platform == "tpu" else 1
+    assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == expected
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
@@ -417,3 +420,222 @@ def test_sgd_update_needs_no_params_like_optax_sgd():
   ours, _ = tx.update(grads, tx.init(params))
   theirs, _ = ref.update(grads, ref.init(params))
   assert_trees_close(ours, theirs)
+
+
+# --------------------------------------------------------------------------- one launch per tree
+def _pallas_calls(fn, *args) -> int:
+  """pallas_call equations in ``fn``'s jaxpr, nested ones (shard_map, cond) included."""
+  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+def _wide_tree(n_leaves=64):
+  """Many small leaves of ragged sizes and a bf16 leaf (the production trees' 290 / 338 leaves are
+  counted by the CUDA lowering in tests/test_lowering.py; tracing them here would cost minutes)."""
+  rng = np.random.default_rng(4)
+  tree = {
+    f"l{i:03d}": jnp.asarray(rng.normal(size=(1 + i % 7, 3 + i % 5)), jnp.float32)
+    for i in range(n_leaves)
+  }
+  tree["half"] = tree.pop("l000").astype(jnp.bfloat16)
+  return tree
+
+
+@pytest.mark.parametrize("which", STEPS)
+def test_one_launch_for_the_whole_tree(which):
+  """The GPU family's step and optax-API update each trace to ONE kernel for a 64-leaf tree with a
+  bf16 leaf and a weight-decay mask (a per-leaf loop, or a launch per dtype / mask value, would show
+  up as 64 or several)."""
+  make, hyper, _ = STEPS[which]
+  kw = dict(impl="pallas", platform="gpu", interpret=True)
+  if which != "sgd":
+    kw["mask"] = lambda p: {k: v.ndim == 2 and v.shape[0] > 1 for k, v in p.items()}
+  tx, step = make(**hyper, **kw)
+  params = _wide_tree()
+  state = tx.init(params)
+  assert _pallas_calls(step, params, params, state) == 1
+  assert _pallas_calls(lambda p, g, s: _apply(tx, p, g, s), params, params, state) == 1
+
+
+def test_one_launch_matches_optax_over_ragged_mixed_tree():
+  """The (leaf, chunk) walk with many leaves and chunks: every leaf lands in its own program range
+  (an off-by-one in the program -> leaf map corrupts a neighbour) — 2 steps against optax, the bf16
+  leaf against optax run in f32 then cast."""
+  params = _wide_tree(9)
+  blocks = MultiTensorBlocks(128, 256, 4)
+  tx, step = kernels.fused_adamw_step(
+    1e-2, weight_decay=0.1, impl="pallas", platform="gpu", interpret=True, blocks=blocks
+  )
+  params["big"] = jnp.asarray(np.random.default_rng(5).normal(size=(3, 700)), jnp.float32)
+  ref = {k: v.astype(jnp.float32) for k, v in params.items()}
+  theirs = optax.adamw(1e-2, weight_decay=0.1)
+  state, ref_state = tx.init(params), theirs.init(ref)
+  jstep = jax.jit(step, donate_argnums=(0, 2))
+  rng = np.random.default_rng(6)
+  for _ in range(2):
+    grads = {k: jnp.asarray(rng.normal(size=v.shape), v.dtype) for k, v in params.items()}
+    ref, ref_state = _apply(
+      theirs, ref, jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state
+    )
+    params, state = jstep(params, grads, state)
+  f32 = {k: v for k, v in params.items() if k != "half"}
+  assert_trees_close(f32, {k: ref[k] for k in f32})
+  assert params["half"].dtype == jnp.bfloat16
+  assert_close(
+    params["half"], ref["half"].astype(jnp.bfloat16), "optimizer", jnp.bfloat16, 1, "half"
+  )
+
+
+def test_fsdp_step_compiles_without_collectives_in_one_launch():
+  """On the 8-device mesh the multi-tensor step runs under ONE shard_map with each leaf's own spec:
+  one kernel, and the compiled step holds no all-gather / all-reduce / all-to-all / permute (a
+  spec mismatch would make XLA gather the full parameters to each device)."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (simulated) devices")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+  params = model_tree()
+  specs = {"embed": P(None, "tp"), "w": P("fsdp", "tp"), "b": P("tp"), "scale": P(), "odd": P()}
+  specs["lane"] = P("fsdp", "tp")
+  placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+  tx, step = kernels.fused_adamw_step(
+    1e-3,
+    impl="pallas",
+    platform="gpu",
+    interpret=True,
+    mesh=mesh,
+    partition_specs=kernels.optim.partition_specs_of(placed),
+  )
+  state = jax.jit(tx.init)(placed)
+  assert _pallas_calls(step, placed, placed, state) == 1
+  compiled = jax.jit(step, donate_argnums=(0, 2)).lower(placed, placed, state).compile().as_text()
+  for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+    assert collective not in compiled, collective
+
+
+def test_pointer_budget_splits_only_past_it():
+  """One launch while the operands fit CUDA's kernel-parameter space; a tree past MAX_POINTERS
+  buffers splits into consecutive launches that cover every leaf once (none dropped or doubled)."""
+  from kernels.optim import multi
+
+  leaf = multi.LeafWork(None, dict.fromkeys("pgmv"), dict.fromkeys("pmv"))  # AdamW: 7 buffers
+  fits = multi.MAX_POINTERS // 7
+  assert multi._pointer_groups([leaf] * fits) == [list(range(fits))]
+  groups = multi._pointer_groups([leaf] * (fits + 1))
+  assert len(groups) == 2 and groups[0] + groups[1] == list(range(fits + 1))
+
+
+# --------------------------------------------------------------------------- blocks and evidence
+def test_multi_tensor_blocks_validate_and_candidates_are_legal():
+  """Illegal steps (not a power of two, a chunk that is not a multiple, too many values per thread)
+  fail by name; the autotuner's grid is legal, unique and starts with the heuristic."""
+  for kw, match in (
+    (dict(block=1000), "block must be a power of two"),
+    (dict(block=1024, chunk=1536), "chunk must be block x"),
+    (dict(num_warps=3), "num_warps must be 1, 2, 4, 8 or 16"),
+    (dict(block=16384, chunk=16384, num_warps=4), "at most 64"),
+    (dict(block=True), "block must be a positive int"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      MultiTensorBlocks(**kw)
+  cands = kernels.optim.candidate_blocks(4, 3)
+  assert cands[0] == kernels.optim.default_blocks(4) and len(set(cands)) == len(cands) > 4
+  from kernels.optim.multi import estimated_registers
+
+  assert all(estimated_registers(b, 4) <= 128 for b in cands)
+  with pytest.raises(ValueError, match="n_inputs"):
+    kernels.optim.candidate_blocks(0, 3)
+
+
+def test_launch_evidence_by_hand_and_docstring_table():
+  """The evidence function on a tree small enough to count by hand, and the docstring's table
+  regenerated from it at the bench's trees (a changed heuristic cannot leave stale figures)."""
+  import math
+
+  from kernels.optim import evidence
+
+  e = evidence.launch_evidence([5000, 1, 0, 4096], 4, 3, MultiTensorBlocks(1024, 4096, 4))
+  assert (e.leaves, e.params, e.programs) == (4, 9097, 2 + 1 + 1)
+  assert e.registers_per_thread == 4 * 8 + 32 and e.resident_per_sm == 8  # 65536 / (64 * 128)
+  assert e.bytes_per_program == 4096 * 7 * 4 and e.bytes_in_flight_per_sm == 8 * 1024 * 16
+  assert e.ideal_bytes == 9097 * 28
+  for tree in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    sizes = [math.prod(s) for s in decoder_param_shapes(tree).values()]
+    for rule, (n_in, n_out) in (("adamw", (4, 3)), ("lion/sgd", (3, 2))):
+      e = evidence.launch_evidence(sizes, n_in, n_out)
+      assert e.bytes_in_flight_per_sm >= 4 * e.needed_in_flight_per_sm
+      row = evidence.table_row(tree, rule, n_in + n_out, e)
+      assert row in evidence.__doc__, row
+
+
+def test_bench_case_memory_donated_outputs_alias_inputs():
+  """bench/cases/optim.py's memory figures at the tiny tree: donated, the in-place step and the
+  reference write into their inputs (peak = the 4 input trees, no output buffers), and the case
+  needs less than undonated (a state conversion that broke aliasing would give 7 trees)."""
+  from bench.cases.optim import memory_need
+
+  tree = 4 * sum(np.prod(s) for s in decoder_param_shapes("tiny").values()) / 2**30
+  donated, kept = memory_need("tiny", "adamw", True), memory_need("tiny", "adamw", False)
+  for side in ("kernel", "reference"):
+    assert donated[f"{side}_peak"] == pytest.approx(4 * tree, rel=0.01)
+    assert kept[f"{side}_peak"] == pytest.approx(7 * tree, rel=0.01)
+  assert donated["case_need"] < kept["case_need"]
+
+
+@settings(max_examples=10)  # each example compiles an interpreted 1-4 leaf launch (~2 s on 2 cores)
+@given(
+  sizes=st.lists(st.integers(0, 700), min_size=1, max_size=4),
+  masters=st.lists(st.booleans(), min_size=4, max_size=4),
+  decays=st.lists(st.booleans(), min_size=4, max_size=4),
+  seed=st.integers(0, 2**32 - 1),
+)
+def test_one_launch_over_ragged_leaves_matches_reference_hypothesis(sizes, masters, decays, seed):
+  """Several ragged leaves (empty ones too) in ONE launch, each with or without a bf16 param + f32
+  master and with or without weight decay, against the XLA reference of each leaf's rule: a wrong
+  program -> leaf boundary, a chunk offset off by a step, or one leaf's rule applied to another shows
+  up here (small chunks: 2 steps of 128 per program)."""
+  rng = np.random.default_rng(seed)
+  rule = kernels.optim.AdamW(0.9, 0.99, 1e-8, 0.1)
+  n = len(sizes)
+  rules = [rule if d else rule.without_weight_decay() for d in decays[:n]]
+  f32 = [jnp.asarray(rng.normal(size=(k,)), jnp.float32) for k in sizes]
+  grads = [jnp.asarray(rng.normal(size=(k,)), jnp.float32) for k in sizes]
+  slots = [
+    (jnp.asarray(rng.normal(size=(k,)), jnp.float32), jnp.asarray(rng.random(k), jnp.float32))
+    for k in sizes
+  ]
+  params = [p.astype(jnp.bfloat16) if m else p for p, m in zip(f32, masters)]
+  master = [p if m else None for p, m in zip(f32, masters)]
+  scalars = rule.scalars(1e-2, 3)
+  blocks = MultiTensorBlocks(128, 256, 4)
+  kernel = kernels.optim.KernelOptions("pallas", "gpu", True, blocks)
+  xla = kernels.optim.KernelOptions("xla")
+  run = lambda o: jax.jit(  # one compile per side, not one per eager op
+    lambda p, g, s, m: kernels.optim.update_leaves(rules, p, g, s, scalars, masters=m, options=o)
+  )(params, grads, slots, master)
+  ours, ref = run(kernel), run(xla)
+  for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+    assert a.param.dtype == params[i].dtype and (a.master is None) == (master[i] is None)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      scale = max(1.0, float(np.max(np.abs(np.asarray(y, np.float32)), initial=0.0)))
+      assert_close(x, y, "optimizer", x.dtype, 1, f"leaf {i}", scale=scale)
+
+
+def test_xla_cost_bytes_are_the_documented_ones():
+  """XLA's cost analysis of the compiled AdamW step on CPU (our XLA path and optax): never below the
+  7 x 4 B/param minimum, and the 40 B the evidence docstring quotes (a fusion change in XLA that
+  makes the reference cheaper would make the docstring's argument stale)."""
+  import math
+
+  from kernels.optim import evidence
+
+  shapes = decoder_param_shapes("tiny")
+  n = sum(math.prod(s) for s in shapes.values())
+  tree = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  tx, step = kernels.fused_adamw_step(1e-3, impl="xla")
+  ours = evidence.xla_bytes_per_param(step, (tree, tree, jax.eval_shape(tx.init, tree)), n, (0, 2))
+  ref = optax.adamw(1e-3)
+  theirs = evidence.xla_bytes_per_param(
+    lambda p, g, s: _apply(ref, p, g, s), (tree, tree, jax.eval_shape(ref.init, tree)), n
+  )
+  for got in (ours, theirs):
+    assert got >= 28 and round(got) == 40, got
+  assert "moves 40 B per parameter for optax AdamW" in " ".join(evidence.__doc__.split())

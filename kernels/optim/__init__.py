@@ -3,11 +3,16 @@
 Three layers, each a thin one over the next:
   rules.py      an optimizer's element-wise math, once: ``AdamW`` / ``Lion`` / ``SGD`` (frozen
                 dataclasses of validated hyperparameters with ``delta(p, g, scalars, *slots)``);
-  leaf.py       a rule on one array: one Pallas pass (param, grad and state read once, new param and
-                state written once: 7 x 4 bytes per f32 parameter for AdamW) or the pure-JAX
-                reference (reference.py), both evaluating the same body;
+  leaf.py       a rule on arrays: ``update_leaves`` runs every leaf of a tree in one pass over memory
+                (param, grad and state read once, new param and state written once: 7 x 4 bytes per
+                f32 parameter for AdamW) — on GPU one multi-tensor launch for the whole tree
+                (multi.py: a (leaf, chunk) walk, leaves aliased in place), on TPU one tiled kernel
+                per leaf (pallas.py) — or the pure-JAX reference (reference.py), all evaluating the
+                same body;
   transform.py  a rule over a tree: an ``optax.GradientTransformation`` returning the update delta,
-                and an in-place ``step(params, grads, state)``, optionally shard-local on a mesh.
+                and an in-place ``step(params, grads, state)``, optionally shard-local on a mesh
+                (one shard_map, one launch per device).
+  evidence.py   the launch's programs, bytes and occupancy against the H100 (no GPU needed).
 The public functions below name the combinations: ``fused_adamw(...)`` is ``fused(AdamW(...), ...)``.
 A new element-wise optimizer is one ``Rule`` subclass (``SGD``: 13 lines, its math 4).
 """
@@ -19,7 +24,8 @@ from typing import NamedTuple
 import jax
 import optax
 
-from kernels.optim.leaf import KernelOptions, RuleUpdate, apply_rule
+from kernels.optim.leaf import KernelOptions, RuleUpdate, apply_rule, update_leaves
+from kernels.optim.multi import MultiTensorBlocks, candidate_blocks, default_blocks
 from kernels.optim.pallas import ElementwiseBlocks
 from kernels.optim.rules import SGD, AdamW, Interval, Lion, Rule, check_range
 from kernels.optim.transform import FusedOptimizer, FusedState, partition_specs_of
@@ -35,12 +41,15 @@ __all__ = [
   "KernelOptions",
   "Lion",
   "LionUpdate",
+  "MultiTensorBlocks",
   "Rule",
   "RuleUpdate",
   "SGDUpdate",
   "adamw_update",
   "apply_rule",
+  "candidate_blocks",
   "check_range",
+  "default_blocks",
   "fused",
   "fused_adamw",
   "fused_adamw_step",
@@ -53,6 +62,7 @@ __all__ = [
   "lion_update",
   "partition_specs_of",
   "sgd_update",
+  "update_leaves",
 ]
 
 
@@ -67,7 +77,7 @@ def fused_optimizer(
   impl: str = "auto",
   platform=None,
   interpret=None,
-  blocks: ElementwiseBlocks | None = None,
+  blocks: ElementwiseBlocks | MultiTensorBlocks | None = None,
 ) -> FusedOptimizer:
   """``rule`` over a parameter tree. learning_rate: float >= 0 or optax schedule; mask: pytree of
   bools or callable(params), the leaves that get weight decay; mesh + partition_specs (see
@@ -95,7 +105,7 @@ def fused_step(rule: Rule, learning_rate, **options):
 def fused_adamw(
   learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, **options
 ) -> optax.GradientTransformation:
-  """``optax.adamw`` as one fused kernel per parameter; see :func:`fused`."""
+  """``optax.adamw`` as one fused pass over the tree; see :func:`fused`."""
   return fused(AdamW(b1, b2, eps, weight_decay), learning_rate, **options)
 
 
@@ -107,7 +117,7 @@ def fused_adamw_step(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-
 def fused_lion(
   learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, **options
 ) -> optax.GradientTransformation:
-  """``optax.lion`` as one fused kernel per parameter; see :func:`fused`."""
+  """``optax.lion`` as one fused pass over the tree; see :func:`fused`."""
   return fused(Lion(b1, b2, weight_decay), learning_rate, **options)
 
 
@@ -119,7 +129,7 @@ def fused_lion_step(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3, **options
 def fused_sgd(
   learning_rate, momentum=0.9, nesterov=False, **options
 ) -> optax.GradientTransformation:
-  """``optax.sgd(learning_rate, momentum, nesterov)`` as one fused kernel per parameter."""
+  """``optax.sgd(learning_rate, momentum, nesterov)`` as one fused pass over the tree."""
   return fused(SGD(momentum, nesterov), learning_rate, **options)
 
 
@@ -164,7 +174,7 @@ def adamw_update(
   impl: str = "auto",
   platform=None,
   interpret=None,
-  blocks: ElementwiseBlocks | None = None,
+  blocks: ElementwiseBlocks | MultiTensorBlocks | None = None,
 ) -> AdamWUpdate:
   """One AdamW step on one array, exactly as ``optax.adamw`` then ``optax.apply_updates``; see
   :func:`apply_rule` (master copy, in-place buffers, range checks)."""
@@ -187,7 +197,7 @@ def lion_update(
   impl: str = "auto",
   platform=None,
   interpret=None,
-  blocks: ElementwiseBlocks | None = None,
+  blocks: ElementwiseBlocks | MultiTensorBlocks | None = None,
 ) -> LionUpdate:
   """One Lion step on one array, exactly as ``optax.lion`` then ``optax.apply_updates``."""
   options = KernelOptions(impl, platform, interpret, blocks)
@@ -208,7 +218,7 @@ def sgd_update(
   impl: str = "auto",
   platform=None,
   interpret=None,
-  blocks: ElementwiseBlocks | None = None,
+  blocks: ElementwiseBlocks | MultiTensorBlocks | None = None,
 ) -> SGDUpdate:
   """One step of ``optax.sgd(lr, momentum, nesterov)`` then ``optax.apply_updates``."""
   options = KernelOptions(impl, platform, interpret, blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import backend
+from kernels.optim.multi import LeafWork, MultiTensorBlocks, multi_tensor_call
 from kernels.optim.pallas import ElementwiseBlocks, elementwise_call
 from kernels.optim.reference import elementwise_reference
 from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
@@ -22,12 +24,13 @@ Write = Literal["param", "delta"]
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
   """impl: "pallas" | "xla" | "auto" (kernel on TPU / GPU, XLA on CPU); platform / interpret: the
-  target (see kernels.backend); blocks: tile sizes (default per target)."""
+  target (see kernels.backend); blocks: ``MultiTensorBlocks`` for the GPU (rowloop) family,
+  ``ElementwiseBlocks`` for the tiled family (TPU, CPU interpreter); None: the heuristic."""
 
   impl: str = "auto"
   platform: str | None = None
   interpret: bool | None = None
-  blocks: ElementwiseBlocks | None = None
+  blocks: ElementwiseBlocks | MultiTensorBlocks | None = None
 
   def __post_init__(self):
     if self.impl not in ("auto", "pallas", "xla"):
@@ -74,8 +77,74 @@ def update_leaf(
   write: Write = "param",
   options: KernelOptions,
 ) -> RuleUpdate:
-  """The driver under :func:`apply_rule` and the tree transformation; nothing range-checked."""
-  param, grad = jnp.asarray(param), jnp.asarray(grad)
+  """The driver under :func:`apply_rule`: one leaf; nothing range-checked."""
+  (out,) = update_leaves(
+    [rule], [param], [grad], [slots], scalars, masters=[master], write=write, options=options
+  )
+  return out
+
+
+def update_leaves(
+  rules: Sequence[Rule],  # one per leaf (the weight-decay mask picks each leaf's rule)
+  params: Sequence,  # [...] bf16 / f32 each
+  grads: Sequence,  # [...] float each, shaped like its param
+  slots: Sequence[tuple],  # per leaf: [...] f32 each, in rule.slots order
+  scalars: tuple,  # f32 [] each, from rule.scalars
+  *,
+  masters: Sequence | None = None,  # per leaf: [...] f32 or None
+  write: Write = "param",
+  options: KernelOptions,
+) -> list[RuleUpdate]:
+  """Every leaf's step: on the GPU family one multi-tensor launch for all of them
+  (:mod:`kernels.optim.multi`), on the tiled family one kernel per leaf, else the XLA reference."""
+  masters = [None] * len(params) if masters is None else list(masters)
+  works, leads = [], []
+  for rule, p, g, s, m in zip(rules, params, grads, slots, masters, strict=True):
+    work, lead = _leaf_work(rule, jnp.asarray(p), jnp.asarray(g), tuple(s), m, write)
+    works.append(work)
+    leads.append(lead)
+  target = backend.resolve(options.platform, options.interpret)
+  kernel = options.use_kernel(target)
+  stacked = jnp.stack(scalars).astype(jnp.float32) if scalars else jnp.zeros([1], jnp.float32)
+  name = f"{type(rules[0]).__name__.lower()}_update" if rules else "update"
+  if kernel and target.family == "rowloop" and works:
+    blocks = options.blocks
+    if blocks is not None and not isinstance(blocks, MultiTensorBlocks):
+      raise TypeError(
+        f"blocks for the GPU (rowloop) kernel must be MultiTensorBlocks, got {blocks!r}"
+      )
+    outs = multi_tensor_call(
+      works, stacked, target=target, blocks=blocks, in_place=write == "param", name=name
+    )
+  else:
+    outs = [_one(w, stacked, scalars, target, kernel, write, options, name) for w in works]
+  return [
+    RuleUpdate(o[lead], tuple(o[k] for k in rule.slots), o.get("master"))
+    for o, lead, rule in zip(outs, leads, rules)
+  ]
+
+
+def _one(work: LeafWork, stacked, scalars, target, kernel: bool, write: Write, options, name):
+  size = math.prod(next(iter(work.inputs.values())).shape)
+  if not (kernel and size):  # a size-0 leaf has nothing to tile: XLA no-op
+    return elementwise_reference(work.body, work.inputs, work.outputs, scalars)
+  blocks = options.blocks
+  if blocks is not None and not isinstance(blocks, ElementwiseBlocks):
+    raise TypeError(f"blocks for the tiled kernel must be ElementwiseBlocks, got {blocks!r}")
+  return elementwise_call(
+    work.body,
+    work.inputs,
+    work.outputs,
+    stacked,
+    target=target,
+    blocks=blocks,
+    in_place=write == "param",
+    name=name,
+  )
+
+
+def _leaf_work(rule: Rule, param, grad, slots: tuple, master, write: Write):
+  """The leaf's kernel body, named inputs and outputs, and the name of its lead output."""
   _check_arrays(rule, param, grad, slots, master)
   src = "param" if master is None else "master"
   inputs = {src: param if master is None else master, "grad": grad, **dict(zip(rule.slots, slots))}
@@ -92,21 +161,7 @@ def update_leaf(
     p = p + delta  # the kernel writes its cast to the param dtype beside the f32 master
     return (p, *new_state, p) if with_master else (p, *new_state)
 
-  target = backend.resolve(options.platform, options.interpret)
-  if options.use_kernel(target) and param.size:  # a size-0 leaf has nothing to tile: XLA no-op
-    outs = elementwise_call(
-      body,
-      inputs,
-      outputs,
-      jnp.stack(scalars).astype(jnp.float32),
-      target=target,
-      blocks=options.blocks,
-      in_place=write == "param",
-      name=f"{type(rule).__name__.lower()}_update",
-    )
-  else:
-    outs = elementwise_reference(body, inputs, outputs, scalars)
-  return RuleUpdate(outs[lead], tuple(outs[k] for k in rule.slots), outs.get("master"))
+  return LeafWork(body, inputs, outputs), lead
 
 
 def _check_arrays(rule: Rule, param, grad, slots: tuple, master):

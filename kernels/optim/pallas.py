@@ -1,11 +1,8 @@
-"""One Pallas pass for an element-wise optimizer update: read param, grad and state once, write once.
-
-Two families (see kernels.backend):
-  tiled   (TPU, CPU interpreter): each array viewed as 2-D (free reshape) and tiled (bm, bc); partial
-          edge tiles are handled by Pallas (out-of-range writes dropped).
-  rowloop (GPU / Triton): each array flat, one program per ``block`` elements with masked loads and
-          stores (Triton does not bounds-check block edges).
-Scalars (learning rate, bias corrections) travel in SMEM on TPU and as a tiny array on GPU.
+"""One Pallas pass per array for an element-wise optimizer update, the tiled family (TPU, and the CPU
+interpreter of it): read param, grad and state once, write once. Each array is viewed as 2-D (a free
+reshape) and tiled (bm, bc); partial edge tiles are handled by Pallas (out-of-range writes dropped).
+Scalars (learning rate, bias corrections) travel in SMEM on TPU. The GPU (Triton) family updates a
+whole tree in one launch instead: :mod:`kernels.optim.multi`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from kernels.backend import Target
 
 @dataclasses.dataclass(frozen=True)
 class ElementwiseBlocks:
-  """tiled: (block_rows, block_cols) over the 2-D view; rowloop: block_cols elements per program."""
+  """(block_rows, block_cols) tiles over the 2-D view; num_warps is unused (kept for old callers)."""
 
   block_rows: int
   block_cols: int
@@ -51,10 +48,7 @@ def view_2d(shape) -> tuple[int, int]:
 
 def default_blocks(target: Target, rows: int, cols: int, n_arrays: int) -> ElementwiseBlocks:
   """TPU: ~256 KiB f32 tiles, so n_arrays double-buffered tiles stay far inside scoped VMEM.
-  GPU: 2048 elements per program, 4 warps (16 per thread): a plain streaming kernel.
   CPU interpreter: as large as possible (grid steps cost interpreter time)."""
-  if target.family == "rowloop":
-    return ElementwiseBlocks(1, 2048, 4)
   if target.platform == "tpu" and not target.interpret:
     bc = cols if cols <= 2048 else 2048
     bm = max(8, (65536 // bc) // 8 * 8)
@@ -63,10 +57,7 @@ def default_blocks(target: Target, rows: int, cols: int, n_arrays: int) -> Eleme
 
 
 def _check(blocks: ElementwiseBlocks, target: Target, rows: int, cols: int):
-  if target.family == "rowloop":
-    if blocks.block_cols & (blocks.block_cols - 1):
-      raise ValueError(f"Triton tiles must be powers of two: block_cols={blocks.block_cols}")
-  elif target.platform == "tpu" and not target.interpret:
+  if target.platform == "tpu" and not target.interpret:
     if blocks.block_rows % 8 and blocks.block_rows != rows:
       raise ValueError(f"TPU block_rows must be a multiple of 8 or equal {rows}")
     if blocks.block_cols % 128 and blocks.block_cols != cols:
@@ -100,45 +91,30 @@ def elementwise_call(
     for o, (k, dtype) in enumerate(outputs.items()):
       if k in in_index and inputs[k].dtype == dtype:
         aliases[1 + in_index[k]] = o  # scalars are input 0
-  body_fn = functools.partial(_tiled_body if target.family == "tiled" else _flat_body, body, n_in)
-  if target.family == "tiled":
-    rows, cols = view_2d(shape)
-    blocks = blocks or default_blocks(target, rows, cols, n_in + n_out)
-    _check(blocks, target, rows, cols)
-    bm, bc = blocks.block_rows, blocks.block_cols
-    spec = pl.BlockSpec((bm, bc), lambda i, j: (i, j))
-    scalar_spec = (
-      pl.BlockSpec(memory_space=backend.tpu_smem())
-      if target.platform == "tpu" and not target.interpret
-      else pl.BlockSpec(scalars.shape, lambda i, j: (0,))
-    )
-    outs = pl.pallas_call(
-      body_fn,
-      grid=(pl.cdiv(rows, bm), pl.cdiv(cols, bc)),
-      in_specs=[scalar_spec] + [spec] * n_in,
-      out_specs=[spec] * n_out,
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), d) for d in out_dtypes],
-      input_output_aliases=aliases,
-      compiler_params=backend.compiler_params(target, dimension_semantics=("parallel", "parallel")),
-      interpret=target.interpret,
-      name=name,
-    )(scalars, *(a.reshape(rows, cols) for a in arrays))
-  else:
-    n = math.prod(shape)
-    blocks = blocks or default_blocks(target, 1, n, n_in + n_out)
-    _check(blocks, target, 1, n)
-    whole = pl.BlockSpec((n,), lambda i: (0,))
-    outs = pl.pallas_call(
-      functools.partial(body_fn, n=n, block=blocks.block_cols),
-      grid=(pl.cdiv(n, blocks.block_cols),),
-      in_specs=[pl.BlockSpec(scalars.shape, lambda i: (0,))] + [whole] * n_in,
-      out_specs=[whole] * n_out,
-      out_shape=[jax.ShapeDtypeStruct((n,), d) for d in out_dtypes],
-      input_output_aliases=aliases,
-      compiler_params=backend.compiler_params(target, num_warps=blocks.num_warps, num_stages=1),
-      interpret=target.interpret,
-      name=name,
-    )(scalars, *(a.reshape(n) for a in arrays))
+  if target.family != "tiled":
+    raise ValueError(f"elementwise_call is the tiled family's kernel, got {target}")
+  body_fn = functools.partial(_tiled_body, body, n_in)
+  rows, cols = view_2d(shape)
+  blocks = blocks or default_blocks(target, rows, cols, n_in + n_out)
+  _check(blocks, target, rows, cols)
+  bm, bc = blocks.block_rows, blocks.block_cols
+  spec = pl.BlockSpec((bm, bc), lambda i, j: (i, j))
+  scalar_spec = (
+    pl.BlockSpec(memory_space=backend.tpu_smem())
+    if target.platform == "tpu" and not target.interpret
+    else pl.BlockSpec(scalars.shape, lambda i, j: (0,))
+  )
+  outs = pl.pallas_call(
+    body_fn,
+    grid=(pl.cdiv(rows, bm), pl.cdiv(cols, bc)),
+    in_specs=[scalar_spec] + [spec] * n_in,
+    out_specs=[spec] * n_out,
+    out_shape=[jax.ShapeDtypeStruct((rows, cols), d) for d in out_dtypes],
+    input_output_aliases=aliases,
+    compiler_params=backend.compiler_params(target, dimension_semantics=("parallel", "parallel")),
+    interpret=target.interpret,
+    name=name,
+  )(scalars, *(a.reshape(rows, cols) for a in arrays))
   return {k: o.reshape(shape) for k, o in zip(outputs, outs)}
 
 
@@ -148,17 +124,3 @@ def _tiled_body(body, n_in, s_ref, *refs):
   results = body(scalars, *(r[...].astype(jnp.float32) for r in ins))
   for ref, val in zip(outs, results):
     ref[...] = val.astype(ref.dtype)
-
-
-def _flat_body(body, n_in, s_ref, *refs, n, block):
-  ins, outs = refs[:n_in], refs[n_in:]
-  start = pl.program_id(0) * block
-  idx = start + jnp.arange(block, dtype=jnp.int32)
-  valid = idx < n
-  scalars = tuple(s_ref[i] for i in range(s_ref.shape[0]))
-  vals = [
-    backend.masked_load(r.at[pl.ds(start, block)], mask=valid, other=0.0).astype(jnp.float32)
-    for r in ins
-  ]
-  for ref, val in zip(outs, body(scalars, *vals)):
-    backend.masked_store(ref.at[pl.ds(start, block)], val.astype(ref.dtype), mask=valid)

@@ -1,7 +1,9 @@
 """A rule over a parameter tree: an ``optax.GradientTransformation`` (init / update, composable with
-``optax.chain``, clipping and weight-decay masks) and the in-place step, both one call per leaf of
-:func:`kernels.optim.leaf.update_leaf`. With ``mesh`` and ``partition_specs`` each leaf's update runs
-on the local shard under ``shard_map``: no gather of full parameters, no communication.
+``optax.chain``, clipping and weight-decay masks) and the in-place step, both one call of
+:func:`kernels.optim.leaf.update_leaves` for the whole tree (on GPU: one multi-tensor launch). With
+``mesh`` and ``partition_specs`` the whole tree's update runs under one ``shard_map`` whose in / out
+specs are each leaf's own: every device updates its local shards in one launch, no gather of full
+parameters, no communication.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kernels.optim.leaf import KernelOptions, Write, update_leaf
+from kernels.optim.leaf import KernelOptions, Write, update_leaves
 from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
 
 
@@ -70,36 +72,37 @@ class FusedOptimizer:
     leaves, treedef = jax.tree.flatten(params)
     n = len(leaves)
     mask = self.mask(params) if callable(self.mask) else self.mask
-    specs = self.partition_specs
-    rows = zip(
-      leaves,
-      _leaves_like(treedef, grads, "updates"),
-      [True] * n if mask is None else _leaves_like(treedef, mask, "mask"),
-      [None] * n if specs is None else _leaves_like(treedef, specs, "partition_specs"),
-      *(_leaves_like(treedef, state.slots[k], k) for k in self.rule.slots),
-    )
-    outs = [self._leaf(scalars, write, *row) for row in rows]
-    columns_out = list(zip(*outs)) or [()] * (1 + len(self.rule.slots))  # () for an empty tree
-    new = [treedef.unflatten(list(col)) for col in columns_out]
-    return new[0], FusedState(_increment(state.count), dict(zip(self.rule.slots, new[1:])))
+    decay = [True] * n if mask is None else _leaves_like(treedef, mask, "mask")
+    rules = [self.rule if d else self.rule.without_weight_decay() for d in decay]
+    g = _leaves_like(treedef, grads, "updates")
+    slots = [_leaves_like(treedef, state.slots[k], k) for k in self.rule.slots]
 
-  def _leaf(self, scalars, write: Write, p, g, decay, spec, *slots):
-    rule = self.rule if decay else self.rule.without_weight_decay()
+    def run(ps, gs, *slot_columns):  # lists of leaves (local shards under shard_map)
+      outs = update_leaves(
+        rules,
+        ps,
+        gs,
+        list(zip(*slot_columns)) or [()] * len(ps),
+        scalars,
+        write=write,
+        options=self.options,
+      )
+      return [o.param for o in outs], tuple([o.slots[k] for o in outs] for k in range(len(slots)))
 
-    def one(p, g, *slots):
-      out = update_leaf(rule, p, g, slots, scalars, write=write, options=self.options)
-      return (out.param, *out.slots)
-
-    if spec is not None:
-      n = len(slots)
-      one = jax.shard_map(
-        one,
+    if self.partition_specs is not None and n:
+      # one shard_map over the whole tree, each leaf with its own spec: every device walks its own
+      # shards in one launch; no gather, no communication
+      specs = _leaves_like(treedef, self.partition_specs, "partition_specs")
+      run = jax.shard_map(
+        run,
         mesh=self.mesh,
-        in_specs=(spec,) * (2 + n),
-        out_specs=(spec,) * (1 + n),
+        in_specs=(specs, specs, *([specs] * len(slots))),
+        out_specs=(specs, tuple([specs] * len(slots))),
         check_vma=False,
       )
-    return one(p, g, *slots)
+    new_params, new_slots = run(leaves, g, *slots) if n else ([], tuple([] for _ in slots))
+    new_state = {k: treedef.unflatten(list(col)) for k, col in zip(self.rule.slots, new_slots)}
+    return treedef.unflatten(list(new_params)), FusedState(_increment(state.count), new_state)
 
 
 def _zeros_f32(p):
