@@ -30,13 +30,14 @@ from bench import mismatch as mismatch_bench
 from bench import report, roofline
 from bench import rollout as rollout_bench
 from bench.cases import SIZES, SUITES, all_cases
-from bench.run import run_case
+from bench.run import release, run_case
 from kernels import backend
 
 ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
 LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
-ALL_SUITES = SUITES + (ROLLOUT, MISMATCH, LOOP)
+PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional
+ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
-  kernel_suites = tuple(s for s in suites if s not in (ROLLOUT, MISMATCH, LOOP))
+  kernel_suites = tuple(s for s in suites if s not in (PEERS, ROLLOUT, MISMATCH, LOOP))
   cases = (
     [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
     if kernel_suites
@@ -170,7 +171,10 @@ def main(argv=None) -> int:
     flush=True,
   )
   results, rollout_runs, mismatch_runs = [], [], []
-  pending = [c.name for c in cases]
+  from bench.cases import peers
+
+  peer_rows = [(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []
+  pending = [c.name for c in cases] + [peers.row_name(p, s) for p, s in peer_rows]
   pending += [f"rollout/{s}" for s in sizes if ROLLOUT in suites] + (
     ["loop"] if LOOP in suites else []
   )
@@ -195,6 +199,15 @@ def main(argv=None) -> int:
       results.append(r)
       print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
       save(case.name)
+    for peer, shape in peer_rows:
+      t0 = time.perf_counter()
+      r = peers.run_peer(
+        peer, shape, target.platform, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats
+      )
+      release()
+      results.append(r)
+      print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+      save(r.name)
     if ROLLOUT in suites:
       for size in sizes:
         print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
