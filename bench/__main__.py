@@ -190,7 +190,8 @@ def main(argv=None) -> int:
   limit = None if cfg.memory_limit_gib is None else int(cfg.memory_limit_gib * 2**30)
   save()
   with _profiling(cfg.profile, stamp) as profile_dir:
-    for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
+    quiet = not sys.stderr.isatty()  # a log file gets the per-case lines, not a progress bar
+    for case in (bar := tqdm(cases, unit="case", file=sys.stderr, disable=quiet)):
       bar.set_description(case.name)
       t0 = time.perf_counter()
       r = run_case(
