@@ -48,7 +48,14 @@ from bench.device_plan import CALL_BUDGET_S, CALLS, Step, plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ECHO_SKIP = ("\r",)  # progress bars: the log keeps them, the console does not
-BIG_FILE = 8 << 20  # files above this stay out of the archive (listed in its manifest)
+BIG_FILE = 8 << 20  # files above this stay out of the archive (listed in <call>.json)
+ARCHIVE_RAW_BUDGET = (
+  40 << 20
+)  # bytes before compression: the archive stays under a returned file's 16 MiB
+SKIP_PARTS = ("jax-cache", "checkpoints")  # re-creatable, and large: never archived
+SKIP_SUFFIXES = (
+  ".hlo_proto.pb",
+)  # the trace's HLO dumps (the xplane keeps what TensorBoard needs)
 
 
 @dataclasses.dataclass
@@ -155,18 +162,21 @@ def run_step(step: Step, work: pathlib.Path, cache: pathlib.Path | None) -> Step
 
 # ----------------------------------------------------------------------------------- the call's files
 def write_archive(work: pathlib.Path, path: pathlib.Path) -> list[str]:
-  """Everything under ``work`` except the compilation cache and files over BIG_FILE, as one tar.gz
-  (written to a temporary name, then renamed); returns what was left out."""
-  left_out = []
+  """Everything under ``work`` worth returning as one tar.gz (written to a temporary name, then
+  renamed): no compilation cache, checkpoints or HLO dumps, no file over BIG_FILE, and small files
+  first up to ARCHIVE_RAW_BUDGET. Returns what was left out, with why."""
+  left_out, total = [], 0
+  files = [f for f in work.rglob("*") if f.is_file()]
   tmp = path.with_name(f".{path.name}.tmp")
   with tarfile.open(tmp, "w:gz") as tar:
-    for f in sorted(work.rglob("*")):
-      rel = f.relative_to(work)
-      if not f.is_file() or rel.parts[0] == "jax-cache":
+    for f in sorted(files, key=lambda f: (f.stat().st_size, str(f))):
+      rel, size = f.relative_to(work), f.stat().st_size
+      if set(rel.parts) & set(SKIP_PARTS) or f.name.endswith(SKIP_SUFFIXES):
         continue
-      if f.stat().st_size > BIG_FILE:
-        left_out.append(f"{rel} ({f.stat().st_size / 2**20:.0f} MiB)")
+      if size > BIG_FILE or total + size > ARCHIVE_RAW_BUDGET:
+        left_out.append(f"{rel} ({size / 2**20:.1f} MiB)")
         continue
+      total += size
       tar.add(f, arcname=str(pathlib.Path(path.name.split(".")[0]) / rel))
   tmp.replace(path)
   return left_out

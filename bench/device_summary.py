@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
+# absl / XLA log lines that xprof's converters print on stderr (merged into the step's log)
+_LOG_NOISE = re.compile(r"^([EWIF]\d{4} |WARNING: All log messages before absl)")
 MAX_DETAIL_LINES = 40  # the summary is printed last: it must fit a device command's output tail
 
 
@@ -29,7 +32,10 @@ def describe(result, work: pathlib.Path) -> tuple[str, str]:
     return (tail[-1].strip("= ") if tail else "-"), ""
   if result.name == "trace":
     body = text.split("\n\n", 1)[1] if "\n\n" in text else ""
-    return ("trace summary" if "top ops" in body else "-"), _clip(body)
+    body = "\n".join(ln for ln in body.splitlines() if not _LOG_NOISE.match(ln))
+    if "top ops" not in body:  # no summary: the error's last lines say why
+      return "-", "\n".join(body.strip().splitlines()[-3:])
+    return "trace summary", _clip(body)
   if result.name == "parity":
     md = work / "parity" / "parity.md"
     return ("parity.md", _clip(md.read_text())) if md.exists() else ("-", "")

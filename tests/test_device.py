@@ -167,3 +167,23 @@ def test_every_call_end_to_end_at_tiny_size(tmp_path, call):
   assert "STOPPED" not in summary and "FAILED" not in summary
   if call == "loop":
     assert "top ops" in summary
+
+
+def test_the_archive_leaves_out_caches_checkpoints_and_oversized_files(tmp_path, monkeypatch):
+  """Catches an archive over the 16 MiB a returned file may have (a CPU loop rehearsal's was 31 MB:
+  its runs' final checkpoints): re-creatable bulk is skipped, oversized files are listed instead."""
+  work = tmp_path / "work"
+  for rel, size in [
+    ("logs/a.log", 10),
+    ("jax-cache/x", 10),
+    ("parity/xla/seed0/checkpoints/2/d", 10),
+    ("profile/p/jit_step.hlo_proto.pb", 10),
+    ("profile/p/vm.xplane.pb", 300),
+  ]:
+    (work / rel).parent.mkdir(parents=True, exist_ok=True)
+    (work / rel).write_bytes(b"x" * size)
+  monkeypatch.setattr(device, "BIG_FILE", 100)
+  left = device.write_archive(work, tmp_path / "loop-cpu.tar.gz")
+  with tarfile.open(tmp_path / "loop-cpu.tar.gz") as tar:
+    assert tar.getnames() == ["loop-cpu/logs/a.log"]
+  assert left == ["profile/p/vm.xplane.pb (0.0 MiB)"]
