@@ -130,6 +130,6 @@ def _tune(directory: pathlib.Path, op: str) -> tuple[str, str]:
     )
     ms = lambda r: "-" if not r or r.get("time_s") is None else f"{r['time_s'] * 1e3:.3f}"
     tried = sum(1 for r in rows if not r.get("skipped"))
-    label = best["label"] if best else "none passed"
+    label = best["label"] if best else ("none passed" if tried else "none tried (budget spent)")
     lines.append(f"| {key} | {ms(base)} | {label} | {ms(best)} | {tried} / {len(rows) - tried} |")
   return f"{len(entries)} buckets", "\n".join(lines)
