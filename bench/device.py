@@ -145,6 +145,7 @@ def run_step(step: Step, work: pathlib.Path, cache: pathlib.Path | None) -> Step
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
+      errors="replace",  # a stray non-UTF-8 byte must not stop the echo
       start_new_session=True,  # its own process group: the limit kills its children too
     )
     reader = threading.Thread(target=_echo, args=(proc.stdout, f, f"  [{step.name}] "))

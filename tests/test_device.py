@@ -187,3 +187,14 @@ def test_the_archive_leaves_out_caches_checkpoints_and_oversized_files(tmp_path,
   with tarfile.open(tmp_path / "loop-cpu.tar.gz") as tar:
     assert tar.getnames() == ["loop-cpu/logs/a.log"]
   assert left == ["profile/p/vm.xplane.pb (0.0 MiB)"]
+
+
+def test_install_cache_copies_tuned_files(tmp_path, monkeypatch):
+  from kernels import autotune
+
+  (tmp_path / "work" / "tuning").mkdir(parents=True)
+  (tmp_path / "work" / "tuning" / "nvidia-h100.json").write_text("{}")
+  monkeypatch.setattr(autotune, "TUNING_DIR", tmp_path / "kernels-tuning")
+  assert device.install_cache(tmp_path / "work") == [
+    str(tmp_path / "kernels-tuning" / "nvidia-h100.json")
+  ]
