@@ -264,3 +264,17 @@ def test_measured_ceilings_sit_beside_the_datasheet_and_drive_the_fractions():
   )  # older reports render as before
   with pytest.raises(ValueError, match="copy_bytes >= 1024"):
     roofline.CeilingConfig(copy_bytes=0)
+
+
+def test_the_committed_h100_example_renders_unchanged(tmp_path):
+  """Catches a report change that leaves the committed H100 figures stale or unrenderable: each
+  suite's summary.md re-renders from its results.json to the committed text."""
+  import shutil
+
+  src = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "example-h100"
+  suites = sorted(p.parent.name for p in src.glob("*/results.json"))
+  assert suites == ["fused_linear", "grpo_loss", "mosaic_gpu", "paged_attention", "rollout"]
+  for suite in suites:
+    shutil.copy(src / suite / "results.json", tmp_path / "results.json")
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert (tmp_path / "summary.md").read_text() == (src / suite / "summary.md").read_text(), suite
