@@ -222,8 +222,9 @@ def tests_jax011(session: nox.Session):
 
 @nox.session(venv_backend="none")
 def device(session: nox.Session):
-  """On a lent GPU: gpu-marked tests, the autotuner, the bench at --size large and a short loop parity,
-  into one results dir + kernels/tuning/<device>.json (`python -m bench.device`; args after --).
-  No virtualenv: it runs on the machine's preinstalled jax (the GPU image has no package index)."""
+  """On a lent GPU, one call per command: `nox -s device -- --call kernels|tune|loop [--out DIR]`
+  (`python -m bench.device`: each call <= 9 minutes, one archive + summary). No virtualenv: it runs on
+  the machine's preinstalled jax (the GPU image has no package index)."""
   session.env["PYTHONPATH"] = "."
-  session.run("python", "-m", "bench.device", *session.posargs, external=True)
+  args = session.posargs or ["--call", "kernels"]
+  session.run("python", "-m", "bench.device", *args, external=True)

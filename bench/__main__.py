@@ -21,6 +21,7 @@ import datetime
 import pathlib
 import re
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -29,13 +30,14 @@ from bench import mismatch as mismatch_bench
 from bench import report, roofline
 from bench import rollout as rollout_bench
 from bench.cases import SIZES, SUITES, all_cases
-from bench.run import run_case
+from bench.run import release, run_case
 from kernels import backend
 
 ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
 LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
-ALL_SUITES = SUITES + (ROLLOUT, MISMATCH, LOOP)
+PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional
+ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -52,10 +54,13 @@ class BenchConfig:
   profile: pathlib.Path | None = None  # capture a jax.profiler trace of the whole run here
   plots: bool = True
   history: pathlib.Path | None = loop_bench.HISTORY  # the loop suite's rows (None: keep none)
+  memory_limit_gib: float | None = None  # skip cases XLA says need more (None: the device's limit)
 
   def __post_init__(self):
     if self.repeats < 1 or self.warmup < 0 or self.rollout_repeats < 1:
       raise ValueError("repeats and rollout_repeats must be >= 1 and warmup >= 0")
+    if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
+      raise ValueError(f"memory_limit_gib must be > 0, got {self.memory_limit_gib}")
     unknown = set(self.sizes or ()) - set(SIZES)
     if unknown:
       raise ValueError(f"size must be one of {SIZES}, got {sorted(unknown)}")
@@ -83,6 +88,11 @@ def parse_args(argv=None) -> BenchConfig:
   )
   p.add_argument("--out", type=pathlib.Path)
   p.add_argument(
+    "--memory-limit-gib",
+    type=float,
+    help="skip a case whose XLA memory analysis needs more (default: the device's bytes_limit)",
+  )
+  p.add_argument(
     "--profile",
     nargs="?",
     type=pathlib.Path,
@@ -105,6 +115,7 @@ def parse_args(argv=None) -> BenchConfig:
       a.profile,
       not a.no_plots,
       None if a.no_history else loop_bench.HISTORY,
+      a.memory_limit_gib,
     )
   except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
     p.error(str(e))
@@ -124,12 +135,25 @@ def _profiling(path: pathlib.Path | None, stamp: str):
   return trace.capture(str(path if str(path) else ROOT / "profiles" / f"bench-{stamp}"))
 
 
+def case_line(r) -> str:
+  """One line per finished case (what a killed run's log shows last)."""
+  if r.skipped:
+    return f"{r.name}: skipped ({r.skipped})"
+  if r.kernel is None:
+    return f"{r.name}: FAILED {r.error}"
+  worst = max(r.parity.values(), default=0.0)
+  return (
+    f"{r.name}: {'ok' if r.ok else 'PARITY FAILED'} kernel {r.kernel.timing.median_s * 1e3:.3f} ms, "
+    f"reference {r.reference.timing.median_s * 1e3:.3f} ms, parity {worst:.2g}"
+  )
+
+
 def main(argv=None) -> int:
   cfg = parse_args(argv)
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
-  kernel_suites = tuple(s for s in suites if s not in (ROLLOUT, MISMATCH, LOOP))
+  kernel_suites = tuple(s for s in suites if s not in (PEERS, ROLLOUT, MISMATCH, LOOP))
   cases = (
     [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
     if kernel_suites
@@ -147,27 +171,70 @@ def main(argv=None) -> int:
     flush=True,
   )
   results, rollout_runs, mismatch_runs = [], [], []
+  from bench.cases import peers
+
+  peer_rows = [(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []
+  pending = [c.name for c in cases] + [peers.row_name(p, s) for p, s in peer_rows]
+  pending += [f"rollout/{s}" for s in sizes if ROLLOUT in suites] + (
+    ["loop"] if LOOP in suites else []
+  )
+  pending += [f"mismatch/{s}" for s in sizes if MISMATCH in suites and s in mismatch_bench.SIZES]
+
+  def save(done: str | None = None, final: bool = False):
+    # after every case and suite: a run killed by a time limit leaves a valid, partial report
+    if done is not None:
+      pending.remove(done)
+    remaining = None if final else list(pending)
+    report.write(out, env, results, rollout_runs, final and cfg.plots, mismatch_runs, remaining)
+
+  limit = None if cfg.memory_limit_gib is None else int(cfg.memory_limit_gib * 2**30)
+  save()
   with _profiling(cfg.profile, stamp) as profile_dir:
-    for case in (bar := tqdm(cases, unit="case", file=sys.stderr)):
+    quiet = not sys.stderr.isatty()  # a log file gets the per-case lines, not a progress bar
+    for case in (bar := tqdm(cases, unit="case", file=sys.stderr, disable=quiet)):
       bar.set_description(case.name)
-      results.append(run_case(case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats))
+      t0 = time.perf_counter()
+      r = run_case(
+        case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats, memory_limit=limit
+      )
+      results.append(r)
+      print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+      save(case.name)
+    for peer, shape in peer_rows:
+      t0 = time.perf_counter()
+      r = peers.run_peer(
+        peer, shape, target.platform, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats
+      )
+      release()
+      results.append(r)
+      print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+      save(r.name)
     if ROLLOUT in suites:
       for size in sizes:
         print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
         rows, extra = rollout_bench.run(size, cfg.rollout_repeats)
         rollout_runs.append(dict(size=size, config=rollout_bench.SIZES[size], rows=rows, **extra))
+        for row in rows:
+          print(
+            f"[rollout] {size}/{row.workload}/{row.backend}: {row.tokens_per_s:.1f} tokens/s, "
+            f"{'ok' if row.ok else 'PARITY FAILED'}",
+            flush=True,
+          )
+        save(f"rollout/{size}")
     if LOOP in suites:
       print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)
       row, cmp = loop_bench.run(history=cfg.history)
       env["loop"] = {"row": row, "comparison": cmp}
+      save("loop")
     if MISMATCH in suites:
       for size in (s for s in sizes if s in mismatch_bench.SIZES):
         print(f"mismatch suite ({size}): engines vs the trainer ...", file=sys.stderr, flush=True)
         rows = mismatch_bench.run(size)
         mismatch_runs.append(dict(size=size, config=mismatch_bench.SIZES[size], rows=rows))
+        save(f"mismatch/{size}")
   if profile_dir:
     env["profile"] = str(profile_dir)
-  report.write(out, env, results, rollout_runs, plots=cfg.plots, mismatch_runs=mismatch_runs)
+  save(final=True)  # complete: the partial marker goes
   print(report.markdown_table(results))
   for run in rollout_runs:
     print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))

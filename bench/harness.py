@@ -78,3 +78,64 @@ def time_compiled(
   return Timing(
     statistics.median(times), min(times), max(times), q[2] - q[0], repeats, compile_s, q[0], q[2]
   )
+
+
+# ------------------------------------------------------------------------------ parity on the device
+def _check_error(actual, expected, quantity: str, dtype: str, reduction_len: int):
+  """``bench.tolerances.parity_error`` (floor 0) as jnp: the same formula, reduced where the arrays
+  live, in f32 (the NumPy path's f64 differs by f32 rounding of the ratio, ~1e-7 relative)."""
+  import math
+
+  import jax.numpy as jnp
+
+  from bench.tolerances import F32_EPS, TABLE
+
+  rtol_ulps, atol_ulps, acc = TABLE[quantity]
+  eps = float(jnp.finfo(dtype).eps)
+  a = actual.astype(jnp.float32)  # [...] any shape; bf16 / f16 widen exactly
+  e = expected.astype(jnp.float32)  # [...] same shape
+  scale = jnp.maximum(jnp.max(jnp.abs(e)), 1e-30)
+  bound = scale * (atol_ulps * eps + acc * F32_EPS * math.sqrt(reduction_len))
+  bound = bound + rtol_ulps * eps * jnp.abs(e)
+  err = jnp.abs(a - e)
+  worst = jnp.where(jnp.isfinite(err).any(), jnp.nanmax(err / bound), 0.0)
+  return jnp.where((jnp.isnan(a) != jnp.isnan(e)).any(), jnp.inf, worst)
+
+
+_check_error_jit = jax.jit(_check_error, static_argnums=(2, 3, 4))
+
+
+def device_parity(actual_tree, expected_tree, checks) -> dict[str, float]:
+  """{check label: worst error / tolerance over its outputs}, reduced on the arrays' device by one
+  jitted jnp function per output: only scalars reach the host (a [N, V] gradient stays where it is).
+  The single implementation behind the bench's parity column and the autotuner's correctness gate."""
+  flat_a, flat_e = jax.tree.leaves(actual_tree), jax.tree.leaves(expected_tree)
+  pending: dict[str, list] = {}
+  for c in checks:
+    for i in c.index if isinstance(c.index, tuple) else (c.index,):
+      a, e = flat_a[i], flat_e[i]
+      if a.shape != e.shape:
+        err = float("inf")
+      elif not e.size:
+        err = 0.0
+      else:
+        err = _check_error_jit(a, e, c.quantity, str(c.dtype), int(c.reduction_len))
+      pending.setdefault(c.label, []).append(err)
+  got = jax.device_get(pending)  # one transfer of scalars
+  return {label: max(float(x) for x in errs) for label, errs in got.items()}
+
+
+# ----------------------------------------------------------------------------- memory between cases
+def device_memory_limit(device=None) -> int | None:
+  """Bytes the allocator may hand out on ``device`` (``memory_stats()['bytes_limit']``; None on
+  backends that report no stats, e.g. CPU)."""
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # not implemented on this backend
+    return None
+  return (stats or {}).get("bytes_limit")
+
+
+def output_bytes(mem: Memory) -> int:
+  return mem.output_bytes or 0

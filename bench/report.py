@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform as _platform
 import subprocess
+import tempfile
 
 import jax
 
@@ -78,6 +80,9 @@ def markdown_table(results) -> str:
   )
   rows = [head, "|" + "---|" * 11]
   for r in map(as_dict, results):
+    if r.get("skipped"):
+      rows.append(f"| {r['name']} | skipped: {r['skipped']} |" + " - |" * 9)
+      continue
     if r["kernel"] is None:
       rows.append(f"| {r['name']} | failed: {r['error']} |" + " - |" * 8 + " no |")
       continue
@@ -134,6 +139,19 @@ def sizes_section(env: dict, cases: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def write_atomic(path: pathlib.Path, text: str) -> None:
+  """Write ``text`` to ``path`` through a temporary file and a rename: a process killed at any moment
+  leaves either the previous file or the new one, never half of one."""
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise
+
+
 def write(
   out_dir: pathlib.Path,
   env: dict,
@@ -141,19 +159,39 @@ def write(
   rollout_runs: list[dict] = (),
   plots: bool = True,
   mismatch_runs: list[dict] = (),
+  remaining: list[str] | None = None,
 ) -> pathlib.Path:
-  """results.json, then summary.md and (with `plots`) the figures rendered from it (`render`)."""
+  """results.json, then summary.md and (with `plots`) the figures rendered from it (`render`).
+
+  ``remaining``: the cases / suites still to run. Given (even empty), the report is marked partial
+  with them: ``python -m bench`` rewrites its report so after every case and every rollout run, and
+  only the final write (``remaining=None``) is complete.
+  """
   out_dir.mkdir(parents=True, exist_ok=True)
-  rollout_json = [
-    dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in rollout_runs
-  ]
+  rollout_json = [dict(run, rows=[as_dict(r) for r in run["rows"]]) for run in rollout_runs]
   payload = {"environment": env, "cases": [as_dict(r) for r in results], "rollout": rollout_json}
   if mismatch_runs:
     payload["mismatch"] = [
-      dict(run, rows=[dataclasses.asdict(r) for r in run["rows"]]) for run in mismatch_runs
+      dict(run, rows=[as_dict(r) for r in run["rows"]]) for run in mismatch_runs
     ]
-  (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+  if remaining is not None:
+    payload["partial"] = {"remaining": list(remaining)}
+  write_atomic(out_dir / "results.json", json.dumps(payload, indent=2, default=float) + "\n")
   return render(out_dir, plots=plots)
+
+
+def partial_note(payload: dict) -> str:
+  """The banner of a report whose run stopped (or is still running) before its end."""
+  partial = payload.get("partial")
+  if partial is None:
+    return ""
+  left = partial.get("remaining", [])
+  done = len(payload.get("cases", []))
+  shown = ", ".join(left[:20]) + (f", ... ({len(left) - 20} more)" if len(left) > 20 else "")
+  return (
+    f"> **PARTIAL report**: the run stopped (or is still running) after {done} case(s); "
+    f"{len(left)} still to run{': ' + shown if left else ''}.\n\n"
+  )
 
 
 def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
@@ -168,8 +206,7 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
   )
   header = (
     f"# Bench: {env['device_kind']} ({env['device_platform']}), jax {env['jax']}, {env['date']}, "
-    f"commit {env['git_commit']}\n\nBandwidth used for roofline: "
-    f"{_bw(env['peaks'])} ({env['peaks']['source']}).{note}\n"
+    f"commit {env['git_commit']}\n\n{partial_note(payload)}{peaks_line(env['peaks'])}{note}\n"
   )
   body = (
     markdown_table(cases) + "\n\n" + sizes_section(env, cases)
@@ -193,7 +230,7 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
     body += f"\n\n{mismatch.NOTE}\n\n" + mismatch.markdown(rows)
   figures = _plots(out_dir, env, cases, rollout_runs) if plots else []
   body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
-  (out_dir / "summary.md").write_text(header + body + "\n")
+  write_atomic(out_dir / "summary.md", header + body + "\n")
   return out_dir
 
 
@@ -229,6 +266,24 @@ def _fmt_flops(impl: dict) -> str:
 def _bw(peaks: dict) -> str:
   bw = peaks.get("hbm_bytes_per_s")
   return "unknown" if bw is None else f"{bw / 1e9:.1f} GB/s"
+
+
+def peaks_line(peaks: dict) -> str:
+  """The roofline's ceilings: measured (best / median) beside the datasheet, when the run has both
+  (reports from before the measured ceilings carry one bandwidth and its source)."""
+  if "datasheet_hbm_bytes_per_s" not in peaks:
+    return f"Bandwidth used for roofline: {_bw(peaks)} ({peaks['source']})."
+  g = lambda x, unit, d: "-" if x is None else f"{x / d:.3g} {unit}"
+  hbm = lambda k: g(peaks.get(k), "TB/s", 1e12)
+  mm = lambda k: g(peaks.get(k), "TFLOP/s", 1e12)
+  return (
+    "| ceiling | measured best | measured median | datasheet |\n|---|---|---|---|\n"
+    f"| HBM bandwidth | {hbm('hbm_bytes_per_s')} | {hbm('hbm_median_bytes_per_s')} "
+    f"| {hbm('datasheet_hbm_bytes_per_s')} |\n"
+    f"| bf16 matmul | {mm('bf16_flops_per_s')} | {mm('bf16_median_flops_per_s')} "
+    f"| {mm('datasheet_bf16_flops_per_s')} |\n\n"
+    f"Roofline fractions are against the {peaks['source']} ceilings."
+  )
 
 
 def main(argv=None) -> int:

@@ -287,8 +287,15 @@ def summarize(run_dir: str, top: int = 15, gap_us: float = 100.0) -> dict:
     "session": session,
     "timeline": where,
     "truncated": len(events) >= TRACE_EVENT_CAP,
+    "ops_total_us": sum(kernels.values()),  # every op's self time: the share's denominator
     "top": [
-      {"name": n, "total_us": t, "count": counts[n], "scope": scope_of[n]}
+      {
+        "name": n,
+        "total_us": t,
+        "count": counts[n],
+        "scope": scope_of[n],
+        "share": t / max(sum(kernels.values()), 1e-9),
+      }
       for n, t in kernels.most_common(top)
     ],
     "phases_us": dict(sorted(phases.items())),
@@ -329,10 +336,15 @@ def format_summary(s: dict) -> str:
       "covers only the start of the run; capture less (fewer bench suites / sizes, fewer steps) "
       "or open the .xplane.pb in TensorBoard, which has everything"
     )
-  lines.append(f"top ops by total self time ({s['timeline']}):")
+  total = s.get("ops_total_us")
+  lines.append(
+    f"top ops by total self time ({s['timeline']}"
+    + (f"; all ops {total / 1e3:.3f} ms" if total else "")
+    + "):"
+  )
   lines += [
-    f"  {r['total_us'] / 1e3:10.3f} ms  x{r['count']:<6d} {r['name'][:60]}"
-    + (f"  [{_tail(r['scope'], 90)}]" if r.get("scope") else "")
+    f"  {r['total_us'] / 1e3:10.3f} ms {100 * r.get('share', 0):5.1f}%  x{r['count']:<6d} "
+    f"{r['name'][:60]}" + (f"  [{_tail(r['scope'], 90)}]" if r.get("scope") else "")
     for r in s["top"]
   ]
   if s["phases_us"]:

@@ -1,10 +1,14 @@
 """``python -m bench.tune``: run the autotuner (:mod:`kernels.autotune`) on this device's bench shapes.
 
-Problems are the bench's own cases (grpo_loss fwd+bwd, paged_attention), so the tuner checks parity
-with exactly the inputs, references and tolerances the bench uses. Candidates per op: the XLA
-reference, the Triton kernel (``pallas``) and the Mosaic GPU kernel (``mosaic_gpu``) over a small grid
-of legal block configurations (on TPU: xla and the Mosaic TPU kernel). On CPU everything runs in the
-interpreters: that exercises the plumbing (``--size tiny``), it is not a performance figure.
+Problems are the bench's own cases (grpo_loss fwd+bwd, paged_attention, the optimizers' in-place step,
+the fused LM-head loss fwd+bwd), so the tuner checks parity with exactly the inputs, references and
+tolerances the bench uses. Per problem the op as it runs today (``impl="auto"``, default blocks) is
+timed first, then the candidates: the XLA reference, the Triton kernel (``pallas``), the Mosaic GPU
+kernel (``mosaic_gpu``) over a small grid of legal blocks (on TPU: xla and the Mosaic TPU kernel);
+optim: the Pallas pass over element-wise blocks; fused_linear: ``chunked`` over chunk sizes (and the
+fused ``pallas`` kernels off GPU). Each op stops trying candidates when its ``--budget-s`` is spent; a
+line per candidate is printed as it is timed, and the cache is rewritten after every problem. On CPU
+everything runs in the interpreters: that exercises the plumbing (``--size tiny``), not performance.
 
     python -m bench.tune --size large              # writes kernels/tuning/<device-kind>.json
     python -m bench.tune --size tiny --out /tmp/t   # dry run of the plumbing on any host
@@ -21,10 +25,12 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from bench.cases import fused_linear as linear_cases
 from bench.cases import grpo_loss as loss_cases
+from bench.cases import optim as optim_cases
 from bench.cases import paged_attention as paged_cases
-from bench.shapes import LOSS_SHAPES, PAGED_SHAPES
-from kernels import autotune, backend
+from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
+from kernels import autotune, backend, optim
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 from kernels.paged_attention import PagedBlocks
@@ -51,6 +57,7 @@ def loss_problems(size: str, platform: str) -> list[autotune.Problem]:
         functools.partial(case.make_inputs, 0),
         functools.partial(_loss_fwd_bwd, "xla", platform, None),
         case.checks,
+        functools.partial(_loss_fwd_bwd, "auto", platform, None),
       )
     )
   return out
@@ -110,6 +117,7 @@ def paged_problems(size: str, platform: str) -> list[autotune.Problem]:
         functools.partial(case.make_inputs, 0),
         functools.partial(_paged, "xla", platform, None),
         case.checks,
+        functools.partial(_paged, "auto", platform, None),
       )
     )
   return out
@@ -158,24 +166,132 @@ def paged_candidates(problem: autotune.Problem, platform: str) -> list[autotune.
   return cands
 
 
-# -------------------------------------------------------------------------------------------- main
-def run(size: str, out: Path | None = None, ops=autotune.OPS, repeats: int = 5, log=print) -> Path:
-  """Tune ``ops`` at the bench's ``size`` on this host; returns the cache file written."""
-  platform = backend.host_platform()
-  problems, makers = [], {}
-  if "grpo_loss" in ops:
-    problems += loss_problems(size, platform)
-    makers["grpo_loss"] = loss_candidates
-  if "paged_attention" in ops:
-    problems += paged_problems(size, platform)
-    makers["paged_attention"] = paged_candidates
-  return autotune.tune(
-    problems,
-    lambda p: makers[p.op](p, platform),
-    directory=out,
-    repeats=repeats,
-    log=log,
+# ------------------------------------------------------------------------------------------- optim
+def _optim_step(which, impl, platform, blocks, params, grads, state):
+  _, step = optim_cases.FUSED_STEP[which](
+    **optim_cases.HYPER[which], impl=impl, platform=platform, blocks=blocks
   )
+  return step(params, grads, optim_cases._convert_state(which, state))
+
+
+def optim_problems(size: str, platform: str) -> list[autotune.Problem]:
+  """One problem per rule and parameter tree: the in-place step against optax (the bench's case)."""
+  out = []
+  for case in optim_cases.cases(size, platform):
+    if not case.op.endswith("-inplace"):
+      continue
+    which = case.op.split("/")[1].split("-")[0]
+    shape = dict(rule=which, dtype="float32", params=case.params["params"])
+    step = lambda impl, which=which: functools.partial(_optim_step, which, impl, platform, None)
+    out.append(
+      autotune.Problem(
+        "optim",
+        shape,
+        functools.partial(case.make_inputs, 0),
+        case.reference,
+        case.checks,
+        step("auto"),
+      )
+    )
+  return out
+
+
+def optim_candidates(problem: autotune.Problem, platform: str) -> list[autotune.Candidate]:
+  which = problem.shape["rule"]
+  fn = lambda impl, blocks: functools.partial(_optim_step, which, impl, platform, blocks)
+  cands = [autotune.Candidate("xla", None, fn("xla", None))]
+  if platform == "gpu":  # one Triton program per block_cols elements (powers of two)
+    for cols, warps in itertools.product((1024, 2048, 4096, 8192), (4, 8)):
+      blocks = optim.ElementwiseBlocks(1, cols, warps)
+      cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
+  else:  # TPU Mosaic / CPU interpreter: the heuristic blocks only
+    cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
+  return cands
+
+
+# ------------------------------------------------------------------------------------ fused_linear
+def _linear(impl, platform, blocks, hidden, lm_head, ids, mask, adv):
+  extra = {}
+  if isinstance(blocks, autotune.ChunkBlocks):
+    extra["chunk_size"] = blocks.chunk_size
+  elif blocks is not None:
+    extra["blocks"] = blocks
+  f = lambda h, w: kernels.fused_linear_grpo_loss(
+    h, w, ids, mask, adv, impl=impl, platform=platform, **extra
+  )[0]
+  return jax.value_and_grad(f, argnums=(0, 1))(hidden, lm_head)
+
+
+def linear_problems(size: str, platform: str) -> list[autotune.Problem]:
+  out = []
+  for case in linear_cases.cases(size, platform):
+    if case.mode != "fwd+bwd" or case.op != "fused_linear/chunked":
+      continue  # one problem per shape (the cases repeat the shape per impl)
+    s = LINEAR_LOSS_SHAPES[case.shape_name]
+    shape = dict(dtype=jnp.dtype(s.dtype).name, tokens=s.tokens, hidden=s.hidden, vocab=s.vocab)
+    out.append(
+      autotune.Problem(
+        "fused_linear",
+        shape,
+        functools.partial(case.make_inputs, 0),
+        functools.partial(_linear, "xla", platform, None),
+        case.checks,
+        functools.partial(_linear, "auto", platform, None),
+      )
+    )
+  return out
+
+
+def linear_candidates(problem: autotune.Problem, platform: str) -> list[autotune.Candidate]:
+  s = problem.shape
+  fn = lambda impl, blocks: functools.partial(_linear, impl, platform, blocks)
+  cands = [autotune.Candidate("xla", None, fn("xla", None))]
+  n_pow2 = 1 << max(s["tokens"] - 1, 0).bit_length()
+  chunks = (512, 1024, 2048, 4096) if platform == "gpu" else (min(n_pow2, 128),)
+  for chunk in chunks:
+    if chunk <= n_pow2 and chunk * s["vocab"] * 4 <= 4 << 30:  # f32 [chunk, V] logits <= 4 GiB
+      blocks = autotune.ChunkBlocks(chunk)
+      cands.append(autotune.Candidate("chunked", blocks, fn("chunked", blocks)))
+  if platform != "gpu":  # the fully fused kernels need grid-axis accumulation (TPU / interpreter)
+    cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
+  return cands
+
+
+# -------------------------------------------------------------------------------------------- main
+PROBLEMS = {
+  "grpo_loss": (loss_problems, loss_candidates),
+  "paged_attention": (paged_problems, paged_candidates),
+  "optim": (optim_problems, optim_candidates),
+  "fused_linear": (linear_problems, linear_candidates),
+}
+
+
+def run(
+  size: str,
+  out: Path | None = None,
+  ops=autotune.OPS,
+  repeats: int = 5,
+  log=print,
+  budget_s: float | None = None,
+) -> Path:
+  """Tune ``ops`` at the bench's ``size`` on this host, one op after the other (each within
+  ``budget_s`` seconds of candidates); returns the cache file, rewritten after every problem."""
+  unknown = sorted(set(ops) - set(PROBLEMS))
+  if unknown:
+    raise ValueError(f"ops must be among {tuple(PROBLEMS)}, got {unknown}")
+  platform = backend.host_platform()
+  path = None
+  for op in ops:
+    problems_of, candidates_of = PROBLEMS[op]
+    path = autotune.tune(
+      problems_of(size, platform),
+      lambda p, c=candidates_of: c(p, platform),
+      directory=out,
+      repeats=repeats,
+      log=log,
+      budget_s=budget_s,
+    )
+  return path
 
 
 def main(argv=None):
@@ -184,8 +300,13 @@ def main(argv=None):
   ap.add_argument("--op", action="append", choices=autotune.OPS, help="default: every op")
   ap.add_argument("--out", type=Path, help=f"cache directory (default {autotune.TUNING_DIR})")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--budget-s", type=float, help="seconds of candidates per op (default: no limit)")
   args = ap.parse_args(argv)
-  path = run(args.size, args.out, tuple(args.op or autotune.OPS), args.repeats)
+  if args.repeats < 1 or (args.budget_s is not None and args.budget_s <= 0):
+    ap.error("--repeats must be >= 1 and --budget-s > 0")
+  log = lambda line: print(line, flush=True)  # a killed tune's log shows where it was
+  ops = tuple(dict.fromkeys(args.op or autotune.OPS))
+  path = run(args.size, args.out, ops, args.repeats, log, args.budget_s)
   print(f"wrote {path}")
 
 

@@ -8,6 +8,11 @@ a versioned JSON per device kind under ``kernels/tuning/`` (device kind, jax ver
 ``impl="auto"`` and default blocks read that cache through :func:`resolve`; a device or bucket that is
 absent falls back to the heuristics (``impl="auto"``: xla on CPU, the kernel elsewhere; the blocks'
 ``default_blocks``). A candidate that fails parity is recorded but can never win.
+
+A tune is built to finish inside a short GPU slice and to keep what it did when it does not: each
+problem times the current heuristic (``impl="auto"``, default blocks) first as the baseline, prints a
+line per candidate as it is timed, stops trying candidates once its op's time budget is spent (the rest
+are recorded as not tried), and the cache file is rewritten (atomically) after every problem.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from kernels import backend
 
 SCHEMA = 1
 TUNING_DIR = Path(__file__).parent / "tuning"
-OPS = ("grpo_loss", "paged_attention")
+OPS = ("grpo_loss", "paged_attention", "optim", "fused_linear")
+HEURISTIC = "heuristic"  # the baseline row: what impl="auto" with default blocks runs today
 
 _CACHE_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("tuning_dir", default=None)
 
@@ -77,17 +83,37 @@ def bucket(op: str, shape: dict) -> str:
       f"{shape['dtype']}/b{_pow2(shape['batch'])}/hq{shape['q_heads']}/hkv{shape['kv_heads']}"
       f"/d{shape['head_dim']}/ps{shape['page_size']}/ctx{_pow2(shape['ctx'])}"
     )
+  if op == "optim":  # a whole parameter tree per rule: its size decides launch count vs bandwidth
+    return f"{shape['rule']}/{shape['dtype']}/p{_pow2(shape['params'])}"
+  if op == "fused_linear":
+    return f"{shape['dtype']}/n{_pow2(shape['tokens'])}/h{shape['hidden']}/v{shape['vocab']}"
   raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
 # ----------------------------------------------------------------------------------- blocks <-> JSON
+@dataclasses.dataclass(frozen=True)
+class ChunkBlocks:
+  """The chunked fused LM-head path's one tile: tokens per chunk (``chunk_size``)."""
+
+  chunk_size: int
+
+  def __post_init__(self):
+    if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+      raise ValueError(f"ChunkBlocks.chunk_size must be a positive int, got {self.chunk_size!r}")
+
+
 def _blocks_types():
+  from kernels.fused_linear.blocks import LinearBlocks
   from kernels.grpo_loss.blocks import LossBlocks
   from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
+  from kernels.optim.pallas import ElementwiseBlocks
   from kernels.paged_attention.blocks import PagedBlocks
   from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
 
   return {
+    ("optim", "pallas"): ElementwiseBlocks,
+    ("fused_linear", "pallas"): LinearBlocks,
+    ("fused_linear", "chunked"): ChunkBlocks,
     ("grpo_loss", "pallas"): LossBlocks,
     ("grpo_loss", "mosaic_gpu"): MosaicLossBlocks,
     ("paged_attention", "pallas"): PagedBlocks,
@@ -194,13 +220,15 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One op at one shape: inputs, the reference, the parity checks (``bench.cases.Check``)."""
+  """One op at one shape: inputs, the reference, the parity checks (``bench.cases.Check``), and the
+  op as it runs today (``impl="auto"``, default blocks), timed first as the baseline."""
 
   op: str
   shape: dict  # the bucket's fields (see :func:`bucket`)
   make_inputs: Callable[[], tuple]
   reference: Callable
   checks: tuple
+  heuristic: Callable | None = None
 
 
 def _timed(fn, args, repeats: int) -> float:
@@ -215,39 +243,75 @@ def _timed(fn, args, repeats: int) -> float:
 
 
 def _parity(actual, expected, checks) -> float:
-  """Worst parity error over the checks (<= 1 is within tolerance; inf on a NaN mismatch)."""
-  from bench.tolerances import parity_error
+  """Worst parity error over the checks (<= 1 is within tolerance; inf on a NaN mismatch), reduced on
+  the device by the bench's own implementation (only scalars reach the host)."""
+  from bench.harness import device_parity
 
-  flat_a, flat_e = jax.tree.leaves(actual), jax.tree.leaves(expected)
-  worst = 0.0
-  for c in checks:
-    for i in c.index if isinstance(c.index, tuple) else (c.index,):
-      worst = max(worst, parity_error(flat_a[i], flat_e[i], c.quantity, c.dtype, c.reduction_len))
-  return worst
+  return max(device_parity(actual, expected, checks).values(), default=0.0)
 
 
-def tune_problem(problem: Problem, candidates: Sequence[Candidate], repeats: int = 5) -> dict:
-  """Check and time every candidate on ``problem``; the fastest passing one wins (None if none)."""
+def _try(cand: Candidate, args, expected, checks, repeats: int) -> dict:
+  row = dict(impl=cand.impl, blocks=blocks_to_json(cand.blocks), label=cand.label)
+  try:
+    fn = jax.jit(cand.fn)
+    err = _parity(fn(*args), expected, checks)
+    row.update(parity_error=err if math.isfinite(err) else None, ok=bool(err <= 1.0))
+    row["time_s"] = _timed(fn, args, repeats) if row["ok"] else None
+  except Exception as e:  # an illegal config is a recorded loss, not a crash of the whole run
+    row.update(parity_error=None, ok=False, time_s=None, error=f"{type(e).__name__}: {e}"[:300])
+  return row
+
+
+def _row_line(op_bucket: str, row: dict, took: float) -> str:
+  if row.get("skipped"):
+    return f"  {op_bucket} {row['label']}: not tried ({row['skipped']})"
+  if not row["ok"]:
+    why = row.get("error") or f"parity {row['parity_error']}"
+    return f"  {op_bucket} {row['label']}: FAILED {why} ({took:.1f} s)"
+  return (
+    f"  {op_bucket} {row['label']}: {row['time_s'] * 1e3:.3f} ms, parity "
+    f"{row['parity_error']:.2g} ({took:.1f} s)"
+  )
+
+
+def tune_problem(
+  problem: Problem,
+  candidates: Sequence[Candidate],
+  repeats: int = 5,
+  *,
+  deadline: float | None = None,
+  log: Callable[[str], None] = lambda line: None,
+) -> dict:
+  """Check and time the heuristic, then every candidate on ``problem``; the fastest passing candidate
+  wins (None if none; the heuristic row is the baseline, never the winner). Candidates not started by
+  ``deadline`` (``time.perf_counter()`` seconds) are recorded as not tried."""
   args = problem.make_inputs()
-  expected = jax.jit(problem.reference)(*args)
+  expected = jax.block_until_ready(jax.jit(problem.reference)(*args))
+  where = f"{problem.op} {bucket(problem.op, problem.shape)}"
+  todo = [Candidate(HEURISTIC, None, problem.heuristic)] if problem.heuristic else []
   rows = []
-  for cand in candidates:
-    row = dict(impl=cand.impl, blocks=blocks_to_json(cand.blocks), label=cand.label)
-    try:
-      fn = jax.jit(cand.fn)
-      err = _parity(fn(*args), expected, problem.checks)
-      row.update(parity_error=err if math.isfinite(err) else None, ok=bool(err <= 1.0))
-      row["time_s"] = _timed(fn, args, repeats) if row["ok"] else None
-    except Exception as e:  # an illegal config is a recorded loss, not a crash of the whole run
-      row.update(parity_error=None, ok=False, time_s=None, error=f"{type(e).__name__}: {e}"[:300])
+  for cand in [*todo, *candidates]:
+    t0 = time.perf_counter()
+    if deadline is not None and t0 > deadline and cand.impl != HEURISTIC:
+      row = dict(impl=cand.impl, blocks=blocks_to_json(cand.blocks), label=cand.label, ok=False)
+      row.update(parity_error=None, time_s=None, skipped="the op's time budget was spent")
+    else:
+      row = _try(cand, args, expected, problem.checks, repeats)
     rows.append(row)
-  passing = [r for r in rows if r["ok"]]
+    log(_row_line(where, row, time.perf_counter() - t0))
+  del args, expected
+  jax.clear_caches()  # the candidates' executables: the next problem starts from an empty device
+  base = next((r for r in rows if r["impl"] == HEURISTIC), None)
+  passing = [r for r in rows if r["ok"] and r["impl"] != HEURISTIC]
   winner = min(passing, key=lambda r: r["time_s"]) if passing else None
-  return dict(
+  entry = dict(
     shape=problem.shape,
     winner=None if winner is None else dict(impl=winner["impl"], blocks=winner["blocks"]),
-    candidates=rows,
+    candidates=[r for r in rows if r["impl"] != HEURISTIC],
   )
+  if base is not None:
+    entry["heuristic"] = base
+  return entry
 
 
 def _commit() -> str | None:
@@ -268,16 +332,30 @@ def tune(
   directory: Path | None = None,
   repeats: int = 5,
   log: Callable[[str], None] = print,
+  budget_s: float | None = None,
 ) -> Path:
-  """Tune every problem and merge the results into the device's cache file; returns its path."""
+  """Tune every problem and merge the results into the device's cache file, rewritten after each
+  problem (a killed tune keeps what it finished); returns its path. ``budget_s``: seconds per op
+  (counted from its first problem) after which its remaining candidates are not tried."""
   kind = kind or device_kind()
   path = cache_path(kind, directory)
   data = _load_file(path) or dict(schema=SCHEMA, entries={})
+  deadlines: dict[str, float | None] = {}
   for problem in problems:
-    entry = tune_problem(problem, candidates_for(problem), repeats)
+    if problem.op not in deadlines:
+      deadlines[problem.op] = None if budget_s is None else time.perf_counter() + budget_s
+      log(f"[tune] {problem.op}" + ("" if budget_s is None else f" (budget {budget_s:.0f} s)"))
+    cands = candidates_for(problem)
+    entry = tune_problem(problem, cands, repeats, deadline=deadlines[problem.op], log=log)
     data["entries"].setdefault(problem.op, {})[bucket(problem.op, problem.shape)] = entry
-    win = entry["winner"]
-    log(f"{problem.op} {bucket(problem.op, problem.shape)}: winner {win}")
+    log(f"[tune] {problem.op} {bucket(problem.op, problem.shape)}: winner {entry['winner']}")
+    _write(path, data, kind, repeats)
+  if not problems:
+    _write(path, data, kind, repeats)
+  return path
+
+
+def _write(path: Path, data: dict, kind: str, repeats: int) -> None:
   data.update(
     repeats=repeats,
     device_kind=kind,
@@ -287,6 +365,7 @@ def tune(
     commit=_commit(),
   )
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
+  tmp.replace(path)  # atomic: a tune killed mid-write leaves the previous cache
   _load.cache_clear()
-  return path

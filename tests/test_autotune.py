@@ -2,6 +2,7 @@
 fallback, and how a cache entry fills ``impl="auto"`` / default blocks. (Timings here are meaningless:
 CPU interpreters; nothing asserts which real impl is faster.)"""
 
+import dataclasses
 import json
 
 import jax
@@ -167,3 +168,78 @@ def test_bench_tune_tiny_end_to_end(tmp_path):
   assert impls == {"xla", "pallas", "mosaic_gpu"}
   assert all(r["ok"] for r in entry["candidates"]), entry["candidates"]
   assert entry["winner"]["impl"] in impls
+
+
+# ------------------------------------------------------------------------- a tune that finishes
+def test_heuristic_first_budget_and_a_line_per_candidate(tmp_path):
+  """Catches a tune that prints nothing for minutes and never stops (the H100 run's tune step): the
+  heuristic is timed first and reported as the baseline (never the winner), every candidate gets a
+  line as it finishes, and a spent budget leaves later candidates recorded as not tried."""
+  problem, reference = _problem()
+  problem = dataclasses.replace(problem, heuristic=reference)
+  lines = []
+  cands = [autotune.Candidate("xla", None, reference)] * 3
+  autotune.tune(
+    [problem], lambda p: cands, kind="T", directory=tmp_path, repeats=1, log=lines.append
+  )
+  timed = [line for line in lines if line.startswith("  ")]
+  assert len(timed) == 4 and " heuristic: " in timed[0] and all(" ms, parity " in t for t in timed)
+  path = autotune.tune(
+    [problem],
+    lambda p: cands,
+    kind="T",
+    directory=tmp_path,
+    repeats=1,
+    budget_s=1e-9,
+    log=lines.append,
+  )
+  entry = json.loads(path.read_text())["entries"]["grpo_loss"][autotune.bucket("grpo_loss", SHAPE)]
+  assert entry["heuristic"]["ok"] and entry["heuristic"]["time_s"] > 0  # the baseline always runs
+  assert [r.get("skipped") for r in entry["candidates"]] == ["the op's time budget was spent"] * 3
+  assert entry["winner"] is None
+
+
+def test_a_killed_tune_keeps_the_problems_it_finished(tmp_path):
+  """Catches a cache written only at the end: the second problem's candidates raise
+  KeyboardInterrupt (a kill); the first problem's entry must already be on disk."""
+  first, reference = _problem()
+  second = autotune.Problem("grpo_loss", dict(SHAPE, vocab=256), *_problem_parts(256))
+
+  def killed(x):
+    raise KeyboardInterrupt
+
+  cands = {SHAPE["vocab"]: [autotune.Candidate("xla", None, reference)]}
+  cands[256] = [autotune.Candidate("xla", None, killed)]
+  with pytest.raises(KeyboardInterrupt):
+    autotune.tune(
+      [first, second], lambda p: cands[p.shape["vocab"]], kind="T", directory=tmp_path, repeats=1
+    )
+  entries = json.loads(autotune.cache_path("T", tmp_path).read_text())["entries"]["grpo_loss"]
+  assert list(entries) == [autotune.bucket("grpo_loss", SHAPE)]
+  assert entries[autotune.bucket("grpo_loss", SHAPE)]["winner"]["impl"] == "xla"
+
+
+def test_every_op_has_problems_candidates_and_blocks_that_round_trip():
+  """Catches an op the tuner silently skips (optim and fused_linear were missing): each op yields
+  tiny problems with a heuristic and candidates whose blocks survive the JSON cache."""
+  assert set(bench_tune.PROBLEMS) == set(autotune.OPS)
+  for op, (problems_of, candidates_of) in bench_tune.PROBLEMS.items():
+    problems = problems_of("tiny", "cpu")
+    assert problems and all(p.heuristic is not None for p in problems), op
+    for p in problems:
+      autotune.bucket(op, p.shape)
+      for c in candidates_of(p, "cpu"):
+        data = autotune.blocks_to_json(c.blocks)
+        assert autotune.blocks_from_json(op, c.impl, data) == c.blocks
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    autotune.ChunkBlocks(0)
+  gpu = bench_tune.optim_candidates(bench_tune.optim_problems("tiny", "cpu")[0], "gpu")
+  assert len([c for c in gpu if c.impl == "pallas"]) == 8
+
+
+def test_bench_tune_tiny_new_ops_end_to_end(tmp_path):
+  """optim and fused_linear through the real tuner at tiny shapes: every candidate passes parity."""
+  path = bench_tune.run("tiny", tmp_path, ops=("fused_linear",), repeats=1, log=lambda s: None)
+  entry = next(iter(json.loads(path.read_text())["entries"]["fused_linear"].values()))
+  assert {r["impl"] for r in entry["candidates"]} == {"xla", "chunked", "pallas"}
+  assert all(r["ok"] for r in entry["candidates"]) and entry["heuristic"]["ok"]

@@ -84,3 +84,55 @@ def test_rollout(benchmark, rollout_size, workload, backend):
     benchmark.pedantic(lambda: engine.generate(prompts, params), warmup_rounds=0, rounds=3)
   finally:
     engine.close()
+
+
+# ----------------------------------------------------------------------------------------- peers
+def _fake_peer(scale: float = 1.0):
+  """A jax stand-in for a peer (the real ones need torch / tokamax and a GPU): the sum cross-entropy
+  over grpo_loss's logits, forward + backward, times ``scale``."""
+  from bench.cases import peers
+
+  def build(inputs):
+    logits, ids = inputs[0], inputs[1]  # [B, T, V], [B, T]
+
+    def ce(x):
+      logp = jax.nn.log_softmax(x.astype(jax.numpy.float32), axis=-1)
+      return -scale * jax.numpy.take_along_axis(logp, ids[..., None], axis=-1).sum()
+
+    fn = jax.jit(jax.value_and_grad(ce))
+    out = []
+
+    def step():
+      out[:] = [fn(logits)]
+      return float(out[0][0])
+
+    return step, lambda: jax.block_until_ready(out)
+
+  return peers.Peer("fake-ce", "grpo_loss", "sum cross-entropy", lambda platform: None, build)
+
+
+def test_peers_are_skipped_with_their_reason_where_missing():
+  """Catches an import error crashing the run where Liger / tokamax / torch are absent (CPU, CI):
+  every real peer yields a skipped row naming what is missing."""
+  from bench.cases import peers
+  from bench.report import markdown_table
+
+  for peer, shape in peers.rows("tiny"):
+    r = peers.run_peer(peer, shape, "cpu", repeats=1, warmup=0)
+    assert r.ok and r.kernel is None and r.skipped, r
+    assert "not installed" in r.skipped or "need a GPU" in r.skipped or "CUDA" in r.skipped
+    assert f"| {r.name} | skipped: {r.skipped} |" in markdown_table([r])
+
+
+def test_a_peer_row_times_both_sides_and_checks_the_peers_value():
+  """The row plumbing with a fake peer: both sides timed, the peer's loss checked against minus the
+  sum of our kernel's log-probs; a peer off by 1% fails its row (catches a parity that compares the
+  peer with itself, or with our GRPO loss value instead of the cross-entropy)."""
+  from bench.cases import peers
+
+  good = peers.run_peer(_fake_peer(), "tiny", "cpu", repeats=1, warmup=0)
+  assert good.ok and good.parity["ce_sum"] <= 1.0, good
+  assert good.kernel.timing.median_s > 0 and good.reference.timing.median_s > 0
+  assert good.speedup == pytest.approx(good.reference.timing.median_s / good.kernel.timing.median_s)
+  bad = peers.run_peer(_fake_peer(1.01), "tiny", "cpu", repeats=1, warmup=0)
+  assert not bad.ok and bad.parity["ce_sum"] > 1.0

@@ -5,6 +5,9 @@ import dataclasses
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bench import __main__ as bench_main
@@ -145,3 +148,133 @@ def test_a_committed_report_re_renders_from_its_results_json(tmp_path):
     assert (tmp_path / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({fig})" in summary
   with pytest.raises(SystemExit):
     report.main([str(tmp_path / "missing")])
+
+
+# ------------------------------------------------------------------- results survive any stop
+def test_a_run_stopped_after_two_cases_keeps_them_and_says_what_is_left(tmp_path, monkeypatch):
+  """Catches a report written only at the end (the first H100 run lost 12 measured cases so): the
+  third case is interrupted as a time limit would; results.json must hold the two finished rows and
+  name the cases still to run, and summary.md must say the report is partial."""
+  calls = []
+
+  def stop_on_third(case, *a, **kw):
+    calls.append(case.name)
+    if len(calls) == 3:
+      raise KeyboardInterrupt  # what SIGINT / a killed step looks like from inside the loop
+    return run.run_case(case, *a, **kw)
+
+  monkeypatch.setattr(bench_main, "run_case", stop_on_third)
+  out = tmp_path / "r"
+  argv = ["--size", "tiny", "--suite", "grpo_loss", "--suite", "optim", "--suite", "rollout"]
+  with pytest.raises(KeyboardInterrupt):
+    bench_main.main([*argv, "--repeats", "1", "--warmup", "0", "--out", str(out), "--no-plots"])
+  payload = json.loads((out / "results.json").read_text())
+  assert [c["name"] for c in payload["cases"]] == calls[:2]
+  left = payload["partial"]["remaining"]
+  assert left[0] == calls[2] and left[-1] == "rollout/tiny"
+  assert len(left) == len(all_cases("tiny", "cpu", ("grpo_loss", "optim"))) - 2 + 1
+  summary = (out / "summary.md").read_text()
+  assert "PARTIAL report" in summary and f"{len(left)} still to run" in summary
+  assert calls[0] in summary and calls[2] in summary.split("PARTIAL")[1]
+  assert not list(out.glob(".*.tmp"))  # the atomic writes left no temporaries behind
+  # the partial report renders as it is (what `python -m bench.report DIR` does after a kill)
+  (out / "summary.md").unlink()
+  assert report.main([str(out), "--no-plots"]) == 0
+  assert "PARTIAL report" in (out / "summary.md").read_text()
+
+
+def test_a_finished_run_is_not_marked_partial(tiny_report):
+  _, out = tiny_report
+  payload = json.loads((out / "r" / "results.json").read_text())
+  assert "partial" not in payload
+  assert "PARTIAL" not in (out / "r" / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------------------- parity on the device
+def _numpy_and_device(actual, expected, quantity="value", dtype="float32", n=4):
+  from bench.cases import Check
+  from bench.harness import device_parity
+  from bench.tolerances import parity_error
+
+  check = Check(0, quantity, dtype, n, "x")
+  host = parity_error(np.asarray(actual), np.asarray(expected), quantity, dtype, n)
+  dev = device_parity((jnp.asarray(actual),), (jnp.asarray(expected),), (check,))["x"]
+  return host, dev
+
+
+def test_device_parity_matches_a_hand_computed_error():
+  """By hand: eps = 2^-23, scale = max|e| = 2.5, atol = 2.5 (4 eps + 8 eps sqrt(4)) = 50 eps,
+  bound at e = 2.5: 50 eps + 64 eps * 2.5 = 210 eps; err 0.5 -> 0.5 / (210 eps). Catches a device
+  formula that drops a term of the budget (atol or rtol) or takes the scale from the actual."""
+  by_hand = 0.5 / (210 * 2.0**-23)
+  host, dev = _numpy_and_device([1.0, 2.0], [1.0, 2.5])
+  assert host == pytest.approx(by_hand, rel=1e-12)
+  assert dev == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_device_parity_agrees_with_numpy_on_edge_cases_and_bf16():
+  """NaN only on one side is inf; a NaN in the reference is NaN (not a pass) on both paths, equal infinities agree; shapes that
+  differ are inf; bf16 budgets use bf16's eps (a device path in f32 eps would be 65536x stricter)."""
+  nan, inf = float("nan"), float("inf")
+  assert _numpy_and_device([1.0, nan], [1.0, 1.0]) == (inf, inf)
+  host, dev = _numpy_and_device([nan, 1.0], [nan, 1.0])  # a NaN reference scale: never a pass
+  assert np.isnan(host) and np.isnan(dev)
+  assert _numpy_and_device([inf, 1.0], [inf, 1.0]) == (0.0, 0.0)  # equal infinities agree
+  from bench.cases import Check
+  from bench.harness import device_parity
+
+  check = Check(0, "grad", "bfloat16", 8, "g")
+  assert device_parity((jnp.ones(3),), (jnp.ones(4),), (check,))["g"] == inf
+  k = jax.random.split(jax.random.key(0), 2)
+  e = jax.random.normal(k[0], (64, 33), jnp.float32).astype(jnp.bfloat16)
+  a = (e.astype(jnp.float32) + 0.01 * jax.random.normal(k[1], e.shape)).astype(jnp.bfloat16)
+  host, dev = _numpy_and_device(a.astype(jnp.float32), e.astype(jnp.float32), "grad", "bfloat16", 8)
+  dev_bf16 = device_parity((a,), (e,), (Check(0, "grad", "bfloat16", 8, "g"),))["g"]
+  assert (
+    host > 0.1
+    and dev == pytest.approx(host, rel=1e-5)
+    and dev_bf16 == pytest.approx(host, rel=1e-5)
+  )
+
+
+# ---------------------------------------------------------------------------------- honest ceilings
+def test_measured_ceilings_sit_beside_the_datasheet_and_drive_the_fractions():
+  """The copy / matmul probes at a small configurable size (on CPU: plumbing, not a ceiling): best >=
+  median > 0, the compiled copy really copies (XLA emits a `copy`, so bytes move), the report shows
+  measured and datasheet side by side, and fractions use the measured best. Catches a probe that
+  times an elided no-op, or a report that silently mixes the two sources."""
+  from bench import roofline
+
+  cfg = roofline.CeilingConfig(copy_bytes=1 << 20, matmul_n=64, iters=2, rounds=3)
+  peaks = roofline.measured_peaks(cfg=cfg)
+  assert peaks.source == "measured"
+  assert peaks.hbm_bytes_per_s >= peaks.hbm_median_bytes_per_s > 0
+  assert peaks.bf16_flops_per_s >= peaks.bf16_median_flops_per_s > 0
+  hlo = jax.jit(lambda a: jnp.copy(a)).lower(jnp.zeros(256)).compile().as_text()
+  assert " copy(" in hlo
+  h100 = dataclasses.replace(
+    peaks, datasheet_hbm_bytes_per_s=3.35e12, datasheet_bf16_flops_per_s=989e12
+  )
+  line = report.peaks_line(dataclasses.asdict(h100))
+  assert "| HBM bandwidth |" in line and "| 3.35 TB/s |" in line and "| 989 TFLOP/s |" in line
+  assert roofline.roofline_fraction(1.0, peaks.hbm_bytes_per_s, None, peaks) == pytest.approx(1.0)
+  old = report.peaks_line(dict(hbm_bytes_per_s=2.32e12, bf16_flops_per_s=None, source="measured"))
+  assert (
+    old == "Bandwidth used for roofline: 2320.0 GB/s (measured)."
+  )  # older reports render as before
+  with pytest.raises(ValueError, match="copy_bytes >= 1024"):
+    roofline.CeilingConfig(copy_bytes=0)
+
+
+def test_the_committed_h100_example_renders_unchanged(tmp_path):
+  """Catches a report change that leaves the committed H100 figures stale or unrenderable: each
+  suite's summary.md re-renders from its results.json to the committed text."""
+  import shutil
+
+  src = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "example-h100"
+  suites = sorted(p.parent.name for p in src.glob("*/results.json"))
+  assert suites == ["fused_linear", "grpo_loss", "mosaic_gpu", "paged_attention", "rollout"]
+  for suite in suites:
+    shutil.copy(src / suite / "results.json", tmp_path / "results.json")
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert (tmp_path / "summary.md").read_text() == (src / suite / "summary.md").read_text(), suite

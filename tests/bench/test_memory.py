@@ -22,3 +22,45 @@ def test_update_memory_scales_with_the_batch_and_the_critic_is_small():
 def test_bad_shapes_are_refused():
   with pytest.raises(ValueError, match="micro_batch must be an int >= 1"):
     memory.update_memory("tiny", 0, 8, 8)
+
+
+# ------------------------------------------------------------------------- memory between cases
+def test_a_case_leaves_no_live_arrays_behind():
+  """Catches a case that keeps its inputs / outputs alive into the next one (on the H100, AdamW at the
+  1.5B shape ran out of memory after earlier cases): live arrays return to the baseline."""
+  import jax
+
+  from bench.cases import all_cases
+  from bench.roofline import DevicePeaks
+  from bench.run import run_case
+
+  case = next(c for c in all_cases("tiny", "cpu", ("grpo_loss",)) if c.mode == "fwd+bwd")
+  run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0)  # warm caches, constants
+  baseline = len(jax.live_arrays())
+  r = run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0)
+  assert r.ok and r.kernel is not None
+  assert len(jax.live_arrays()) == baseline
+
+
+def test_a_case_that_cannot_fit_is_skipped_before_any_allocation():
+  """Catches an OOM instead of a skip: XLA's memory analysis (compiled from abstract inputs) is
+  compared with the limit before the inputs exist; the row says why and is not a failure."""
+  from bench.cases import all_cases
+  from bench.roofline import DevicePeaks
+  from bench.run import run_case
+
+  case = next(c for c in all_cases("tiny", "cpu", ("grpo_loss",)))
+  import jax
+
+  run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0, memory_limit=1024)
+  before = len(jax.live_arrays())
+  r = run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0, memory_limit=1024)
+  assert (
+    r.ok
+    and r.kernel is None
+    and "by XLA's memory analysis" in r.skipped
+    and "> the device's" in r.skipped
+  )
+  assert len(jax.live_arrays()) == before  # nothing was allocated for the skipped case
+  fits = run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0, memory_limit=2**40)
+  assert fits.kernel is not None and fits.skipped is None

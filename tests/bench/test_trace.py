@@ -64,6 +64,9 @@ def test_summary_of_a_captured_trace(tmp_path):
       f(w, x).block_until_ready()
   s = trace.summarize(str(tmp_path))
   assert s["top"] and all(r["total_us"] >= 0 for r in s["top"])
+  # the share column (the device call's "where does a step go"): a fraction of every op's time
+  assert 0 < sum(r["share"] for r in s["top"]) <= 1 + 1e-9
+  assert s["top"][0]["share"] == pytest.approx(s["top"][0]["total_us"] / s["ops_total_us"])
   assert any(r["scope"] and U.LOSS_SCOPE in r["scope"] for r in s["top"])
   assert s["phases_us"]["update"] > 0
   split = s["update_split_us"]
