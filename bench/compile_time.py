@@ -63,10 +63,6 @@ def aot_seconds(jitted, *args) -> dict[str, float]:
   }
 
 
-def _abstract(x):
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
 def train_step_program(cfg: GRPOConfig, prompt_width: int) -> tuple[Callable, tuple]:
   """The loop's jitted GRPO train step and abstract (params, opt_state, batch) at the config's shapes."""
   model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
@@ -123,7 +119,7 @@ def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
   )
   s = ecfg.max_slots
   slot = lambda dtype: jax.ShapeDtypeStruct((s,), dtype)
-  keys = _abstract(sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
+  keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
   args = dict(
     tokens=slot(jnp.int32),
     positions=slot(jnp.int32),
