@@ -109,12 +109,21 @@ PRODUCTION_PAGED_SHAPES = ("decode-4k", "decode-16k-b8")
 
 
 def decoder_param_shapes(name: str) -> dict[str, tuple[int, ...]]:
-  """Parameter name -> shape of the `rl.model` preset `name` (nothing materialised): the optimizer
-  benchmarks' parameter tree, at real model sizes with no checkpoint."""
+  """Per-tensor parameter name -> shape of the `rl.model` preset `name` (nothing materialised): the
+  optimizer benchmarks' parameter tree, at real model sizes with no checkpoint. One leaf per HF tensor
+  (`layers.3.mlp.up_proj.kernel`, ~290 for the 0.5B), as a per-tensor optimizer sees a checkpoint,
+  though the model itself stores its layers stacked."""
   from flax import nnx
 
   from rl.model import abstract_model, preset
-  from rl.model.partition import path_name
+  from rl.model.partition import path_name, per_layer
 
   state = nnx.state(abstract_model(preset(name)), nnx.Param)
-  return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(state)}
+  before, layers, after = {}, {}, {}  # in tree order, the layers one after another (as HF's)
+  for path, x in jax.tree_util.tree_leaves_with_path(state):
+    for layer_name, i in per_layer(path_name(path), x.shape[0]):
+      if i is None:
+        (after if layers else before)[layer_name] = tuple(x.shape)
+      else:
+        layers[(i, layer_name)] = tuple(x.shape[1:])
+  return {**before, **{n: layers[(i, n)] for i, n in sorted(layers)}, **after}

@@ -24,12 +24,13 @@ class KVCache(Protocol):
   """What a decoder layer needs from a cache. Implementations are pytrees (they cross `jax.jit`)."""
 
   def attend(
-    self, layer: int, q: Array, k: Array, v: Array, positions: Array
+    self, layer: Array | int, q: Array, k: Array, v: Array, positions: Array
   ) -> tuple[Array, KVCache]:
     """Stores `k`/`v` of the new tokens and attends `q` to every cached token at or before its position.
 
     Args:
-      layer: the decoder layer (static).
+      layer: the decoder layer: a traced int32 scalar under the decoder's layer scan (a Python int
+        outside it); index the stacked [L, ...] buffers with it, never branch on it in Python.
       q: [B, T, Hq, D] queries of the new tokens, RoPE applied.
       k: [B, T, Hkv, D] keys of the new tokens, RoPE applied.
       v: [B, T, Hkv, D] values of the new tokens.
@@ -90,6 +91,8 @@ class DenseKVCache:
     return self.k.shape[2]
 
   def attend(self, layer, q, k, v, positions):
+    # `layer` (traced or not) joins rows and positions as one more advanced index: a scatter of the
+    # [B, T] new tokens into the carried buffer (in place under the scan), never a copy of the slab.
     rows = jnp.arange(q.shape[0])[:, None]
     # Positions past the cache (padding beyond max_len) are dropped, never wrapped onto real slots.
     new_k = self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop")

@@ -3,6 +3,8 @@
 Tensors are read one at a time with the `safetensors` library, checked against the model's shapes, cast
 to the parameter dtype and placed straight onto their sharding, so a checkpoint never has to fit on one
 device. Names are HF's; torch Linear weights are [out, in] and ours are [in, out], hence the transposes.
+Our stacked decoder-layer parameters ([L, ...], see `rl.model.qwen`) are HF's L per-layer tensors
+(`model.layers.{i}.…`), read into and written from slices of the stacked array.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 def hf_name(name: str) -> tuple[str, bool]:
-  """Our parameter name -> (HF tensor name, whether the HF tensor is our array transposed)."""
+  """Our per-layer parameter name (`partition.per_layer`) -> (HF tensor name, whether the HF tensor is
+  our array transposed)."""
+  if partition.is_stacked(name):
+    raise ValueError(f"{name!r} is a stacked parameter: map each of partition.per_layer(name, L)")
   if name == "lm_head.kernel":
     return "lm_head.weight", True
   leaf = name.rsplit(".", 1)[-1]
@@ -107,26 +112,34 @@ def load_checkpoint(
   handles: dict[str, Any] = {}
   used = set()
 
-  def read(path, leaf, sharding=None):
-    name = hf_name(partition.path_name(path))[0]
-    transpose = hf_name(partition.path_name(path))[1]
-    if name not in where:
-      raise ValueError(
-        f"checkpoint {directory} has no tensor {name!r} (for {partition.path_name(path)})"
-      )
-    if where[name] not in handles:
-      handles[where[name]] = _open_safetensors(where[name])
+  def tensor(name: str, ours: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor `name` in our layout, checked against `shape`."""
+    hf, transpose = hf_name(name)
+    if hf not in where:
+      raise ValueError(f"checkpoint {directory} has no tensor {hf!r} (for {ours})")
+    if where[hf] not in handles:
+      handles[where[hf]] = _open_safetensors(where[hf])
     try:
-      array = handles[where[name]].get_tensor(name)
+      array = handles[where[hf]].get_tensor(hf)
     except SafetensorError as e:
-      raise ValueError(f"{where[name]}: cannot read tensor {name!r} ({e}): truncated?") from e
+      raise ValueError(f"{where[hf]}: cannot read tensor {hf!r} ({e}): truncated?") from e
     array = array.T if transpose else array
-    if array.shape != leaf.shape:
+    if array.shape != shape:
       raise ValueError(
-        f"tensor {name!r} has shape {array.shape} (as ours), the model expects {leaf.shape}"
+        f"tensor {hf!r} has shape {array.shape} (as ours), the model expects {shape}"
       )
-    used.add(name)
-    array = np.asarray(array, dtype=leaf.dtype)
+    used.add(hf)
+    return array
+
+  def read(path, leaf, sharding=None):
+    ours = partition.path_name(path)
+    layers = partition.per_layer(ours, leaf.shape[0] if partition.is_stacked(ours) else 0)
+    array = np.empty(leaf.shape, leaf.dtype)  # filled layer by layer: one host copy per parameter
+    for name, i in layers:
+      if i is None:
+        array[...] = tensor(name, ours, leaf.shape)
+      else:
+        array[i] = tensor(name, ours, leaf.shape[1:])
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 
   if shardings is None:
@@ -148,10 +161,13 @@ def load_checkpoint(
 
 def _hf_tensors(model: Qwen, dtype) -> Iterator[tuple[str, np.ndarray]]:
   for path, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-    name, transpose = hf_name(partition.path_name(path))
-    array = np.asarray(jax.device_get(value))
-    array = array.T if transpose else array
-    yield name, np.ascontiguousarray(array.astype(dtype if dtype is not None else array.dtype))
+    ours = partition.path_name(path)
+    stacked = np.asarray(jax.device_get(value))
+    for layer_name, i in partition.per_layer(ours, model.cfg.num_layers):
+      name, transpose = hf_name(layer_name)
+      array = stacked if i is None else stacked[i]
+      array = array.T if transpose else array
+      yield name, np.ascontiguousarray(array.astype(dtype if dtype is not None else array.dtype))
 
 
 def save_checkpoint(

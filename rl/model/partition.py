@@ -3,6 +3,8 @@
 Megatron-style tensor parallelism (column-parallel q/k/v, gate/up and the LM head over the vocabulary;
 row-parallel o_proj and down_proj) with the other large dimension sharded over fsdp. Parameters are
 replicated over dp. A dimension that a mesh axis does not divide is replicated over that axis instead.
+The decoder layers' parameters are stacked (`layers.mlp.up_proj.kernel` is [L, in, out]): their leading
+layer axis is never sharded (the layer scan slices it), the rule applies to the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,26 @@ RULES: tuple[tuple[str, P], ...] = (
 )
 
 
+_STACKED = re.compile(
+  r"^layers\.(?!\d+\.)"
+)  # 'layers.mlp...' is stacked, 'layers.3.mlp...' one layer
+
+
+def is_stacked(name: str) -> bool:
+  """Whether parameter `name` is a stacked decoder-layer parameter (leading [L] axis)."""
+  return _STACKED.match(name) is not None
+
+
+def per_layer(name: str, num_layers: int) -> list[tuple[str, int | None]]:
+  """Parameter `name` -> [(one layer's name, its index on the stacked axis)]:
+  'layers.mlp.up_proj.kernel' -> [('layers.0.mlp.up_proj.kernel', 0), ...]; any other -> [(name, None)].
+  The per-layer names are HF's module paths (`rl.model.checkpoint.hf_name` maps them)."""
+  if not is_stacked(name):
+    return [(name, None)]
+  rest = name[len("layers.") :]
+  return [(f"layers.{i}.{rest}", i) for i in range(num_layers)]
+
+
 def path_name(path: tuple) -> str:
   """A state key path (or a flat-state path) -> 'layers.0.mlp.up_proj.kernel'.
 
@@ -40,7 +62,8 @@ def path_name(path: tuple) -> str:
 
 
 def spec_for(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """The rule's spec for parameter `name`, with axes that do not divide their dimension dropped."""
+  """The rule's spec for parameter `name`, with axes that do not divide their dimension dropped (and
+  the stacked layer axis, if any, unsharded)."""
   for pattern, spec in RULES:  # noqa: B007 (spec is used after the break)
     if re.search(pattern, name):
       break
@@ -48,6 +71,8 @@ def spec_for(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
     raise ValueError(
       f"no partition rule matches parameter {name!r}; add one to rl.model.partition.RULES"
     )
+  if is_stacked(name):
+    spec = P(None, *spec)
   fitted = []
   for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
     fitted.append(axis if axis in mesh.shape and dim % mesh.shape[axis] == 0 else None)

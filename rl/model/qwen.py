@@ -1,8 +1,11 @@
 """A Qwen2 / Qwen2.5 / Qwen3 decoder in Flax NNX, numerically the Hugging Face definition.
 
-Parameter names follow HF's (`layers[i].self_attn.q_proj.kernel` is `model.layers.i.self_attn.q_proj.weight`
-transposed), so `rl.model.checkpoint` maps checkpoints by name. Kernels are [in, out]; the LM head is
-exposed as an [H, V] matrix so the fused LM-head loss can consume it without materialising logits.
+The decoder layers are stored stacked (every layer parameter has a leading [L] axis) and applied with
+one `jax.lax.scan`, so a forward traces and compiles one layer body instead of L copies: the standard
+remedy for compile time (MaxText, tunix). Parameter names follow HF's up to that axis:
+`layers.self_attn.q_proj.kernel[i]` is `model.layers.i.self_attn.q_proj.weight` transposed
+(`rl.model.checkpoint` maps checkpoints by name). Kernels are [in, out]; the LM head is exposed as an
+[H, V] matrix so the fused LM-head loss can consume it without materialising logits.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class Attention(nnx.Module):
     x: Array,  # [B, T, H]
     positions: Array,  # [B, T]
     visible: Array | None,  # [B, T, T] (no cache) or None (the cache decides)
-    layer: int,
+    layer: Array,  # [] int32 (traced under the layer scan)
     cache: KVCache | None,
   ) -> tuple[Array, KVCache | None]:
     cfg = self.cfg
@@ -132,7 +135,7 @@ class Qwen(nnx.Module):
       embedding_init=_init,
       rngs=rngs,
     )
-    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.layers = _stacked_layers(cfg, rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
@@ -152,9 +155,7 @@ class Qwen(nnx.Module):
     t = tokens.shape[1]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
     visible = causal[None] & attention_mask[:, None, :]
-    x = self.embed_tokens(tokens)
-    for i, layer in enumerate(self.layers):
-      x, _ = layer(x, positions, visible, i, None)
+    x, _ = self._run_layers(self.embed_tokens(tokens), positions, visible, None)
     return self.norm(x)
 
   def forward_with_cache(
@@ -164,10 +165,28 @@ class Qwen(nnx.Module):
     cache: KVCache,
   ) -> tuple[Array, KVCache]:  # ([B, T, H] hidden, updated cache)
     """Prefill (T > 1) or decode (T = 1) through a cache the caller owns."""
-    x = self.embed_tokens(tokens)
-    for i, layer in enumerate(self.layers):
-      x, cache = layer(x, positions, None, i, cache)
+    x, cache = self._run_layers(self.embed_tokens(tokens), positions, None, cache)
     return self.norm(x), cache
+
+  def _run_layers(
+    self,
+    x: Array,  # [B, T, H]
+    positions: Array,  # [B, T] int32
+    visible: Array | None,  # [B, T, T] or None (the cache decides)
+    cache: KVCache | None,
+  ) -> tuple[Array, KVCache | None]:
+    """The L layers as one scan over their stacked parameters. The cache rides in the carry (its
+    update of layer i is in place) and `cache.attend` gets the layer as a traced int32 scalar."""
+    graphdef, stacked = nnx.split(self.layers)
+
+    def body(carry, xs):
+      h, c = carry
+      params, i = xs
+      return nnx.merge(graphdef, params)(h, positions, visible, i, c), None
+
+    index = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, index))
+    return x, cache
 
   def lm_head_weight(self) -> Array:  # [H, V] in the compute dtype
     if self.cfg.tie_word_embeddings:
@@ -180,6 +199,16 @@ class Qwen(nnx.Module):
       self.lm_head_weight(),
       preferred_element_type=jnp.float32,
     )
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+  """One `DecoderLayer` whose parameters carry a leading [L] axis. The layers are drawn one by one in
+  order and then stacked, so a seed gives the same weights as a per-layer model would (seeded runs and
+  recorded results stay reproducible); under `nnx.eval_shape` nothing is materialised."""
+  layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
+  graphdef = nnx.graphdef(layers[0])
+  states = [nnx.state(layer) for layer in layers]
+  return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen:

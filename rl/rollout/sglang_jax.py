@@ -5,11 +5,14 @@ this process (`enable_single_process=True`: scheduler threads, no server, no tok
 weights, and before each `generate` the trainer's current parameters are written into its model runner
 (`model_runner.model_state_leaves`, the flat list its jitted forward reads on every call). Nothing is
 restarted or recompiled; each leaf is placed on the engine's own sharding with `jax.device_put` (same
-dtype on one device: the engine then reads our buffer, no copy), cast
+dtype on one device: the engine then reads our buffer, no copy, for the unstacked embedding, head and
+final norm; each layer's tensor is a slice of our stacked [L, ...] parameter, one copy per sync), cast
 or transposed only where dtype or layout differ (a bf16 engine over f32 master weights costs one cast
 per sync), and a sync that finds no new parameter arrays does nothing.
 
-Parameter names: ours are HF's (see rl.model.checkpoint.hf_name) with flax leaf names; sglang-jax's
+Parameter names: ours are HF's up to the stacked layer axis (`weight_plan` maps layer i of
+`layers.mlp.up_proj.kernel` to `model.layers.i.mlp.up_proj.weight`; see rl.model.checkpoint.hf_name)
+with flax leaf names; sglang-jax's
 Qwen2 / Qwen3 keep HF's module paths with `weight` ([in, out], like ours), `scale` (norms),
 `embedding` (token embedding, and an untied `lm_head` stored [V, H], ours is [H, V]). With tied
 embeddings sglang-jax has no lm_head and reads the embedding, as we do. Every one of our parameters must
@@ -37,6 +40,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -47,7 +51,53 @@ from rl.rollout.engine import RolloutEngine, Seq
 from rl.rollout.types import RolloutStats, SamplingParams
 
 SUPPORTED_MODELS = ("qwen2", "qwen3")
+_WEIGHT_LEAVES = ("weight", "bias", "scale", "embedding")  # sglang state leaves that are weights
 _ATTENTION = {"tpu": ("fa", 128)}  # platform -> (attention backend, page size); elsewhere native, 1
+
+
+class PlanEntry(NamedTuple):
+  """One sglang-jax weight and where it comes from."""
+
+  leaf: int  # index into the runner's flat state leaves
+  name: str  # our parameter
+  layer: (
+    int | None
+  )  # the index on our stacked [L] axis (sglang keeps one tensor per layer), or None
+  transpose: bool  # sglang's array is ours transposed
+
+
+def weight_plan(
+  ours: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, tuple[int, ...]]]
+) -> list[PlanEntry]:
+  """The sync plan from our parameters (name -> shape; stacked layers [L, ...]) to sglang-jax's
+  weights (state path -> (flat index, shape)): every one of ours, layer by layer, lands on exactly one
+  of theirs of the same shape and every sglang weight is filled, else a ValueError naming the first
+  misfit (never a silent partial sync)."""
+  plan, used = [], set()
+  for name, shape in ours.items():
+    num_layers = shape[0] if partition.is_stacked(name) else 0
+    for layer_name, layer in partition.per_layer(name, num_layers):
+      target, transpose = sglang_path(layer_name)
+      if target not in theirs:
+        raise ValueError(
+          f"parameter {layer_name} maps to sglang-jax {target!r}, which its model does not have "
+          f"(its weights: {sorted(k for k in theirs if 'layers.1.' not in k)[:12]} ...)"
+        )
+      i, want = theirs[target]
+      have = shape if layer is None else shape[1:]
+      have = tuple(have[::-1] if transpose else have)
+      if tuple(want) != have:
+        raise ValueError(
+          f"parameter {layer_name} {have} (as sglang's) does not fit sglang-jax {target} "
+          f"{tuple(want)} (padded or replicated heads, e.g. tp_size > num_kv_heads, are not "
+          "supported)"
+        )
+      plan.append(PlanEntry(i, name, layer, transpose))
+      used.add(target)
+  missed = [k for k in theirs if k not in used and k.rsplit(".", 1)[-1] in _WEIGHT_LEAVES]
+  if missed:
+    raise ValueError(f"sglang-jax weights with no parameter of ours to fill them: {missed[:8]}")
+  return plan
 
 
 def _import_engine():
@@ -197,36 +247,10 @@ class SglangJaxEngine(RolloutEngine):
     self.sync_weights()
 
   # ----------------------------------------------------------------------------------- weights
-  def _weight_plan(self) -> list[tuple[int, str, bool]]:
-    """(index into the runner's flat state, our parameter name, transpose) for every parameter."""
+  def _weight_plan(self) -> list[PlanEntry]:
     flat = jax.tree_util.tree_flatten_with_path(nnx.split(self._runner.model)[1])[0]
-    index = {partition.path_name(p): (i, leaf) for i, (p, leaf) in enumerate(flat)}
-    plan, used = [], set()
-    for name, x in self._params().items():
-      target, transpose = sglang_path(name)
-      if target not in index:
-        raise ValueError(
-          f"parameter {name} maps to sglang-jax {target!r}, which its model does not have "
-          f"(its weights: {sorted(k for k in index if 'layers.1.' not in k)[:12]} ...)"
-        )
-      i, leaf = index[target]
-      want = tuple(leaf.shape)
-      have = tuple(x.shape[::-1] if transpose else x.shape)
-      if want != have:
-        raise ValueError(
-          f"parameter {name} {tuple(x.shape)} does not fit sglang-jax {target} {want} (padded "
-          "or replicated heads, e.g. tp_size > num_kv_heads, are not supported)"
-        )
-      plan.append((i, name, transpose))
-      used.add(target)
-    missed = [
-      k
-      for k in index
-      if k not in used and k.rsplit(".", 1)[-1] in ("weight", "bias", "scale", "embedding")
-    ]
-    if missed:
-      raise ValueError(f"sglang-jax weights with no parameter of ours to fill them: {missed[:8]}")
-    return plan
+    theirs = {partition.path_name(p): (i, tuple(leaf.shape)) for i, (p, leaf) in enumerate(flat)}
+    return weight_plan({name: tuple(x.shape) for name, x in self._params().items()}, theirs)
 
   def _params(self) -> dict:
     """Our parameter name -> the live model's current array."""
@@ -239,17 +263,18 @@ class SglangJaxEngine(RolloutEngine):
     """Write the model's current parameters into the engine; returns how many leaves were written
     (0 when nothing changed since the last sync: identical arrays are not resent)."""
     ours = self._params()
-    current = [ours[name] for _, name, _ in self._plan]
+    current = [ours[entry.name] for entry in self._plan]
     if self._synced is not None and all(a is b for a, b in zip(current, self._synced)):
       return 0
     leaves = list(self._runner.model_state_leaves)
-    for (i, _, transpose), x in zip(self._plan, current):
-      dst = leaves[i]
-      y = x.T if transpose else x
+    for entry, x in zip(self._plan, current):
+      dst = leaves[entry.leaf]
+      y = x if entry.layer is None else x[entry.layer]
+      y = y.T if entry.transpose else y
       if y.dtype != dst.dtype:
         y = y.astype(dst.dtype)
       # Onto the engine's own mesh: its explicit-sharding forward rejects arrays laid out on ours.
-      leaves[i] = jax.device_put(y, dst.sharding)
+      leaves[entry.leaf] = jax.device_put(y, dst.sharding)
     self._runner.model_state_leaves = leaves
     self._synced = current
     # The radix cache holds KV computed with the old weights: reusing a cached prefix would mix policies.

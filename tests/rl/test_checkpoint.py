@@ -34,7 +34,11 @@ def test_hf_tensor_names_and_layout(tmp_path):
   assert sd["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
   assert "lm_head.weight" not in sd  # tied, as HF writes Qwen2.5-0.5B
   np.testing.assert_array_equal(
-    sd["model.layers.0.mlp.up_proj.weight"], np.asarray(model.layers[0].mlp.up_proj.kernel[...]).T
+    sd["model.layers.0.mlp.up_proj.weight"], np.asarray(model.layers.mlp.up_proj.kernel[0]).T
+  )
+  # Layer i of the stacked array is HF's layer i (a transposed or shifted stack axis would differ).
+  np.testing.assert_array_equal(
+    sd["model.layers.1.self_attn.k_proj.bias"], np.asarray(model.layers.self_attn.k_proj.bias[1])
   )
   hf = json.loads((tmp_path / "config.json").read_text())
   assert hf["model_type"] == "qwen2" and hf["architectures"] == ["Qwen2ForCausalLM"]
@@ -70,8 +74,8 @@ def test_load_onto_mesh_places_every_parameter_by_the_rules(tmp_path):
   save_checkpoint(model, tmp_path, dtype=None)
   mesh = make_mesh(dp=2, fsdp=2, tp=2)
   loaded = load_checkpoint(tmp_path, mesh=mesh, dtype="float32")
-  q = loaded.layers[0].self_attn.q_proj.kernel[...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+  q = loaded.layers.self_attn.q_proj.kernel[...]  # [L, H, Hq * D]: the layer axis is never sharded
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
   for path, v in jax.tree_util.tree_leaves_with_path(nnx.state(loaded, nnx.Param)):
     assert v.sharding.spec == spec_for(path_name(path), v.shape, mesh)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 8)))
@@ -91,6 +95,11 @@ def test_partition_rules_drop_axes_that_do_not_divide():
   mesh = make_mesh(dp=1, fsdp=2, tp=4)
   assert spec_for("layers.0.self_attn.k_proj.kernel", (64, 6), mesh) == jax.sharding.PartitionSpec(
     "fsdp", None
+  )
+  # Stacked layers: the rule applies after the [L] axis, which stays unsharded even where fsdp
+  # divides L (sharding it would make every layer of the scan a cross-device gather).
+  assert spec_for("layers.mlp.up_proj.kernel", (4, 64, 8), mesh) == jax.sharding.PartitionSpec(
+    None, "fsdp", "tp"
   )
   with pytest.raises(ValueError, match="no partition rule"):
     spec_for("layers.0.new_thing.kernel", (4, 4), mesh)

@@ -88,6 +88,46 @@ def test_prefill_then_decode_equals_full_forward(name):
     )
 
 
+def test_dense_cache_takes_a_traced_layer():
+  """The layer scan hands `attend` its layer as a traced int32 scalar. Catches a cache that only
+  works with a Python int: a traced index broadcast over the batch, or a write that lands in (or
+  reads) another layer's slab, corrupting the KV of the layers before and after it."""
+  rng = np.random.default_rng(7)
+  num_layers, b, t, s, hkv, hq, d = 3, 2, 3, 8, 2, 4, 4
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  cache = DenseKVCache(normal(num_layers, b, s, hkv, d), normal(num_layers, b, s, hkv, d))
+  q, k, v = normal(b, t, hq, d), normal(b, t, hkv, d), normal(b, t, hkv, d)
+  positions = jnp.asarray([[2, 3, 4], [0, 1, 2]], jnp.int32)
+  out, new = jax.jit(lambda c, layer: c.attend(layer, q, k, v, positions))(cache, jnp.int32(1))
+  want_out, want = cache.attend(1, q, k, v, positions)
+  np.testing.assert_array_equal(out, want_out)
+  np.testing.assert_array_equal(new.k, want.k)
+  np.testing.assert_array_equal(new.v, want.v)
+  for other in (0, 2):
+    np.testing.assert_array_equal(new.k[other], cache.k[other])
+  np.testing.assert_array_equal(new.k[1, 0, 2:5], k[0])  # row 0's tokens at its positions
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_layers_are_traced_once(with_cache):
+  """Compile time: the program holds one layer body whatever the depth. A per-layer Python loop
+  makes it L times longer (the 0.5B train step then compiled in 40 s instead of 4 s on XLA:CPU)."""
+
+  def num_ops(num_layers):
+    cfg = preset("tiny", num_layers=num_layers)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    if not with_cache:
+      return len(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, tokens).eqns)
+    cache = jax.eval_shape(
+      lambda: DenseKVCache.create(num_layers, 2, 8, cfg.num_kv_heads, cfg.dim_per_head)
+    )
+    fwd = lambda st, t, c: nnx.merge(graphdef, st).forward_with_cache(t, t, c)
+    return len(jax.make_jaxpr(fwd)(state, tokens, cache).eqns)
+
+  assert num_ops(2) == num_ops(5)
+
+
 def test_bf16_compute_tracks_f32():
   cfg = preset("tiny")  # bf16 compute, f32 params
   model = init_model(cfg, seed=5)

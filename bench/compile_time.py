@@ -1,0 +1,194 @@
+"""Compile time of the loop's two big programs, ahead of time, from abstract inputs.
+
+`python -m bench.compile_time [--config configs/gpu-qwen2.5-0.5b.yaml] [key=value ...]` traces,
+lowers and compiles for this host's backend (XLA:CPU here) (a) the GRPO train step the loop builds
+(`rl.update.train_step` with the config's loss and optimizer) and (b) the rollout's decode chunk
+(`rl.rollout.steps.decode_chunk` over the paged cache at the config's slots, pages and steps per sync),
+with `jax.ShapeDtypeStruct` inputs: no weight, cache or batch is materialised and nothing runs.
+Prints a table and writes JSON (`--out`). Each program is compiled in a fresh process-wide cache
+state (jax's caches are cleared first), so the figures do not depend on the order.
+
+The prompt width is `--prompt-width` (default: the widest prompt the config's rollout admits,
+rollout.max_seq_len - sampling.max_new_tokens), the completion width sampling.max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl import configlib
+from rl.config import GRPOConfig
+from rl.model import abstract_model, preset
+from rl.rollout import steps
+from rl.rollout.paged_cache import PagedKVCache
+from rl.rollout.sampling import sample_base_keys
+from rl.update import (
+  Batch,
+  LossSettings,
+  compile_train_step,
+  make_optimizer,
+  warmup_schedule,
+)
+
+DEFAULT_CONFIG = "configs/gpu-qwen2.5-0.5b.yaml"
+
+
+def aot_seconds(jitted, *args) -> dict[str, float]:
+  """Wall seconds of trace, lower and compile of one `jax.jit` object at `args` (abstract or
+  concrete), and the process CPU seconds of the whole (`cpu_s`: steadier than wall time on a shared
+  machine, where waiting for a core inflates the wall figures)."""
+  jax.clear_caches()
+  c0, t0 = time.process_time(), time.perf_counter()
+  traced = jitted.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3, c3 = time.perf_counter(), time.process_time()
+  return {
+    "trace_s": t1 - t0,
+    "lower_s": t2 - t1,
+    "compile_s": t3 - t2,
+    "total_s": t3 - t0,
+    "cpu_s": c3 - c0,
+  }
+
+
+def train_step_program(cfg: GRPOConfig, prompt_width: int) -> tuple[Callable, tuple]:
+  """The loop's jitted GRPO train step and abstract (params, opt_state, batch) at the config's shapes."""
+  model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
+  train = cfg.train
+  decay = train.steps if train.lr_schedule == "cosine" else 0
+  optimizer = make_optimizer(
+    train.optimizer,
+    warmup_schedule(train.learning_rate, train.lr_warmup_steps, decay),
+    train.weight_decay,
+    train.max_grad_norm,
+    train.fused_optimizer,
+  )
+  opt_state = jax.eval_shape(optimizer.init, params)
+  completion = cfg.sampling.max_new_tokens
+  settings = LossSettings(
+    completion_len=completion,
+    spec=cfg.loss_spec,
+    impl=train.policy_loss_impl,
+    fused_lm_head=train.fused_lm_head,
+  )
+  k, m = cfg.grad_accum_steps, cfg.global_micro_batch
+  width = prompt_width + completion
+  batch = Batch(
+    tokens=jax.ShapeDtypeStruct((k, m, width), jnp.int32),
+    attention_mask=jax.ShapeDtypeStruct((k, m, width), jnp.bool_),
+    advantages=jax.ShapeDtypeStruct((k, m), jnp.float32),
+    old_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32)
+    if train.ppo_epochs > 1
+    else None,
+    ref_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32) if train.beta > 0 else None,
+    sampler_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32),
+  )
+  step = compile_train_step(graphdef, optimizer, settings, "grpo")
+  return step, (params, opt_state, batch)
+
+
+def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
+  """The paged engine's decode chunk and its abstract arguments (steps_per_sync steps, max_slots)."""
+  model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  graphdef, state = nnx.split(abstract_model(model_cfg))
+  ecfg = cfg.rollout
+  cache_dtype = jnp.dtype(ecfg.cache_dtype or model_cfg.dtype)
+  cache = jax.eval_shape(
+    lambda: PagedKVCache.create(
+      model_cfg.num_layers,
+      ecfg.pool_pages,
+      ecfg.page_size,
+      model_cfg.num_kv_heads,
+      model_cfg.dim_per_head,
+      cache_dtype,
+      ecfg.attn_impl,
+    ).with_table(jnp.zeros((ecfg.max_slots, ecfg.pages_per_seq), jnp.int32))
+  )
+  s = ecfg.max_slots
+  slot = lambda dtype: jax.ShapeDtypeStruct((s,), dtype)
+  keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
+  args = dict(
+    tokens=slot(jnp.int32),
+    positions=slot(jnp.int32),
+    generated=slot(jnp.int32),
+    budget=slot(jnp.int32),
+    stop_ids=jax.ShapeDtypeStruct((s, 1), jnp.int32),
+    base_keys=keys,
+    temperature=slot(jnp.float32),
+    top_k=slot(jnp.int32),
+    top_p=slot(jnp.float32),
+  )
+  return steps.decode_chunk, (graphdef, state, cache, ecfg.steps_per_sync, *args.values())
+
+
+def measure(cfg: GRPOConfig, prompt_width: int, only: Sequence[str] = ()) -> dict:
+  programs = {
+    "train_step": lambda: train_step_program(cfg, prompt_width),
+    "decode_chunk": lambda: decode_chunk_program(cfg),
+  }
+  results = {}
+  for name, build in programs.items():
+    if only and name not in only:
+      continue
+    fn, args = build()
+    results[name] = aot_seconds(fn, *args)
+  return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default=DEFAULT_CONFIG)
+  parser.add_argument("--prompt-width", type=int, default=None)
+  parser.add_argument("--only", nargs="*", default=(), choices=("train_step", "decode_chunk"))
+  parser.add_argument("--out", default=None, help="write the JSON report here")
+  parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+  args = parser.parse_args(argv)
+  cfg = configlib.load(GRPOConfig, args.config, args.overrides).resolved(1)
+  width = args.prompt_width
+  if width is None:
+    width = cfg.rollout.max_seq_len - cfg.sampling.max_new_tokens
+  if width < 1:
+    raise ValueError(f"--prompt-width must be >= 1, got {width}")
+  results = measure(cfg, width, args.only)
+  report = {
+    "config": args.config,
+    "overrides": list(args.overrides),
+    "preset": cfg.model.preset,
+    "prompt_width": width,
+    "completion_width": cfg.sampling.max_new_tokens,
+    "batch_km": [cfg.grad_accum_steps, cfg.global_micro_batch],
+    "decode": {"slots": cfg.rollout.max_slots, "steps": cfg.rollout.steps_per_sync},
+    "backend": jax.default_backend(),
+    "jax": jax.__version__,
+    "host": platform.node(),
+    "programs": results,
+  }
+  print(
+    f"{'program':<14}{'trace s':>10}{'lower s':>10}{'compile s':>12}{'total s':>10}{'cpu s':>10}"
+  )
+  for name, r in results.items():
+    print(
+      f"{name:<14}{r['trace_s']:>10.2f}{r['lower_s']:>10.2f}{r['compile_s']:>12.2f}"
+      f"{r['total_s']:>10.2f}{r['cpu_s']:>10.2f}"
+    )
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(report, f, indent=2)
+  return report
+
+
+if __name__ == "__main__":
+  main()
