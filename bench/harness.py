@@ -62,18 +62,34 @@ def memory_of(compiled) -> Memory:
 
 
 def time_compiled(
-  compiled, args: tuple, *, warmup: int = 2, repeats: int = 10, compile_s: float = 0.0
+  compiled,
+  args: tuple,
+  *,
+  warmup: int = 2,
+  repeats: int = 10,
+  compile_s: float = 0.0,
+  fresh_args: Callable[[], tuple] | None = None,
 ) -> Timing:
-  """Median wall time of ``compiled(*args)`` to completion, after ``warmup`` untimed calls."""
+  """Median wall time of ``compiled(*args)`` to completion, after ``warmup`` untimed calls.
+
+  ``fresh_args``: for executables with donated arguments (consumed by each call), a maker of new
+  inputs for every call; they are made and ready before the clock starts, and each call's outputs are
+  dropped before the next inputs are made (so at most one set of inputs and outputs is live)."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+  def call_args():
+    return args if fresh_args is None else jax.block_until_ready(fresh_args())
+
   for _ in range(warmup):
-    jax.block_until_ready(compiled(*args))
+    jax.block_until_ready(compiled(*call_args()))
   times = []
   for _ in range(repeats):
+    a = call_args()
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
+    jax.block_until_ready(compiled(*a))
     times.append(time.perf_counter() - t0)
+    del a
   q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
   return Timing(
     statistics.median(times), min(times), max(times), q[2] - q[0], repeats, compile_s, q[0], q[2]

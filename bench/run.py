@@ -46,12 +46,14 @@ class CaseResult:
   skipped: str | None = None  # why the case did not run (it cannot fit the device); ok stays True
 
 
-def _timed(compiled, args, case: Case, side: str, compile_s, peaks, warmup, repeats):
-  outputs = jax.block_until_ready(compiled(*args))
+def _timed(compiled, args, case: Case, side: str, compile_s, peaks, warmup, repeats, seed):
+  fresh = (lambda: case.make_inputs(seed)) if case.donate_argnums else None
   with jax.profiler.TraceAnnotation(f"bench/{case.name}/{side}"):  # names a --profile trace's span
     timing = harness.time_compiled(
-      compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s
+      compiled, args, warmup=warmup, repeats=repeats, compile_s=compile_s, fresh_args=fresh
     )
+  # the outputs parity compares: from the case's own inputs (fresh ones when the call consumes them)
+  outputs = jax.block_until_ready(compiled(*(fresh() if fresh else args)))
   frac = roofline.roofline_fraction(timing.median_s, case.bytes, case.flops, peaks)
   bps = case.bytes / timing.median_s if case.bytes else None
   fps = case.flops / timing.median_s if case.flops else None
@@ -108,15 +110,15 @@ def run_case(
 
 def _measure(case, base, peaks, seed, warmup, repeats, limit) -> CaseResult:
   abstract = jax.eval_shape(lambda: case.make_inputs(seed))  # shapes only: nothing allocated
-  k_exe, k_s = harness.compile_fn(case.kernel, abstract)
-  r_exe, r_s = harness.compile_fn(case.reference, abstract)
+  k_exe, k_s = harness.compile_fn(case.kernel, abstract, case.donate_argnums)
+  r_exe, r_s = harness.compile_fn(case.reference, abstract, case.donate_argnums)
   reason = fit_problem(harness.memory_of(k_exe), harness.memory_of(r_exe), limit)
   if reason:
     none = dict(kernel=None, reference=None, parity={}, speedup=None)
     return CaseResult(**base, **none, ok=True, skipped=reason)
-  args = case.make_inputs(seed)
-  kernel, k_out = _timed(k_exe, args, case, "kernel", k_s, peaks, warmup, repeats)
-  reference, r_out = _timed(r_exe, args, case, "reference", r_s, peaks, warmup, repeats)
+  args = None if case.donate_argnums else case.make_inputs(seed)
+  kernel, k_out = _timed(k_exe, args, case, "kernel", k_s, peaks, warmup, repeats, seed)
+  reference, r_out = _timed(r_exe, args, case, "reference", r_s, peaks, warmup, repeats, seed)
   parity = harness.device_parity(k_out, r_out, case.checks)
   return CaseResult(
     **base,

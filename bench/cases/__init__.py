@@ -39,6 +39,10 @@ class Case:
   flops: float | None
   checks: tuple[Check, ...]
   params: dict = dataclasses.field(default_factory=dict)  # shape details for the report
+  # Arguments both sides update in place (e.g. an optimizer's params and state). Donated inputs are
+  # consumed by the call, so each timed call gets fresh inputs from make_inputs (made outside the timer)
+  # and parity compares kernel and reference on two fresh copies of the same seed's inputs.
+  donate_argnums: tuple[int, ...] = ()
 
   @property
   def name(self) -> str:

@@ -16,7 +16,9 @@ peak is 23.00 GiB (outputs alias the inputs) and the case needs 40.26 GiB (kerne
 reference's fresh inputs). Lion at 1.5B: peaks 28.75 GiB, need 40.26 GiB not donated; peaks 23.00,
 need 34.50 donated. SGD: 28.75 / 40.26 not donated, 17.25 / 28.75 donated.
 Without donation the in-place kernel also pays XLA's copies of param, mu and nu before the aliased
-launch (13 words, not 7): the harness must donate for the ``inplace`` row to measure the kernel.
+launch (13 words, not 7), so every optim case sets ``Case.donate_argnums``: the harness compiles both
+sides with params and state donated, gives each timed call fresh inputs (made outside the timer) and
+checks parity on two fresh copies of the seed's inputs (``bench.run``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def cases(size: str, platform: str) -> list[Case]:
             None,
             (params_check,),
             info,
+            donate_argnums=DONATE_ARGNUMS,
           )
         )
   return out

@@ -101,6 +101,41 @@ def test_wrong_kernel_is_a_failed_row_however_fast(tmp_path):
   )
 
 
+def test_a_donated_case_gets_fresh_inputs_for_every_call_and_parity(tmp_path):
+  """Optimizer cases donate params and state (in place: 7 words per AdamW parameter instead of 13).
+  A donated input is consumed by its call, so a harness that re-used the case's inputs for the next
+  warm-up / timed call or for the reference would fail with a deleted buffer (or, where the backend
+  ignores donation, time and compare the wrong step). Here every call must see the seed's own input:
+  the kernel counts its calls into a consumed buffer, and parity still holds."""
+  from bench.cases import Case, Check
+
+  made = []
+
+  def make_inputs(seed):
+    made.append(seed)
+    return (jnp.arange(8.0) + seed, jnp.ones(8))
+
+  step = lambda x, g: (x - 0.5 * g, g * 2.0)
+  case = Case(
+    "donated",
+    "tiny",
+    "step",
+    make_inputs,
+    step,
+    lambda x, g: (x - g / 2.0, g + g),
+    None,
+    None,
+    (Check((0, 1), "optimizer", "float32", 1, "out"),),
+    donate_argnums=(0,),
+  )
+  result = run.run_case(case, DevicePeaks(None, None, "none"), repeats=3, warmup=1)
+  assert result.error is None and result.ok, result
+  # 1 abstract trace + per side: 1 warm-up + 3 timed + 1 parity call, each on fresh inputs
+  assert len(made) >= 2 * (1 + 3 + 1)
+  wrong = dataclasses.replace(case, kernel=lambda x, g: (x - 0.6 * g, g * 2.0))
+  assert not run.run_case(wrong, DevicePeaks(None, None, "none"), repeats=1, warmup=0).ok
+
+
 def test_bad_options_are_clear_errors():
   with pytest.raises(SystemExit):
     bench_main.parse_args(["--size", "huge"])
