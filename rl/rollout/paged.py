@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rl.rollout import steps
 from rl.rollout.engine import RolloutEngine, Seq, bucket
@@ -63,8 +62,9 @@ class PagedEngine(RolloutEngine):
     # makes its own. An interrupted call's cache is dropped, never left half-donated on the engine.
     with self._spare_lock:
       cache, self._spare_cache = self._spare_cache, None
-    gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
-    gen.run()
+    with self._precision():
+      gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
+      gen.run()
     with self._spare_lock:
       self._spare_cache = gen.cache
     return self._result(groups, gen.stats, t0)
@@ -85,7 +85,7 @@ class _Generation:
 
   def __init__(self, engine: PagedEngine, groups: list[list[Seq]], cache: PagedKVCache):
     self.engine, self.config = engine, engine.config
-    self.graph = nnx.split(engine.model)  # the live parameters, by reference
+    self.graph = engine._rollout_graph()  # the live parameters, in the compute dtype
     self.cache = cache
     self.pool = PagePool(self.config.pool_pages, self.config.page_size)
     self.slots: list[Seq | None] = [None] * self.config.max_slots
@@ -187,7 +187,11 @@ class _Generation:
     if batch.fresh:  # each sample of a new group draws its first token from its prompt's logits
       rows = jnp.asarray(batch.fresh_rows, jnp.int32)
       first, lps = jax.device_get(
-        steps.sample_first(logits[rows], *self.engine._sampling_arrays(batch.fresh))
+        steps.sample_first(
+          logits[rows],
+          *self.engine._sampling_arrays(batch.fresh),
+          self.engine._filtered(batch.fresh),
+        )
       )
       for i, s in enumerate(batch.fresh):
         self.engine._accept(s, first[i : i + 1], lps[i : i + 1])
@@ -234,7 +238,11 @@ class _Generation:
         table[i, : len(s.pages)] = s.pages
     cache = self.cache.with_table(jnp.asarray(table))
     toks, logps, emitted, self.cache = steps.decode_chunk(
-      *self.graph, cache, ecfg.steps_per_sync, **self.engine._slot_arrays(self.slots)
+      *self.graph,
+      cache,
+      ecfg.steps_per_sync,
+      self.engine._filtered(self.slots),
+      **self.engine._slot_arrays(self.slots),
     )
     toks, logps, emitted = jax.device_get((toks, logps, emitted))
     for i, s in enumerate(self.slots):

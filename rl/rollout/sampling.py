@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CANDIDATES = (
   64  # the bounded candidate set of top-k / top-p: lax.top_k width before a fallback sort
@@ -128,7 +129,14 @@ def sample(
   temperature,  # [B] f32
   top_k,  # [B] int32
   top_p,  # [B] f32
+  filtered: bool
+  | None = None,  # static: some row filters; False: none does; None: decide on device
 ):  # -> ([B] int32 tokens, [B] f32 log-probs)
+  """Draw one token per row (temperature 0: the argmax) and its log-prob under the distribution it
+  was drawn from. `filtered=False` (the caller knows no row has top-k / top-p, the GRPO default)
+  compiles only the plain pass: no top-k candidates and no fallback sort in the program at all."""
+  if filtered is False:
+    return sample_plain(logits, keys, temperature)
   logp = processed_logprobs(logits, temperature, top_k, top_p)
   drawn = jax.vmap(jax.random.categorical)(keys, logp)
   greedy = jnp.argmax(logits, axis=-1)
@@ -136,6 +144,28 @@ def sample(
   plain = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   chosen = jnp.where(temperature[:, None] > 0, logp, plain)
   return tokens, jnp.take_along_axis(chosen, tokens[:, None], axis=-1)[:, 0]
+
+
+def sample_plain(
+  logits,  # [B, V] f32
+  keys,  # [B] typed PRNG keys
+  temperature,  # [B] f32; 0 = greedy
+):  # -> ([B] int32 tokens, [B] f32 log-probs under log_softmax(logits / temperature))
+  """The unfiltered sampler in the fewest passes over the [B, V] logits: one logsumexp and one
+  argmax of z + Gumbel noise (the Gumbel-max form of `jax.random.categorical`; greedy rows add no
+  noise, and their z is the logits), the drawn token's log-prob z[token] - logsumexp(z). Nothing of
+  size [B, V] is written besides the logits themselves."""
+  z = _scaled(logits, temperature)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
+  hot = temperature[:, None] > 0
+  tokens = jnp.argmax(jnp.where(hot, z + noise, z), axis=-1).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
+
+
+def filters(top_k, top_p, vocab_size: int) -> bool:
+  """Host side: whether any row's settings restrict its distribution (the `filtered` flag)."""
+  return bool(np.any(_filtered(vocab_size, np.asarray(top_k), np.asarray(top_p))))
 
 
 def token_keys(

@@ -76,16 +76,16 @@ def _cache_with_stale_pages(dtype, lengths, page_size=4, pages_per_seq=3):
   rng = np.random.default_rng(0)
   b, hkv, d = len(lengths), 2, 16
   num_pages = 1 + b * pages_per_seq
-  k = np.full((1, hkv, num_pages, page_size, d), np.nan, np.float32)
+  k = np.full((hkv, num_pages, page_size, d), np.nan, np.float32)  # one layer's pool
   v = np.full_like(k, np.nan)
   table = (1 + rng.permutation(b * pages_per_seq)).reshape(b, pages_per_seq).astype(np.int32)
   dense_k = rng.normal(size=(b, pages_per_seq * page_size, hkv, d)).astype(np.float32) * 3
   dense_v = rng.normal(size=dense_k.shape).astype(np.float32)
   for i, n in enumerate(lengths):
     for t in range(n - 1):  # the last token arrives with the decode call
-      k[0, :, table[i, t // page_size], t % page_size] = dense_k[i, t]
-      v[0, :, table[i, t // page_size], t % page_size] = dense_v[i, t]
-  cache = PagedKVCache(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), "auto")
+      k[:, table[i, t // page_size], t % page_size] = dense_k[i, t]
+      v[:, table[i, t // page_size], t % page_size] = dense_v[i, t]
+  cache = PagedKVCache(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), "auto", 1)
   return cache, jnp.asarray(dense_k, dtype), jnp.asarray(dense_v, dtype)
 
 
