@@ -230,24 +230,30 @@ class _Generation:
   # ----------------------------------------------------------------------------------- decode
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/decode")
   def decode(self) -> None:
+    """One chunk over the running sequences only, packed into the first rows of a batch of
+    `decode_rows` (a power of two, at most max_slots): when requests finish and nothing waits, the
+    chunk shrinks with the work (a static batch keeps decoding its finished rows), and each size is
+    one compile. A sequence's row does not matter: its tokens, positions, keys and pages are inputs."""
     t = time.perf_counter()
     ecfg = self.config
-    table = np.full((len(self.slots), ecfg.pages_per_seq), NULL_PAGE, np.int32)
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        table[i, : len(s.pages)] = s.pages
+    running = self.running
+    rows: list[Seq | None] = running + [None] * (
+      decode_rows(len(running), ecfg.max_slots) - len(running)
+    )
+    table = np.full((len(rows), ecfg.pages_per_seq), NULL_PAGE, np.int32)
+    for i, s in enumerate(running):
+      table[i, : len(s.pages)] = s.pages
     cache = self.cache.with_table(jnp.asarray(table))
     toks, logps, emitted, self.cache = steps.decode_chunk(
       *self.graph,
       cache,
       ecfg.steps_per_sync,
-      self.engine._filtered(self.slots),
-      **self.engine._slot_arrays(self.slots),
+      self.engine._filtered(rows),
+      **self.engine._slot_arrays(rows),
     )
     toks, logps, emitted = jax.device_get((toks, logps, emitted))
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+    for i, s in enumerate(running):
+      self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
     self.stats.decode_steps += ecfg.steps_per_sync
     self.stats.decode_s += time.perf_counter() - t
     self.retire()
@@ -258,3 +264,9 @@ class _Generation:
         self.pool.release(s.pages)
         s.pages = []
         self.slots[i] = None
+
+
+def decode_rows(running: int, max_slots: int) -> int:
+  """Rows of a decode chunk for `running` sequences: the next power of two (>= 8), at most max_slots
+  (bounded compiles: log2(max_slots) sizes at most)."""
+  return min(bucket(running, minimum=8), max_slots)

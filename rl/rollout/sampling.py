@@ -146,20 +146,42 @@ def sample(
   return tokens, jnp.take_along_axis(chosen, tokens[:, None], axis=-1)[:, 0]
 
 
+BLOCK = 1024  # vocabulary block of the plain sampler's two-level inverse CDF
+
+
 def sample_plain(
   logits,  # [B, V] f32
   keys,  # [B] typed PRNG keys
   temperature,  # [B] f32; 0 = greedy
 ):  # -> ([B] int32 tokens, [B] f32 log-probs under log_softmax(logits / temperature))
-  """The unfiltered sampler in the fewest passes over the [B, V] logits: one logsumexp and one
-  argmax of z + Gumbel noise (the Gumbel-max form of `jax.random.categorical`; greedy rows add no
-  noise, and their z is the logits), the drawn token's log-prob z[token] - logsumexp(z). Nothing of
-  size [B, V] is written besides the logits themselves."""
+  """The unfiltered sampler in three reads of the [B, V] logits and no [B, V] write: an inverse CDF
+  with one uniform per row instead of a Gumbel variate per token (which costs a [B, V] array of
+  random bits per step). The vocabulary is cut into blocks of BLOCK: pass 1 the row max, pass 2 the
+  blocks' sums of exp(z - max) (their total gives logsumexp(z)), pass 3 the argmax (greedy rows);
+  then the block where the uniform falls, and within its BLOCK tokens the one, from a small gather.
+  Only tokens of nonzero probability can be drawn (float rounding at a boundary falls back to the
+  block's last such token)."""
   z = _scaled(logits, temperature)
-  lse = jax.nn.logsumexp(z, axis=-1)
-  noise = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
-  hot = temperature[:, None] > 0
-  tokens = jnp.argmax(jnp.where(hot, z + noise, z), axis=-1).astype(jnp.int32)
+  b, v = z.shape
+  nb = -(-v // BLOCK)
+  zb = jnp.pad(z, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf).reshape(b, nb, BLOCK)
+  m = jnp.max(z, axis=-1)
+  cum = jnp.cumsum(jnp.sum(jnp.exp(zb - m[:, None, None]), axis=-1), axis=-1)  # [B, nb]
+  total = cum[:, -1]
+  r = (1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)) * total  # (0, total]
+  blk = jnp.argmax(cum >= r[:, None], axis=-1)  # the first block whose cumulative mass reaches r
+  before = jnp.where(
+    blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0
+  )
+  within = jnp.exp(
+    jnp.take_along_axis(zb, blk[:, None, None], axis=1)[:, 0] - m[:, None]
+  )  # [B, BLK]
+  hit = (jnp.cumsum(within, axis=-1) >= (r - before)[:, None]) & (within > 0)
+  last = BLOCK - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)
+  idx = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+  drawn = blk * BLOCK + idx
+  tokens = jnp.where(temperature > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
+  lse = m + jnp.log(total)
   return tokens, jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
 
 
