@@ -16,7 +16,9 @@ What XLA's cost model counts (`compiled.cost_analysis()["bytes accessed"]`, HloC
     the full result): the whole KV pool per layer, read and written, although the scatter runs in
     place (memory_analysis shows no pool-sized temporary) and the gather touches B x context rows.
 `account` reports the raw count and the count with those fusion operands charged by XLA's own
-unfused rules (`inplace_fix`: the difference, found in the optimized HLO); the ratio uses the latter.
+unfused rules (`inplace_fix`: the difference, found in the optimized HLO), with what the entry
+computation is charged (work hoisted out of the loop, once per chunk) shared by the chunk's steps;
+the ratio uses the latter. `breakdown` lists the largest charges by source op: where an excess is.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.model.cache import DenseKVCache
 from rl.model.config import ModelConfig
 from rl.rollout import steps
+from rl.rollout.dense_cache import DenseBitsCache
 from rl.rollout.paged_cache import PagedKVCache
 
 _DTYPE_BYTES = dict(
@@ -75,18 +77,20 @@ def _users(comp) -> dict[str, list[str]]:
   return users
 
 
-def _touched(comp, users, name: str) -> int | None:
+def _touched(comp, users, name: str, slices: bool = False) -> int | None:
   """Bytes of parameter `name` a fused gather / in-place scatter really touches, when every use of it
   is one (through view ops); None when any other use reads it whole."""
   total, elem = 0, _DTYPE_BYTES[_SHAPE.search(comp[name][0]).group(1)]
   for u in users.get(name, []):
     shape, op, args, _ = comp[u]
     if op in _VIEW_OPS:
-      sub = _touched(comp, users, u)
+      sub = _touched(comp, users, u, slices)
       if sub is None:
         return None
       total += sub
     elif op == "gather" and args[0] == name:  # charged its output (in the parameter's dtype)
+      total += _bytes(shape) // _DTYPE_BYTES[_SHAPE.search(shape).group(1)] * elem
+    elif slices and op in ("slice", "dynamic-slice") and args[0] == name:  # XLA's own rule
       total += _bytes(shape) // _DTYPE_BYTES[_SHAPE.search(shape).group(1)] * elem
     elif op == "scatter" and args[0] == name:  # in place: charged its updates
       total += _bytes(comp[args[2]][0])
@@ -108,13 +112,13 @@ def inplace_fix(hlo: str) -> int:
   return fix
 
 
-def _fusion_fix(inner, shape: str, num_args: int) -> int:
+def _fusion_fix(inner, shape: str, num_args: int, slices: bool = False) -> int:
   """One fusion's overcharge: full-size parameters that feed only gathers / in-place scatters, and a
   scatter result that is the updated operand."""
   users, fix = _users(inner), 0
   for pname, (pshape, op, _, index) in inner.items():
     if op == "parameter" and int(index) < num_args:
-      touched = _touched(inner, users, pname)
+      touched = _touched(inner, users, pname, slices)
       if touched is not None:
         fix += _bytes(pshape) - touched
   root = _root(inner)
@@ -142,9 +146,9 @@ class StepAccount:
   logits: int  # [batch, V] f32 written once
   xla_bytes: float  # compiled.cost_analysis()["bytes accessed"] of the chunk
   inplace_fix: int  # XLA's charge for fused gathers / in-place scatters beyond its unfused rules
-  temp_bytes: (
-    int  # memory_analysis(): scratch the chunk allocates (a per-step pool copy shows here)
-  )
+  outside: int  # of xla_bytes - inplace_fix: charged once per chunk, outside the step loop
+  steps: int  # decode steps per chunk (steps_per_sync): `outside` is shared by that many steps
+  temp_bytes: int  # memory_analysis(): scratch the chunk allocates
   cache_bytes: int  # the whole KV cache / pool
   compile_s: float
   top: tuple = ()  # `breakdown`: the largest charges, (bytes, opcode, source op)
@@ -155,7 +159,8 @@ class StepAccount:
 
   @property
   def accessed(self) -> float:
-    return self.xla_bytes - self.inplace_fix
+    """Per step: the loop body (XLA counts it once) + this step's share of the out-of-loop work."""
+    return self.xla_bytes - self.inplace_fix - self.outside + self.outside / self.steps
 
   @property
   def ratio(self) -> float:
@@ -178,7 +183,7 @@ def _abstract_state(cfg: ModelConfig, dtype):
 
 def _abstract_cache(cfg: ModelConfig, engine: str, batch: int, context: int, page_size: int, dtype):
   if engine == "dense":
-    make = lambda: DenseKVCache.create(
+    make = lambda: DenseBitsCache.create(
       cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.dim_per_head, dtype
     )
   else:
@@ -226,6 +231,7 @@ def account(
     graphdef, state, cache, steps_per_sync, False, **slots
   ).compile()
   compile_s = time.perf_counter() - t
+  hlo = compiled.as_text()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
   weights = sum(
@@ -241,11 +247,13 @@ def account(
     kv=batch * context * kv_token,
     logits=batch * cfg.vocab_size * 4,
     xla_bytes=float(cost["bytes accessed"]),
-    inplace_fix=inplace_fix(compiled.as_text()),
+    inplace_fix=inplace_fix(hlo),
+    outside=outside_loop(hlo),
+    steps=steps_per_sync,
     temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
     cache_bytes=sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (cache.k, cache.v)),
     compile_s=compile_s,
-    top=tuple(breakdown(compiled.as_text(), 10)),
+    top=tuple(breakdown(hlo, 10)),
   )
 
 
@@ -298,14 +306,13 @@ if __name__ == "__main__":
   raise SystemExit(main())
 
 
-def breakdown(hlo: str, top: int = 15) -> list[tuple[float, str, str]]:
-  """The largest charges in the optimized HLO, grouped by (opcode, source op name), by the same rules
-  as `accessed` (operands and result in full; fused gathers / in-place scatters by what they touch):
-  where an excess over the ideal comes from. Computations a fusion calls are charged at the call."""
+def _charges(hlo: str):
+  """(computation, bytes, opcode, source op) per instruction of the non-fused computations, by the
+  rules of `accessed`: operands and result in full, fused gathers / in-place scatters by what they
+  touch. Computations a fusion calls are charged at the call."""
   comps = _computations(hlo)
   called = set(re.findall(r"calls=%([\w.\-]+)", hlo))
   free = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call"}
-  groups: dict[tuple[str, str], float] = {}
   for cname, comp in comps.items():
     if cname in called:
       continue
@@ -315,9 +322,24 @@ def breakdown(hlo: str, top: int = 15) -> list[tuple[float, str, str]]:
       charge = _bytes(shape) + sum(_bytes(comp[a][0]) for a in args if a in comp)
       inner = re.search(r"calls=%([\w.\-]+)", attrs)
       if op == "fusion" and inner and inner.group(1) in comps:
-        charge -= _fusion_fix(comps[inner.group(1)], shape, len(args))
+        # slices too: XLA's fusion rule already charges a sliced parameter by its slice
+        charge -= _fusion_fix(comps[inner.group(1)], shape, len(args), slices=True)
       src = re.search(r'op_name="([^"]*)"', attrs)
-      key = (op, re.sub(r"\.\d+|\d+", "", src.group(1).split("/")[-1] if src else "?"))
-      groups[key] = groups.get(key, 0.0) + charge
+      yield cname, charge, op, re.sub(r"\.\d+|\d+", "", src.group(1).split("/")[-1] if src else "?")
+
+
+def outside_loop(hlo: str) -> int:
+  """Bytes charged in the entry computation, i.e. once per chunk, outside the step loop (what XLA
+  hoisted out of it, the chunk's inputs and outputs)."""
+  entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
+  return int(sum(c for comp, c, _, _ in _charges(hlo) if comp == entry))
+
+
+def breakdown(hlo: str, top: int = 15) -> list[tuple[float, str, str]]:
+  """The largest charges grouped by (opcode, source op name): where an excess over the ideal comes
+  from."""
+  groups: dict[tuple[str, str], float] = {}
+  for _, charge, op, src in _charges(hlo):
+    groups[op, src] = groups.get((op, src), 0.0) + charge
   ranked = sorted(((v, k[0], k[1]) for k, v in groups.items()), reverse=True)
   return ranked[:top]

@@ -25,7 +25,7 @@ import numpy as np
 import kernels
 from kernels import backend
 from kernels.paged_attention import gather_pages
-from rl.model.cache import MASK_VALUE, attention
+from rl.model.cache import attention
 
 NULL_PAGE = 0
 
@@ -129,8 +129,6 @@ class PagedKVCache:
         q[:, 0], new_k, new_v, positions[:, 0] + 1, table, impl=self.attn_impl
       )
       return out[:, None].astype(q.dtype), cache
-    if q.shape[1] == 1:
-      return decode_attention(q, new_k, new_v, table, positions), cache
     kd = gather_pages(new_k, table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
     vd = gather_pages(new_v, table).transpose(0, 2, 1, 3)
     slots = jnp.arange(kd.shape[1])
@@ -155,34 +153,6 @@ def _uses_model_attention(attn_impl: str) -> bool:
 
 def _bits_dtype(dtype):
   return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-
-
-def decode_attention(
-  q,  # [B, 1, Hq, D]
-  k_pool,  # [Hkv, N, page_size, D]
-  v_pool,  # [Hkv, N, page_size, D]
-  table,  # [B, pages_per_seq] int32 pool rows
-  positions,  # [B, 1] int32
-):  # -> [B, 1, Hq, D] in q's dtype
-  """The model's attention (`rl.model.cache.attention`: f32 scores, probabilities rounded to the
-  compute dtype, PV accumulated in f32 and rounded) for one query per row, written as
-  multiply-reduces over the gathered pages instead of dots: XLA fuses the page gather into the
-  reduction, so each live page is read once, where the dot form wrote the gathered context (upcast
-  to f32 on CPU) and read it back, ~5x the KV bytes. Equal to the model's attention up to the order of
-  the f32 sums."""
-  b, _, hq, d = q.shape
-  hkv = k_pool.shape[0]
-  kd = gather_pages(k_pool, table)  # [B, Hkv, S, D]
-  vd = gather_pages(v_pool, table)
-  qg = q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-  scores = jnp.sum(qg[:, :, :, None, :] * kd[:, :, None].astype(jnp.float32), axis=-1) * (d**-0.5)
-  visible = jnp.arange(kd.shape[2])[None, :] <= positions  # [B, S]
-  scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)  # [B, Hkv, G, S]
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_pool.dtype).astype(jnp.float32)
-  # a stale (recycled) page's NaN past the length must not reach the sum: 0 * NaN = NaN
-  vd = jnp.where(visible[:, None, :, None], vd.astype(jnp.float32), 0.0)
-  out = jnp.sum(probs[..., None] * vd[:, :, None], axis=3)  # [B, Hkv, G, D]
-  return out.astype(v_pool.dtype).reshape(b, 1, hq, d).astype(q.dtype)
 
 
 def _store(
