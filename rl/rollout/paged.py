@@ -233,14 +233,17 @@ class _Generation:
     """One chunk over the running sequences only, packed into the first rows of a batch of
     `decode_rows` (a power of two, at most max_slots): when requests finish and nothing waits, the
     chunk shrinks with the work (a static batch keeps decoding its finished rows), and each size is
-    one compile. A sequence's row does not matter: its tokens, positions, keys and pages are inputs."""
+    one compile. A sequence's row does not matter: its tokens, positions, keys and pages are inputs.
+    The page table is as wide as the longest running sequence needs (`decode_width`), so attention
+    over the gathered pages (the XLA path) reads the live context, not max_seq_len."""
     t = time.perf_counter()
     ecfg = self.config
     running = self.running
     rows: list[Seq | None] = running + [None] * (
       decode_rows(len(running), ecfg.max_slots) - len(running)
     )
-    table = np.full((len(rows), ecfg.pages_per_seq), NULL_PAGE, np.int32)
+    width = decode_width(max(len(s.pages) for s in running), ecfg.pages_per_seq)
+    table = np.full((len(rows), width), NULL_PAGE, np.int32)
     for i, s in enumerate(running):
       table[i, : len(s.pages)] = s.pages
     cache = self.cache.with_table(jnp.asarray(table))
@@ -270,3 +273,9 @@ def decode_rows(running: int, max_slots: int) -> int:
   """Rows of a decode chunk for `running` sequences: the next power of two (>= 8), at most max_slots
   (bounded compiles: log2(max_slots) sizes at most)."""
   return min(bucket(running, minimum=8), max_slots)
+
+
+def decode_width(pages: int, pages_per_seq: int) -> int:
+  """Page-table width of a decode chunk whose longest sequence holds `pages` pages (its pages for the
+  whole chunk): the next power of two (>= 16 pages), at most pages_per_seq."""
+  return min(bucket(pages, minimum=16), pages_per_seq)
