@@ -88,9 +88,7 @@ def _touched(comp, users, name: str, slices: bool = False) -> int | None:
       if sub is None:
         return None
       total += sub
-    elif op == "gather" and args[0] == name:  # charged its output (in the parameter's dtype)
-      total += _bytes(shape) // _DTYPE_BYTES[_SHAPE.search(shape).group(1)] * elem
-    elif slices and op in ("slice", "dynamic-slice") and args[0] == name:  # XLA's own rule
+    elif (op == "gather" and args[0] == name) or (slices and op in ("slice", "dynamic-slice") and args[0] == name):  # charged its output (in the parameter's dtype)
       total += _bytes(shape) // _DTYPE_BYTES[_SHAPE.search(shape).group(1)] * elem
     elif op == "scatter" and args[0] == name:  # in place: charged its updates
       total += _bytes(comp[args[2]][0])
@@ -181,9 +179,11 @@ def _abstract_state(cfg: ModelConfig, dtype):
   return graphdef, state
 
 
-def _abstract_cache(cfg: ModelConfig, engine: str, batch: int, context: int, page_size: int, dtype):
+def _abstract_cache(
+  cfg: ModelConfig, engine: str, batch: int, context: int, page_size: int, dtype, dense_cache
+):
   if engine == "dense":
-    make = lambda: DenseBitsCache.create(
+    make = lambda: dense_cache.create(
       cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.dim_per_head, dtype
     )
   else:
@@ -202,17 +202,19 @@ def account(
   page_size: int = 16,
   steps_per_sync: int = 16,
   weights_dtype: str | None = "compute",
+  dense_cache=DenseBitsCache,
 ) -> StepAccount:
   """Compile (never run) the engine's decode chunk for `batch` slots of `context` tokens and account
   one step. `weights_dtype`: "compute" (what the engines pass), None (the raw parameters: the per-step
-  cast the engines used to run) or a dtype name."""
+  cast the engines used to run) or a dtype name. `dense_cache`: the dense engine's cache class
+  (DenseBitsCache; rl.model.cache.DenseKVCache to account the model's own)."""
   if engine not in ("paged", "dense"):
     raise ValueError(f"engine must be 'paged' or 'dense', got {engine!r}")
   if context % page_size:
     raise ValueError(f"context={context} must be a multiple of page_size={page_size}")
   dt = cfg.compute_dtype
   graphdef, state = _abstract_state(cfg, dt if weights_dtype == "compute" else weights_dtype)
-  cache = _abstract_cache(cfg, engine, batch, context, page_size, dt)
+  cache = _abstract_cache(cfg, engine, batch, context, page_size, dt, dense_cache)
   sds = jax.ShapeDtypeStruct
   i32 = sds((batch,), jnp.int32)
   slots = dict(
