@@ -88,7 +88,9 @@ def _touched(comp, users, name: str, slices: bool = False) -> int | None:
       if sub is None:
         return None
       total += sub
-    elif (op == "gather" and args[0] == name) or (slices and op in ("slice", "dynamic-slice") and args[0] == name):  # charged its output (in the parameter's dtype)
+    elif (op == "gather" and args[0] == name) or (
+      slices and op in ("slice", "dynamic-slice") and args[0] == name
+    ):  # charged its output (in the parameter's dtype)
       total += _bytes(shape) // _DTYPE_BYTES[_SHAPE.search(shape).group(1)] * elem
     elif op == "scatter" and args[0] == name:  # in place: charged its updates
       total += _bytes(comp[args[2]][0])
