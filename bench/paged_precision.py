@@ -40,14 +40,16 @@ class KernelReferenceCache(PagedKVCache):
 
 
 jax.tree_util.register_dataclass(
-  KernelReferenceCache, data_fields=["k", "v", "page_table"], meta_fields=["attn_impl"]
+  KernelReferenceCache,
+  data_fields=["k", "v", "page_table"],
+  meta_fields=["attn_impl", "num_layers", "value_dtype"],
 )
 
 
 class KernelReferenceEngine(PagedEngine):
   def _new_cache(self) -> PagedKVCache:
     c = super()._new_cache()
-    return KernelReferenceCache(c.k, c.v, c.page_table, "xla")
+    return KernelReferenceCache(c.k, c.v, c.page_table, "xla", c.num_layers, c.value_dtype)
 
 
 VARIANTS = ("model attention", "kernel xla reference", "pallas kernel")

@@ -40,10 +40,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench import trace
+from bench import byte_account, trace
 from bench.tolerances import parity_error
 from rl.model import init_model, preset, scale_weights
-from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
+from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine, steps
 from rl.update import pack, token_logps
 
 SIZES = {
@@ -96,6 +96,12 @@ class RolloutBenchRow:
   ok: bool
   # the teacher-forced forward's own re-layout change in nats (see above); NaN in older results
   logprob_floor: float = float("nan")
+  # the decode step's byte account (bench.byte_account; compile only, the engine's compiled shape:
+  # max_slots x max_seq_len): ideal and XLA-accessed bytes per step, their ratio; NaN for sglang_jax
+  bytes_ideal: float = float("nan")
+  bytes_accessed: float = float("nan")
+  bytes_ratio: float = float("nan")
+  step_ms: float = float("nan")  # measured: decode_s / decode_steps of the median run
 
 
 def workload(size: dict, kind: str, seed: int = 0):
@@ -119,14 +125,38 @@ def workload(size: dict, kind: str, seed: int = 0):
 RELAYOUT_PAD = 16  # extra left padding of the floor's second teacher-forced forward
 
 
+def step_account(model, engine) -> byte_account.StepAccount | None:
+  """The byte account of `engine`'s decode step at its compiled shape (paged / dense only)."""
+  ecfg = engine.config
+  if ecfg.backend not in ("paged", "dense"):
+    return None
+  context = ecfg.pages_per_seq * ecfg.page_size
+  with steps.precision_scope(ecfg.matmul_precision):
+    return byte_account.account(
+      model.cfg, ecfg.backend, ecfg.max_slots, context, ecfg.page_size, ecfg.steps_per_sync
+    )
+
+
 def teacher_forced_error(
-  model, result: RolloutResult, prompt_len: int, new_tokens: int, rows_per_call: int = 8
+  model,
+  result: RolloutResult,
+  prompt_len: int,
+  new_tokens: int,
+  rows_per_call: int = 8,
+  precision: str | None = None,
 ) -> tuple[float, float, float]:
   """(largest error / tolerance, largest |difference|, floor) of the sampler log-probs (temperature 1,
   no top-k / top-p) against the model's log-probs of the same tokens in one forward pass (the
   trainer's `token_logps`). `floor`: how far that forward itself moves when the rows are laid out
   with RELAYOUT_PAD more left padding (exact in real arithmetic), the model's own f32 sensitivity;
-  see bench.tolerances.FLOOR_FACTOR."""
+  see bench.tolerances.FLOOR_FACTOR. `precision`: the matmul precision the engine ran under
+  (EngineConfig.matmul_precision); the forward runs under the same, so the check never compares an
+  engine at one precision with a forward at another."""
+  with steps.precision_scope(precision):
+    return _teacher_forced_error(model, result, prompt_len, new_tokens, rows_per_call)
+
+
+def _teacher_forced_error(model, result, prompt_len, new_tokens, rows_per_call):
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda st, t, m: token_logps(nnx.merge(graphdef, st), t, m, new_tokens, 1.0))
 
@@ -218,6 +248,7 @@ def run(
   found, outs = {}, {kind: {} for kind in WORKLOADS}
   for name in order:
     engine = bench_engine(model, size_name, name)
+    acct = step_account(model, engine)
     try:
       for kind in WORKLOADS:
         prompts, params = workload(size, kind)
@@ -226,7 +257,13 @@ def run(
         results = [engine.generate(prompts, params) for _ in range(repeats)]
         times = [r.stats.total_s for r in results]
         mid = results[int(np.argsort(times)[len(times) // 2])]
-        err, diff, floor = teacher_forced_error(model, mid, size["prompt_len"], size["new_tokens"])
+        err, diff, floor = teacher_forced_error(
+          model,
+          mid,
+          size["prompt_len"],
+          size["new_tokens"],
+          precision=engine.config.matmul_precision,
+        )
         st = mid.stats
         found[kind, name] = RolloutBenchRow(
           name,
@@ -242,6 +279,8 @@ def run(
           diff,
           err <= 1.0,
           floor,
+          *((acct.ideal, acct.accessed, acct.ratio) if acct is not None else (float("nan"),) * 3),
+          1e3 * st.decode_s / max(st.decode_steps, 1),
         )
         if profile is not None:
           with (
@@ -268,8 +307,9 @@ def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
   ref = (extra or {}).get("reference", "dense")
   lines = [
     "| workload | backend | median s | tokens | tokens/s | prefill s | decode s | decode steps | "
-    f"speedup vs dense | logprob err/tol (max nats; floor) | greedy = {ref} | ok |",
-    "|" + "---|" * 12,
+    f"speedup vs dense | logprob err/tol (max nats; floor) | greedy = {ref} | "
+    "step ms | bytes/step ideal GB | accessed GB | ratio | ok |",
+    "|" + "---|" * 16,
   ]
   dense = {r.workload: r.tokens_per_s for r in rows if r.backend == "dense"}
   agree = (extra or {}).get("greedy_agreement", {})
@@ -279,7 +319,9 @@ def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
     lines.append(
       f"| {r.workload} | {r.backend} | {r.median_s:.3f} | {r.tokens} | {r.tokens_per_s:.1f} | "
       f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} | {r.logprob_parity:.2g} ({r.logprob_max_abs_diff:.2g}; {r.logprob_floor:.2g}) | "
-      f"{'-' if same is None else f'{100 * same:.0f}%'} | {'yes' if r.ok else 'NO'} |"
+      f"{'-' if same is None else f'{100 * same:.0f}%'} | {r.step_ms:.2f} | "
+      f"{r.bytes_ideal / 1e9:.3g} | {r.bytes_accessed / 1e9:.3g} | {r.bytes_ratio:.2f}x | "
+      f"{'yes' if r.ok else 'NO'} |"
     )
   return "\n".join(lines)
 

@@ -10,6 +10,8 @@ from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.rollout.paged_cache import group_pages
 
 BACKENDS = ("paged", "dense", "sglang_jax")
+# the names jax.default_matmul_precision accepts
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,10 @@ class EngineConfig:
     the log-probs match theirs), "pallas" / "mosaic_gpu" the paged kernels, "auto" Pallas on TPU/GPU,
     XLA on CPU.
   cache_dtype: None = the model's compute dtype.
+  matmul_precision: None (the backend's default) or a `jax.default_matmul_precision` name, applied
+    while the engine's steps are traced. It matters for f32 dots only: on GPU an f32 dot runs at TF32
+    unless asked for "highest" (XLA:CPU always runs f32), so an f32 engine whose log-probs are checked
+    against a teacher-forced forward sets "highest" there and in the check (bench.rollout does).
   sglang_mem_fraction: sglang_jax only: the fraction of device memory its weights + KV pool may take
     (None: sglang-jax's default). Its KV pool holds max_slots * max_seq_len tokens, its context
     length is max_seq_len and it runs at most max_slots requests at once.
@@ -45,6 +51,7 @@ class EngineConfig:
   attn_impl: str = "auto"
   cache_dtype: str | None = None
   sglang_mem_fraction: float | None = None
+  matmul_precision: str | None = None
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -55,6 +62,11 @@ class EngineConfig:
     if self.attn_impl not in ATTN_IMPLS:
       raise ValueError(
         f"EngineConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}"
+      )
+    if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+      raise ValueError(
+        f"EngineConfig.matmul_precision must be None or one of {MATMUL_PRECISIONS}, got "
+        f"{self.matmul_precision!r}"
       )
     if self.cache_dtype is not None:
       try:

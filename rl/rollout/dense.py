@@ -13,10 +13,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from rl.model.cache import DenseKVCache
 from rl.rollout import steps
+from rl.rollout.dense_cache import DenseBitsCache
 from rl.rollout.engine import RolloutEngine, Seq, bucket
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
@@ -29,18 +28,20 @@ class DenseEngine(RolloutEngine):
     groups = self._requests(prompts, params)
     stats = RolloutStats()
     rows = [s for g in groups for s in g]
-    for i in range(0, len(rows), self.config.max_slots):
-      self._run_batch(rows[i : i + self.config.max_slots], stats)
+    with self._precision():
+      graph = self._rollout_graph()
+      for i in range(0, len(rows), self.config.max_slots):
+        self._run_batch(graph, rows[i : i + self.config.max_slots], stats)
     return self._result(groups, stats, t0)
 
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/batch")
-  def _run_batch(self, seqs: list[Seq], stats: RolloutStats) -> None:
+  def _run_batch(self, graph, seqs: list[Seq], stats: RolloutStats) -> None:
     cfg, ecfg = self.model.cfg, self.config
-    graphdef, state = nnx.split(self.model)
+    graphdef, state = graph
     n = len(seqs)
     width = bucket(max(len(s.prompt) for s in seqs))
     max_len = max(width, max(len(s.prompt) + s.limit for s in seqs))
-    cache = DenseKVCache.create(
+    cache = DenseBitsCache.create(
       cfg.num_layers, n, max_len, cfg.num_kv_heads, cfg.dim_per_head, self.cache_dtype
     )
     tokens = np.zeros((n, width), np.int32)
@@ -52,7 +53,9 @@ class DenseEngine(RolloutEngine):
     for s in seqs:
       s.admitted = t
     logits, cache = steps.prefill(graphdef, state, cache, jnp.asarray(tokens), positions, last)
-    first, lps = jax.device_get(steps.sample_first(logits, *self._sampling_arrays(seqs)))
+    first, lps = jax.device_get(
+      steps.sample_first(logits, *self._sampling_arrays(seqs), self._filtered(seqs))
+    )
     stats.prefill_s += time.perf_counter() - t
     stats.prefill_tokens += sum(len(s.prompt) for s in seqs)
     for i, s in enumerate(seqs):
@@ -61,7 +64,12 @@ class DenseEngine(RolloutEngine):
     while any(s.finish is None for s in seqs):
       live = [s if s.finish is None else None for s in seqs]
       toks, logps, emitted, cache = steps.decode_chunk(
-        graphdef, state, cache, ecfg.steps_per_sync, **self._slot_arrays(live)
+        graphdef,
+        state,
+        cache,
+        ecfg.steps_per_sync,
+        self._filtered(live),
+        **self._slot_arrays(live),
       )
       toks, logps, emitted = jax.device_get((toks, logps, emitted))
       stats.decode_steps += ecfg.steps_per_sync

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rl.rollout import steps
 from rl.rollout.config import EngineConfig
-from rl.rollout.sampling import sample_base_keys
+from rl.rollout.sampling import filters, sample_base_keys
 from rl.rollout.types import Completion, RolloutResult, RolloutStats, SamplingParams
 
 
@@ -81,6 +82,23 @@ class RolloutEngine:
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     self.eos_ids = tuple(int(i) for i in eos_ids)
     self.cache_dtype = jnp.dtype(config.cache_dtype or cfg.dtype)
+
+  def _rollout_graph(self):
+    """(graphdef, the live weights in the compute dtype): one cast per generate call, i.e. per weight
+    sync, instead of one inside every decode step."""
+    graphdef, state = nnx.split(self.model)
+    return graphdef, steps.rollout_weights(state, self.model.cfg.compute_dtype)
+
+  def _precision(self):
+    """The matmul precision every jitted step of this engine is traced under (EngineConfig)."""
+    return steps.precision_scope(self.config.matmul_precision)
+
+  def _filtered(self, seqs: Sequence[Seq | None]) -> bool:
+    """Whether any row filters its distribution: False compiles the plain sampler only."""
+    live = [s for s in seqs if s is not None]
+    return filters(
+      [s.params.top_k for s in live], [s.params.top_p for s in live], self.model.cfg.vocab_size
+    )
 
   # ----------------------------------------------------------------------------------- requests
   def _requests(self, prompts: Sequence[Sequence[int]], params) -> list[list[Seq]]:

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rl.rollout import steps
 from rl.rollout.engine import RolloutEngine, Seq, bucket
@@ -63,8 +62,9 @@ class PagedEngine(RolloutEngine):
     # makes its own. An interrupted call's cache is dropped, never left half-donated on the engine.
     with self._spare_lock:
       cache, self._spare_cache = self._spare_cache, None
-    gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
-    gen.run()
+    with self._precision():
+      gen = _Generation(self, groups, cache if cache is not None else self._new_cache())
+      gen.run()
     with self._spare_lock:
       self._spare_cache = gen.cache
     return self._result(groups, gen.stats, t0)
@@ -85,7 +85,7 @@ class _Generation:
 
   def __init__(self, engine: PagedEngine, groups: list[list[Seq]], cache: PagedKVCache):
     self.engine, self.config = engine, engine.config
-    self.graph = nnx.split(engine.model)  # the live parameters, by reference
+    self.graph = engine._rollout_graph()  # the live parameters, in the compute dtype
     self.cache = cache
     self.pool = PagePool(self.config.pool_pages, self.config.page_size)
     self.slots: list[Seq | None] = [None] * self.config.max_slots
@@ -187,7 +187,11 @@ class _Generation:
     if batch.fresh:  # each sample of a new group draws its first token from its prompt's logits
       rows = jnp.asarray(batch.fresh_rows, jnp.int32)
       first, lps = jax.device_get(
-        steps.sample_first(logits[rows], *self.engine._sampling_arrays(batch.fresh))
+        steps.sample_first(
+          logits[rows],
+          *self.engine._sampling_arrays(batch.fresh),
+          self.engine._filtered(batch.fresh),
+        )
       )
       for i, s in enumerate(batch.fresh):
         self.engine._accept(s, first[i : i + 1], lps[i : i + 1])
@@ -226,20 +230,33 @@ class _Generation:
   # ----------------------------------------------------------------------------------- decode
   @functools.partial(jax.profiler.annotate_function, name="grpo/rollout/decode")
   def decode(self) -> None:
+    """One chunk over the running sequences only, packed into the first rows of a batch of
+    `decode_rows` (a power of two, at most max_slots): when requests finish and nothing waits, the
+    chunk shrinks with the work (a static batch keeps decoding its finished rows), and each size is
+    one compile. A sequence's row does not matter: its tokens, positions, keys and pages are inputs.
+    The page table is as wide as the longest running sequence needs (`decode_width`), so attention
+    over the gathered pages (the XLA path) reads the live context, not max_seq_len."""
     t = time.perf_counter()
     ecfg = self.config
-    table = np.full((len(self.slots), ecfg.pages_per_seq), NULL_PAGE, np.int32)
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        table[i, : len(s.pages)] = s.pages
+    running = self.running
+    rows: list[Seq | None] = running + [None] * (
+      decode_rows(len(running), ecfg.max_slots) - len(running)
+    )
+    width = decode_width(max(len(s.pages) for s in running), ecfg.pages_per_seq)
+    table = np.full((len(rows), width), NULL_PAGE, np.int32)
+    for i, s in enumerate(running):
+      table[i, : len(s.pages)] = s.pages
     cache = self.cache.with_table(jnp.asarray(table))
     toks, logps, emitted, self.cache = steps.decode_chunk(
-      *self.graph, cache, ecfg.steps_per_sync, **self.engine._slot_arrays(self.slots)
+      *self.graph,
+      cache,
+      ecfg.steps_per_sync,
+      self.engine._filtered(rows),
+      **self.engine._slot_arrays(rows),
     )
     toks, logps, emitted = jax.device_get((toks, logps, emitted))
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+    for i, s in enumerate(running):
+      self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
     self.stats.decode_steps += ecfg.steps_per_sync
     self.stats.decode_s += time.perf_counter() - t
     self.retire()
@@ -250,3 +267,15 @@ class _Generation:
         self.pool.release(s.pages)
         s.pages = []
         self.slots[i] = None
+
+
+def decode_rows(running: int, max_slots: int) -> int:
+  """Rows of a decode chunk for `running` sequences: the next power of two (>= 8), at most max_slots
+  (bounded compiles: log2(max_slots) sizes at most)."""
+  return min(bucket(running, minimum=8), max_slots)
+
+
+def decode_width(pages: int, pages_per_seq: int) -> int:
+  """Page-table width of a decode chunk whose longest sequence holds `pages` pages (its pages for the
+  whole chunk): the next power of two (>= 16 pages), at most pages_per_seq."""
+  return min(bucket(pages, minimum=16), pages_per_seq)

@@ -32,10 +32,24 @@ NULL_PAGE = 0
 
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-  k: jax.Array  # [L, Hkv, P, page_size, D]
-  v: jax.Array  # [L, Hkv, P, page_size, D]
-  page_table: jax.Array  # [B, pages_per_seq] int32: the pages of the B sequences of this call
+  """The pool of every layer in one array per K / V: layer l's page p is row l * P + p of axis 1.
+
+  Why one [Hkv, L * P, page_size, D] pool and not [L, Hkv, P, ...]: the kernel's page table can then
+  address any layer's pages (offset by l * P), so each layer passes the whole pool, unsliced, to
+  `kernels.paged_attention` (a `pool[layer]` operand of a custom call is a copy of that layer's whole
+  pool per layer per step); and `layer` may be a traced int32 (the decoder's layers under
+  `lax.scan`): it only shifts page ids, it never indexes a dimension. Writes are one scatter per layer
+  into the carried, donated pool (in place).
+  """
+
+  k: jax.Array  # [Hkv, L * P, page_size, D]
+  v: jax.Array  # [Hkv, L * P, page_size, D]
+  page_table: jax.Array  # [B, pages_per_seq] int32: the pages (0..P-1) of the B sequences of a call
   attn_impl: str = "auto"  # kernels.paged_attention impl for decode
+  num_layers: int = 1
+  # None: k / v hold the values. A dtype name: k / v hold those values' bits as an unsigned integer
+  # of the same width (the XLA decode path: see `_store`), viewed back wherever they are read.
+  value_dtype: str | None = None
 
   @classmethod
   def create(
@@ -48,44 +62,75 @@ class PagedKVCache:
     dtype,
     attn_impl: str = "auto",
   ) -> PagedKVCache:
-    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)
+    dtype = jnp.dtype(dtype)
+    # Kept as bits only where XLA reads the pool (the gathers view the bits in their fusion): a
+    # kernel takes the pool as a custom call's operand in its value dtype.
+    bits = _uses_model_attention(attn_impl)
+    storage = _bits_dtype(dtype) if bits else dtype
     return cls(
-      jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1, 1), jnp.int32), attn_impl
+      jnp.zeros(shape, storage),
+      jnp.zeros(shape, storage),
+      jnp.zeros((1, 1), jnp.int32),
+      attn_impl,
+      num_layers,
+      dtype.name if bits else None,
     )
 
   @property
+  def dtype(self):
+    """The dtype of the cached values."""
+    return jnp.dtype(self.value_dtype or self.k.dtype)
+
+  def values(self, pool):  # [Hkv, N, page_size, D] storage -> the same in the value dtype
+    return pool if self.value_dtype is None else jax.lax.bitcast_convert_type(pool, self.dtype)
+
+  @property
   def page_size(self) -> int:
-    return self.k.shape[3]
+    return self.k.shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    """Pages per layer (P)."""
+    return self.k.shape[1] // self.num_layers
 
   def with_table(self, page_table) -> PagedKVCache:
     return dataclasses.replace(self, page_table=page_table)
 
+  def layer_pages(self, layer, pages):  # int or traced int32, [...] int32 -> [...] pool rows
+    return pages + jnp.asarray(layer, jnp.int32) * self.num_pages
+
+  def copy_pages(
+    self, src, dst
+  ) -> PagedKVCache:  # [M] int32 each: page src[i] -> dst[i], all layers
+    rows = lambda p: self.layer_pages(jnp.arange(self.num_layers)[:, None], p[None]).reshape(-1)
+    src, dst = rows(src), rows(dst)
+    return dataclasses.replace(
+      self, k=_store(self.k, dst, None, self.k[:, src]), v=_store(self.v, dst, None, self.v[:, src])
+    )
+
   def attend(self, layer, q, k, v, positions):
-    """q [B, T, Hq, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, Hq, D], cache)."""
+    """q [B, T, Hq, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, Hq, D], cache). `layer`: a
+    Python int or a traced int32 scalar."""
     ps = self.page_size
     capacity = self.page_table.shape[1] * ps
     slot_page = jnp.take_along_axis(
       self.page_table, jnp.minimum(positions // ps, capacity // ps - 1), axis=1
     )
     page = jnp.where(positions < capacity, slot_page, NULL_PAGE)  # [B, T]
-    slot = positions % ps
-    # Scalar layer and the [B, T] page/slot indices are separated by a slice, so numpy indexing puts
-    # the [B, T] dims first: the update is k itself, [B, T, Hkv, D].
-    new_k = self.k.at[layer, :, page, slot].set(k.astype(self.k.dtype))
-    new_v = self.v.at[layer, :, page, slot].set(v.astype(self.v.dtype))
+    table = self.layer_pages(layer, self.page_table)  # [B, pages_per_seq] rows of this layer
+    rows = self.layer_pages(layer, page)
+    new_k = _store(self.k, rows, positions % ps, k.astype(self.dtype))
+    new_v = _store(self.v, rows, positions % ps, v.astype(self.dtype))
     cache = dataclasses.replace(self, k=new_k, v=new_v)
+    new_k, new_v = self.values(new_k), self.values(new_v)
     if q.shape[1] == 1 and not self.model_attention:
       out = kernels.paged_attention(
-        q[:, 0],
-        new_k[layer],
-        new_v[layer],
-        positions[:, 0] + 1,
-        self.page_table,
-        impl=self.attn_impl,
+        q[:, 0], new_k, new_v, positions[:, 0] + 1, table, impl=self.attn_impl
       )
       return out[:, None].astype(q.dtype), cache
-    kd = gather_pages(new_k[layer], self.page_table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
-    vd = gather_pages(new_v[layer], self.page_table).transpose(0, 2, 1, 3)
+    kd = gather_pages(new_k, table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
+    vd = gather_pages(new_v, table).transpose(0, 2, 1, 3)
     slots = jnp.arange(kd.shape[1])
     visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
     # Slots no query of the row sees may hold a recycled page's stale values: a masked probability is
@@ -99,13 +144,39 @@ class PagedKVCache:
     """Whether decode runs the model's attention over the gathered pages (the XLA impl) rather than
     the paged kernel; "auto" is XLA on CPU, as in `kernels.paged_attention` (resolved at trace time,
     so `kernels.backend.use_target` applies)."""
-    return self.attn_impl == "xla" or (
-      self.attn_impl == "auto" and backend.resolve().platform == "cpu"
-    )
+    return _uses_model_attention(self.attn_impl)
+
+
+def _uses_model_attention(attn_impl: str) -> bool:
+  return attn_impl == "xla" or (attn_impl == "auto" and backend.resolve().platform == "cpu")
+
+
+def _bits_dtype(dtype):
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _store(
+  pool,  # [Hkv, N, page_size, D] values, or their bits
+  rows,  # [...] int32 pool rows (axis 1)
+  slots,  # [...] int32 slots in the page, or None: whole pages
+  new,  # [..., Hkv, D] (slots) or [Hkv, M, page_size, D] (whole pages), in the value dtype / bits
+):  # -> the pool with `new` written, in place when the pool is donated / carried
+  """One scatter into the pool. On the XLA path the pool holds bits: XLA:CPU upcasts a bf16 scatter's
+  whole operand to f32 and back (3 full copies of the pool per layer per step, the largest item of
+  the old decode step's byte account) and copies the pool twice per step when a bf16 carry meets an
+  integer scatter, while an integer scatter into an integer carry runs in place."""
+  if new.dtype != pool.dtype:
+    new = jax.lax.bitcast_convert_type(new, pool.dtype)
+  if slots is None:
+    return pool.at[:, rows].set(new)
+  # [..., Hkv, D] -> [Hkv, ..., D]: the adjacent index arrays keep their place in the result
+  return pool.at[:, rows, slots].set(jnp.moveaxis(new, -2, 0))
 
 
 jax.tree_util.register_dataclass(
-  PagedKVCache, data_fields=["k", "v", "page_table"], meta_fields=["attn_impl"]
+  PagedKVCache,
+  data_fields=["k", "v", "page_table"],
+  meta_fields=["attn_impl", "num_layers", "value_dtype"],
 )
 
 

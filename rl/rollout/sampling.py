@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CANDIDATES = (
   64  # the bounded candidate set of top-k / top-p: lax.top_k width before a fallback sort
@@ -128,7 +129,14 @@ def sample(
   temperature,  # [B] f32
   top_k,  # [B] int32
   top_p,  # [B] f32
+  filtered: bool
+  | None = None,  # static: some row filters; False: none does; None: decide on device
 ):  # -> ([B] int32 tokens, [B] f32 log-probs)
+  """Draw one token per row (temperature 0: the argmax) and its log-prob under the distribution it
+  was drawn from. `filtered=False` (the caller knows no row has top-k / top-p, the GRPO default)
+  compiles only the plain pass: no top-k candidates and no fallback sort in the program at all."""
+  if filtered is False:
+    return sample_plain(logits, keys, temperature)
   logp = processed_logprobs(logits, temperature, top_k, top_p)
   drawn = jax.vmap(jax.random.categorical)(keys, logp)
   greedy = jnp.argmax(logits, axis=-1)
@@ -136,6 +144,50 @@ def sample(
   plain = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   chosen = jnp.where(temperature[:, None] > 0, logp, plain)
   return tokens, jnp.take_along_axis(chosen, tokens[:, None], axis=-1)[:, 0]
+
+
+BLOCK = 1024  # vocabulary block of the plain sampler's two-level inverse CDF
+
+
+def sample_plain(
+  logits,  # [B, V] f32
+  keys,  # [B] typed PRNG keys
+  temperature,  # [B] f32; 0 = greedy
+):  # -> ([B] int32 tokens, [B] f32 log-probs under log_softmax(logits / temperature))
+  """The unfiltered sampler in three reads of the [B, V] logits and no [B, V] write: an inverse CDF
+  with one uniform per row instead of a Gumbel variate per token (which costs a [B, V] array of
+  random bits per step). The vocabulary is cut into blocks of BLOCK: pass 1 the row max, pass 2 the
+  blocks' sums of exp(z - max) (their total gives logsumexp(z)), pass 3 the argmax (greedy rows);
+  then the block where the uniform falls, and within its BLOCK tokens the one, from a small gather.
+  Only tokens of nonzero probability can be drawn (float rounding at a boundary falls back to the
+  block's last such token)."""
+  z = _scaled(logits, temperature)
+  b, v = z.shape
+  nb = -(-v // BLOCK)
+  zb = jnp.pad(z, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf).reshape(b, nb, BLOCK)
+  m = jnp.max(z, axis=-1)
+  cum = jnp.cumsum(jnp.sum(jnp.exp(zb - m[:, None, None]), axis=-1), axis=-1)  # [B, nb]
+  total = cum[:, -1]
+  r = (1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)) * total  # (0, total]
+  blk = jnp.argmax(cum >= r[:, None], axis=-1)  # the first block whose cumulative mass reaches r
+  before = jnp.where(
+    blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0
+  )
+  within = jnp.exp(
+    jnp.take_along_axis(zb, blk[:, None, None], axis=1)[:, 0] - m[:, None]
+  )  # [B, BLK]
+  hit = (jnp.cumsum(within, axis=-1) >= (r - before)[:, None]) & (within > 0)
+  last = BLOCK - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)
+  idx = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+  drawn = blk * BLOCK + idx
+  tokens = jnp.where(temperature > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
+  lse = m + jnp.log(total)
+  return tokens, jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
+
+
+def filters(top_k, top_p, vocab_size: int) -> bool:
+  """Host side: whether any row's settings restrict its distribution (the `filtered` flag)."""
+  return bool(np.any(_filtered(vocab_size, np.asarray(top_k), np.asarray(top_p))))
 
 
 def token_keys(

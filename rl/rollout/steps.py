@@ -2,11 +2,17 @@
 
 Both are cache-agnostic (the dense and paged caches implement the same `attend`), so the backends
 differ only in where KV lives and how sequences are scheduled, never in the math.
+
+Byte discipline (bench/byte_account.py measures it): the steps take the weights already in the
+compute dtype (`rollout_weights`, once per generate, i.e. per weight sync) so no step re-reads the f32
+master weights and casts them; the cache is donated and updated in place; the sampler is the plain
+log-softmax + Gumbel pass unless a row of the chunk filters (`filtered`, static), so the default GRPO
+chunk carries no top-k / sort branch.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 
 import jax
@@ -14,6 +20,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl.rollout.sampling import sample, token_keys
+
+
+def precision_scope(precision: str | None):
+  """`jax.default_matmul_precision(precision)` around tracing (None: the backend's default). Part of
+  jit's cache key, so a step traced under one precision is never reused under another."""
+  return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def rollout_weights(state, dtype):  # nnx.State -> the same tree, floating leaves in `dtype`
+  """The weights as every decode step reads them: the model casts each weight to its compute dtype
+  at use, so holding them cast changes no value and saves the cast in every step (an f32 -> bf16
+  convert of all weights per token on CPU, a read of f32 instead of bf16 weights everywhere)."""
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -31,25 +53,32 @@ def prefill(
   return model.logits(h_last), cache
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnums=5)
 def sample_first(
   logits,  # [B, V] f32 (a group's rows repeat its prompt's logits)
   base_keys,
   temperature,
   top_k,
   top_p,
+  filtered: bool | None = None,
 ):  # [B] each
   return sample(
-    logits, token_keys(base_keys, jnp.zeros(logits.shape[:1], jnp.int32)), temperature, top_k, top_p
+    logits,
+    token_keys(base_keys, jnp.zeros(logits.shape[:1], jnp.int32)),
+    temperature,
+    top_k,
+    top_p,
+    filtered,
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
 def decode_chunk(
   graphdef,
   state,
   cache,
   steps: int,
+  filtered: bool | None,  # static: some row filters (top-k / top-p); None: decide on device
   tokens,  # [S] int32: each slot's last sampled token (not yet in the cache)
   positions,  # [S] int32: where that token goes
   generated,  # [S] int32: tokens generated so far (the draw index of the next one)
@@ -69,7 +98,7 @@ def decode_chunk(
     active = left > 0
     hidden, cache = model.forward_with_cache(tok[:, None], pos[:, None], cache)
     logits = model.logits(hidden[:, 0])
-    new, logp = sample(logits, token_keys(base_keys, gen), temperature, top_k, top_p)
+    new, logp = sample(logits, token_keys(base_keys, gen), temperature, top_k, top_p, filtered)
     stopped = jnp.any(new[:, None] == stop_ids, axis=-1)
     left = jnp.where(active, jnp.where(stopped, 0, left - 1), 0)
     tok = jnp.where(active, new, tok)
@@ -85,8 +114,4 @@ def decode_chunk(
 
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_pages(cache, src, dst):  # [M] int32 each: page src[i] -> page dst[i] in every layer
-  return dataclasses.replace(
-    cache,
-    k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
-    v=cache.v.at[:, :, dst].set(cache.v[:, :, src]),
-  )
+  return cache.copy_pages(src, dst)

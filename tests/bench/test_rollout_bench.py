@@ -64,3 +64,60 @@ def test_teacher_forced_check_catches_wrong_logprobs():
   assert rollout.greedy_agreement(a, b) == 1.0
   b.completions[0].token_ids = b.completions[0].token_ids + 1
   assert rollout.greedy_agreement(a, b) == 0.75
+
+
+@pytest.mark.slow  # four compiles, ~50 s on the shared 2-core host
+def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
+  """The decode step's byte account (XLA cost analysis of the compiled chunk, compile only) at a
+  small shape, one step per chunk (so a cast XLA hoists out of the step loop still counts). Catches
+  the two classic wastes: the f32 master weights cast to bf16 in every call (the engines used to
+  pass the raw parameters; at this shape XLA:CPU upcasts bf16 dot operands anyway, so the cast
+  shows as a small excess, the engine-side check is in tests/rl/test_rollout.py) and a per-step copy
+  of the cache (rl.model.cache.DenseKVCache's bf16 scatter, which XLA:CPU runs as an f32 round trip
+  of the whole cache: at least one whole cache more per step than the engines' in-place scatter)."""
+  from bench import byte_account
+  from rl.model.cache import DenseKVCache
+
+  cfg = preset("tiny")
+  held = byte_account.account(cfg, "paged", batch=8, context=64, page_size=16, steps_per_sync=1)
+  cast = byte_account.account(cfg, "paged", 8, 64, 16, 1, weights_dtype=None)
+  dense = byte_account.account(cfg, "dense", 8, 64, 16, 1)
+  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=DenseKVCache)
+  assert held.weights == cast.weights > 0 and held.ideal == held.weights + held.kv + held.logits
+  assert cast.accessed > held.accessed  # the per-call cast shows
+  assert copying.accessed >= dense.accessed + dense.cache_bytes  # the per-step cache copy shows
+  assert held.inplace_fix > 0 and dense.inplace_fix > 0  # scatters recognised as in place
+
+
+def test_inplace_fix_charges_fused_scatter_and_gather_by_what_they_touch():
+  """By hand on HLO text: a fusion around an in-place scatter into a [4, 1024] u16 pool, and one
+  around a gather of 2 rows of it, are charged their updates / gathered rows, not the whole pool."""
+  from bench.byte_account import inplace_fix
+
+  hlo = """
+%sc (p0: u16[4,1024], p1: s32[2,1], p2: u16[2,1024]) -> u16[4,1024] {
+  %p0 = u16[4,1024]{1,0} parameter(0)
+  %p1 = s32[2,1]{1,0} parameter(1)
+  %p2 = u16[2,1024]{1,0} parameter(2)
+  ROOT %s = u16[4,1024]{1,0} scatter(%p0, %p1, %p2), update_window_dims={1}
+}
+
+%ga (q0: u16[4,1024], q1: s32[2,1]) -> f32[2,1024] {
+  %q0 = u16[4,1024]{1,0} parameter(0)
+  %q1 = s32[2,1]{1,0} parameter(1)
+  %c = bf16[4,1024]{1,0} bitcast-convert(%q0)
+  %g = bf16[2,1024]{1,0} gather(%c, %q1), offset_dims={1}
+  ROOT %f = f32[2,1024]{1,0} convert(%g)
+}
+
+ENTRY %main (a: u16[4,1024], i: s32[2,1], u: u16[2,1024]) -> f32[2,1024] {
+  %a = u16[4,1024]{1,0} parameter(0)
+  %i = s32[2,1]{1,0} parameter(1)
+  %u = u16[2,1024]{1,0} parameter(2)
+  %x = u16[4,1024]{1,0} fusion(%a, %i, %u), kind=kLoop, calls=%sc
+  ROOT %y = f32[2,1024]{1,0} fusion(%x, %i), kind=kLoop, calls=%ga
+}
+"""
+  pool, rows = 4 * 1024 * 2, 2 * 1024 * 2
+  # scatter: operand and result charged as the update (pool - rows each); gather: the rows it reads
+  assert inplace_fix(hlo) == 2 * (pool - rows) + (pool - rows)

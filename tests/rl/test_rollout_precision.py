@@ -2,6 +2,8 @@
 it used the paged kernel's XLA reference, whose f32 softmax-times-V put the bf16 engine 3x further from a
 teacher-forced forward than the dense engine and made its greedy completions diverge from dense)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,16 +78,16 @@ def _cache_with_stale_pages(dtype, lengths, page_size=4, pages_per_seq=3):
   rng = np.random.default_rng(0)
   b, hkv, d = len(lengths), 2, 16
   num_pages = 1 + b * pages_per_seq
-  k = np.full((1, hkv, num_pages, page_size, d), np.nan, np.float32)
+  k = np.full((hkv, num_pages, page_size, d), np.nan, np.float32)  # one layer's pool
   v = np.full_like(k, np.nan)
   table = (1 + rng.permutation(b * pages_per_seq)).reshape(b, pages_per_seq).astype(np.int32)
   dense_k = rng.normal(size=(b, pages_per_seq * page_size, hkv, d)).astype(np.float32) * 3
   dense_v = rng.normal(size=dense_k.shape).astype(np.float32)
   for i, n in enumerate(lengths):
     for t in range(n - 1):  # the last token arrives with the decode call
-      k[0, :, table[i, t // page_size], t % page_size] = dense_k[i, t]
-      v[0, :, table[i, t // page_size], t % page_size] = dense_v[i, t]
-  cache = PagedKVCache(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), "auto")
+      k[:, table[i, t // page_size], t % page_size] = dense_k[i, t]
+      v[:, table[i, t // page_size], t % page_size] = dense_v[i, t]
+  cache = PagedKVCache(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), "auto", 1)
   return cache, jnp.asarray(dense_k, dtype), jnp.asarray(dense_v, dtype)
 
 
@@ -111,3 +113,70 @@ def test_decode_attention_is_the_models_attention(dtype):
   if dtype == "bfloat16":  # the same roundings (f32: XLA may order the f32 sums differently)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
   assert_close(out, expected, "attention", dtype, s)
+
+
+def test_paged_cache_takes_a_traced_layer():
+  """The decoder may run its layers under lax.scan with the cache carried, so `layer` arrives traced:
+  writes and reads must land in that layer's pages exactly as with a Python int (a layer offset
+  applied to only one of the write or the read would attend to another layer's keys)."""
+  rng = np.random.default_rng(0)
+  layers, pages, ps, hkv, d = 3, 5, 4, 2, 8
+  cache = PagedKVCache.create(layers, pages, ps, hkv, d, jnp.float32, "auto")
+  cache = cache.with_table(jnp.asarray([[1, 2], [3, 4]], jnp.int32))
+  qs = jnp.asarray(rng.normal(size=(layers, 2, 3, 4, d)), jnp.float32)  # [L, B, T, Hq, D]
+  ks = jnp.asarray(rng.normal(size=(layers, 2, 3, hkv, d)), jnp.float32)
+  vs = jnp.asarray(rng.normal(size=(layers, 2, 3, hkv, d)), jnp.float32)
+  positions = jnp.asarray([[0, 1, 2], [0, 1, 2]], jnp.int32)
+
+  def unrolled(c):
+    outs = []
+    for i in range(layers):
+      out, c = c.attend(i, qs[i], ks[i], vs[i], positions)
+      outs.append(out)
+    return jnp.stack(outs), c
+
+  def scanned(c):
+    def body(c, xs):
+      i, q, k, v = xs
+      out, c = c.attend(i, q, k, v, positions)
+      return c, out
+
+    c, outs = jax.lax.scan(body, c, (jnp.arange(layers, dtype=jnp.int32), qs, ks, vs))
+    return outs, c
+
+  (a, ca), (b, cb) = jax.jit(unrolled)(cache), jax.jit(scanned)(cache)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(ca.k), np.asarray(cb.k))
+  # and each layer's keys sit in its own pages: layer 1's page 1 slot 0 holds row 0's first key
+  k1 = np.asarray(ca.values(ca.k))[:, 1 * pages + 1, 0]
+  np.testing.assert_array_equal(k1, np.asarray(ks[1, 0, 0]))
+
+
+@pytest.mark.slow  # three generates + teacher-forced passes, ~90 s on the shared host
+def test_the_parity_gate_needs_engine_and_check_at_one_precision():
+  """Why the GPU's bf16 rows failed the gate while CPU's passed, emulated on CPU (XLA:CPU ignores
+  jax.default_matmul_precision, so a reduced-precision dot is emulated by its effect, operands
+  rounded to bf16): an f32 engine at "highest" passes the teacher-forced gate run at "highest"; the
+  same weights decoded with bf16 operands (what an f32 dot at GPU default / "bfloat16" precision
+  does) fail a gate that checks against full f32, by far more than the tolerance; and a wrong engine
+  (a shifted position) fails even at matched precision."""
+  from bench import rollout
+
+  model = scale_weights(init_model(preset("tiny", dtype="float32"), seed=0), 10.0)
+  size = rollout.SIZES["tiny"]
+  prompts, params = rollout.workload(size, "fixed")
+  cfg = EngineConfig(
+    backend="paged", max_seq_len=16, max_slots=4, page_size=8, matmul_precision="highest"
+  )
+  res = make_engine(model, cfg, eos_ids=[]).generate(prompts, params)
+  err, _, _ = rollout.teacher_forced_error(model, res, 8, 8, precision="highest")
+  assert err <= 1.0
+  reduced = scale_weights(init_model(preset("tiny", dtype="bfloat16"), seed=0), 10.0)
+  low = make_engine(reduced, cfg, eos_ids=[]).generate(prompts, params)
+  err_low, _, _ = rollout.teacher_forced_error(model, low, 8, 8, precision="highest")
+  assert err_low > 1.0
+  shifted = dataclasses.replace(
+    res,
+    completions=[dataclasses.replace(c, logprobs=np.roll(c.logprobs, 1)) for c in res.completions],
+  )
+  assert rollout.teacher_forced_error(model, shifted, 8, 8, precision="highest")[0] > 1.0
