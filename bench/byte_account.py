@@ -9,7 +9,9 @@ What XLA's cost model counts (`compiled.cost_analysis()["bytes accessed"]`, HloC
   * every instruction of a non-fused computation is charged its operands' and its result's bytes; a
     fusion is one instruction (its internals are free), so fusing is what removes intermediate traffic;
   * a while loop's body is counted ONCE (its trip count is not applied): the decode chunk's count is
-    one decode step plus the chunk's out-of-loop work (a few [steps, S] outputs);
+    one decode step plus the chunk's out-of-loop work (a few [steps, S] outputs); the decoder's own
+    layer scan would be billed one layer of L, so `account` compiles the layers one by one
+    (`rl.model.qwen.unrolled_layers`: the same math, each layer's weights a static slice);
   * an unfused scatter is charged 3 x its updates + indices and a dynamic-update-slice its update (they
     run in place), an unfused gather its output + indices; but a FUSION around a scatter or gather —
     and XLA:CPU wraps every scatter / gather in one — is charged the full operand (and, for a scatter,
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rl.model import qwen
 from rl.model.config import ModelConfig
 from rl.rollout import steps
 from rl.rollout.dense_cache import DenseBitsCache
@@ -108,7 +111,7 @@ def inplace_fix(hlo: str) -> int:
     for shape, op, args, attrs in comp.values():
       called = re.search(r"calls=%([\w.\-]+)", attrs)
       if op == "fusion" and called and called.group(1) in comps:
-        fix += _fusion_fix(comps[called.group(1)], shape, len(args))
+        fix += _fusion_fix(comps[called.group(1)], shape, len(args), slices=True)
   return fix
 
 
@@ -120,11 +123,24 @@ def _fusion_fix(inner, shape: str, num_args: int, slices: bool = False) -> int:
     if op == "parameter" and int(index) < num_args:
       touched = _touched(inner, users, pname, slices)
       if touched is not None:
-        fix += _bytes(pshape) - touched
+        fix += max(_xla_charged(inner, users, pname, pshape) - touched, 0)
   root = _root(inner)
   if root is not None and inner[root][1] == "scatter":  # the result is the updated operand
     fix += _bytes(shape) - _bytes(inner[inner[root][2][2]][0])
   return fix
+
+
+def _xla_charged(inner, users, pname: str, pshape: str) -> int:
+  """What HloCostAnalysis charges a fusion parameter: the slice outputs when every user is a direct
+  (dynamic-)slice of it, else its whole size. A slice reached through a view op (bitcast, reshape)
+  is charged whole, which is the overcharge `_touched` corrects (e.g. one layer of stacked weights)."""
+  charged = 0
+  for u in users.get(pname, []):
+    shape, op, args, _ = inner[u]
+    if op not in ("slice", "dynamic-slice") or args[0] != pname:
+      return _bytes(pshape)
+    charged += _bytes(shape)
+  return charged or _bytes(pshape)
 
 
 def _root(comp) -> str | None:
@@ -231,9 +247,10 @@ def account(
     top_p=sds((batch,), jnp.float32),
   )
   t = time.perf_counter()
-  compiled = steps.decode_chunk.lower(
-    graphdef, state, cache, steps_per_sync, False, **slots
-  ).compile()
+  with qwen.unrolled_layers():  # layer by layer: cost analysis bills a loop body once
+    compiled = steps.decode_chunk.lower(
+      graphdef, state, cache, steps_per_sync, False, **slots
+    ).compile()
   compile_s = time.perf_counter() - t
   hlo = compiled.as_text()
   cost = compiled.cost_analysis()
@@ -306,10 +323,6 @@ def main(argv=None) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  raise SystemExit(main())
-
-
 def _charges(hlo: str):
   """(computation, bytes, opcode, source op) per instruction of the non-fused computations, by the
   rules of `accessed`: operands and result in full, fused gathers / in-place scatters by what they
@@ -347,3 +360,7 @@ def breakdown(hlo: str, top: int = 15) -> list[tuple[float, str, str]]:
     groups[op, src] = groups.get((op, src), 0.0) + charge
   ranked = sorted(((v, k[0], k[1]) for k, v in groups.items()), reverse=True)
   return ranked[:top]
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -10,6 +10,9 @@ remedy for compile time (MaxText, tunix). Parameter names follow HF's up to that
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,6 +23,19 @@ from rl.model.config import ModelConfig
 Array = jax.Array
 
 _init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
+_UNROLL_LAYERS = contextvars.ContextVar("unroll_layers", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_layers():
+  """Trace the L layers one by one inside the block (same math, each layer's weights a static slice of
+  the stack). For accounting only: XLA's cost analysis charges a while loop's body once, so a scanned
+  decoder would be billed one layer per step; `bench.byte_account` compiles under this to charge all L."""
+  token = _UNROLL_LAYERS.set(True)
+  try:
+    yield
+  finally:
+    _UNROLL_LAYERS.reset(token)
 
 
 class RMSNorm(nnx.Module):
@@ -185,6 +201,12 @@ class Qwen(nnx.Module):
       return nnx.merge(graphdef, params)(h, positions, visible, i, c), None
 
     index = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    if _UNROLL_LAYERS.get():  # accounting only (see unrolled_layers): static per-layer slices
+      carry = (x, cache)
+      for i in range(self.cfg.num_layers):
+        layer = jax.tree.map(lambda a, i=i: a[i], stacked)
+        carry, _ = body(carry, (layer, jnp.int32(i)))
+      return carry
     (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, index))
     return x, cache
 
