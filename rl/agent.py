@@ -293,6 +293,12 @@ class AgentTrainer(train.Trainer):
       prompt += tok.encode(move) + end + observation_tokens(tok, step.observation, closed=True)
     return prompt, tok.encode(env.best_move()) + end
 
+  def sft_widths(self, prompts, answers) -> tuple[int, int]:
+    """An episode's warm-up prompt is an environment history, not a dataset question: its widths are
+    rounded per batch (the same on every process), as the update's are."""
+    widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(0)
+    return tuple(train.round_up(int(w), WIDTH_BUCKET) for w in widths)
+
   def prompt_tokens(self, observation: str) -> list[int]:
     messages = [{"role": "system", "content": self.system}] if self.system else []
     return self.tokenizer.encode(chatml(messages + [{"role": "user", "content": observation}]))
@@ -328,6 +334,7 @@ class AgentTrainer(train.Trainer):
   def step(self, step: int) -> dict[str, float]:
     cfg, tcfg, timer = self.cfg, self.cfg.train, self.timer
     t_step = time.perf_counter()
+    self.compile_watch.take()  # compiles since the last step (evals) are not this step's
     group = cfg.sampling.group_size
     share = process_slice(tcfg.prompts_per_step)  # this process's seeds (all, in one process)
     env_seeds = [self.env_seed(step, i) for i in range(share.start, share.stop)]
@@ -388,10 +395,8 @@ class AgentTrainer(train.Trainer):
       params, self.head_params, self.opt_state, self.head_opt_state = state
       self._set_params(params)
       epochs = jax.device_get(epochs)
-    out = {f"time/train/{key}_s": v for key, v in timer.reset().items()}
     step_s = time.perf_counter() - t_step
-    out["time/train/step_s"] = step_s
-    out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
+    out = train.step_time_metrics(timer.reset(), step_s, self.compile_watch, self.step_avg)
     out.update(self._episode_metrics(episodes))
     out["reward/total/mean"] = out["env/reward_mean"]
     counts = sharding.allgather(

@@ -39,7 +39,15 @@ from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
 from rl.evaluate import before_after_table, evaluate
 from rl.evaluate import process_slice as _share
-from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options, read_metrics
+from rl.metrics import (
+  CompileWatch,
+  MetricsWriter,
+  StepAverage,
+  StepTimer,
+  profiler_options,
+  read_metrics,
+  step_time_metrics,
+)
 from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
@@ -58,7 +66,11 @@ from rl.update import (
   warmup_schedule,
 )
 
-PROMPT_BUCKET = 32  # prompt widths are rounded up to this: a handful of compiled shapes per run
+# Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
+# longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /
+# old log-prob passes and the SFT step each compile once per run (issue 31: a width rounded per step
+# recompiled the 0.5B update every few steps on GSM8K, ~50 s each on an H100).
+WIDTH_ALIGN = 32
 
 
 def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
@@ -189,7 +201,7 @@ class Trainer:
     self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
     self.baseline: dict[str, float] | None = None  # eval_full before the first GRPO step
 
-    self.timer, self.step_avg = StepTimer(), StepAverage(10)
+    self.timer, self.step_avg, self.compile_watch = StepTimer(), StepAverage(10), CompileWatch()
     self.writer = MetricsWriter(
       cfg.run.out_dir, enabled=self.is_main, tensorboard=cfg.run.tensorboard
     )
@@ -208,6 +220,10 @@ class Trainer:
       (len(self.encode(e.question)), e.question) for e in (*self.train_data, *self.test_data)
     )
     need = longest[0] + self.cfg.sampling.max_new_tokens
+    # the update's one prompt width: every GRPO step's prompts come from the train split
+    self.prompt_width = round_up(
+      max(len(self.encode(e.question)) for e in self.train_data), WIDTH_ALIGN
+    )
     # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
     # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
     if longest[0] + 1 > self.cfg.rollout.max_seq_len:
@@ -269,6 +285,7 @@ class Trainer:
   def step(self, step: int) -> dict[str, float]:
     cfg, timer = self.cfg, self.timer
     t_step = time.perf_counter()
+    self.compile_watch.take()  # compiles since the last step (evals) are not this step's
     examples = self.step_examples(step)
     share = _share(len(examples))
     mine, first = examples[share], share.start
@@ -291,11 +308,10 @@ class Trainer:
       scores = self._score(result, mine)
     totals = np.array([sc["total"] for sc in scores], np.float32)
     adv = np.asarray(group_advantages(totals, sampling.group_size))
-    prompt_width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
     tokens, mask = pack(
       [c.prompt_ids for c in result.completions],
       [c.token_ids for c in result.completions],
-      prompt_width,
+      self.prompt_width,
       sampling.max_new_tokens,
       self.tokenizer.pad_id,
     )
@@ -341,10 +357,7 @@ class Trainer:
     rows = sharding.allgather(local)  # [all sequences, rewards + length + truncated]
     all_totals, all_adv = sharding.allgather(totals), sharding.allgather(adv)
     generated = rows[:, len(names)].sum()
-    out = {f"time/train/{k}_s": v for k, v in times.items()}
-    out["time/train/step_s"] = step_s
-    out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
-    out["rollout/tokens_per_s"] = generated / max(times["rollout"], 1e-9)
+    out = {"rollout/tokens_per_s": generated / max(times["rollout"], 1e-9)}
     out["rollout/generated_tokens"] = generated
     for j, n in enumerate(names):
       out[f"reward/{n}/mean"], out[f"reward/{n}/std"] = rows[:, j].mean(), rows[:, j].std()
@@ -357,7 +370,8 @@ class Trainer:
         k if k.startswith(mismatch.PREFIX) else f"train/{k}"
       )  # mismatch/*: as rl.mismatch names
       out[name] = float(np.mean([epoch[k] for epoch in losses]))
-    return out
+    # last: the compiles of the metrics' own first-step ops count too
+    return step_time_metrics(times, step_s, self.compile_watch, self.step_avg) | out
 
   # ---------------------------------------------------------------------------------------- SFT warm-up
   def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
@@ -366,6 +380,18 @@ class Trainer:
     example = self._order(index, 1)
     answer = self.tokenizer.encode(example.answer) + self.tokenizer.encode(IM_END)
     return self.encode(example.question), answer
+
+  def sft_widths(self, prompts, answers) -> tuple[int, int]:
+    """The SFT batch's (prompt, answer) widths: the longest over the train split's worked solutions,
+    fixed on first use (one compiled SFT step per run); a batch that outgrows them is a bug."""
+    if not hasattr(self, "_sft_width"):
+      pairs = [self.sft_pair(i) for i in range(len(self.train_data))]
+      self._sft_width = tuple(
+        round_up(max(len(x[j]) for x in pairs), WIDTH_ALIGN) for j in range(2)
+      )
+    widest = (max(map(len, prompts)), max(map(len, answers)))
+    assert all(w <= f for w, f in zip(widest, self._sft_width)), (widest, self._sft_width)
+    return self._sft_width
 
   def sft(self, steps: int, progress: bool) -> None:
     """Supervised warm-up on worked solutions (prompt + answer + end-of-turn), one token-mean NLL step
@@ -378,10 +404,7 @@ class Trainer:
     for i in bar:
       pairs = [self.sft_pair(i * n + j) for j in range(n)][_share(n)]
       prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-      widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(
-        axis=0
-      )
-      pw, cw = round_up(int(widths[0]), PROMPT_BUCKET), round_up(int(widths[1]), PROMPT_BUCKET)
+      pw, cw = self.sft_widths(prompts, answers)
       if cw not in compiled:
         compiled[cw] = compile_train_step(
           self.graphdef, optimizer, LossSettings(completion_len=cw), "sft", self.state_shardings
@@ -526,6 +549,7 @@ class Trainer:
     return last
 
   def close(self) -> None:
+    self.compile_watch.close()
     self.writer.close()
     self.checkpointer.close()
     self.engine.close()
