@@ -31,8 +31,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kernels.backend import host_platform
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import ppo, sharding, train
+from rl import platform, ppo, sharding, train
 from rl.advantages import group_advantages
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
@@ -439,7 +440,7 @@ class AgentTrainer(train.Trainer):
         self.cfg.sampling.temperature,
         tcfg.vf_coef,
         tcfg.value_clip,
-        tcfg.policy_loss_impl,
+        platform.loss_impl(host_platform(), tcfg.fused_lm_head, tcfg.policy_loss_impl),
         tcfg.fused_lm_head,
         tcfg.beta,
       )
@@ -489,7 +490,10 @@ class AgentTrainer(train.Trainer):
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  cfg = train.parse_args(argv, "python -m rl.agent", __doc__)
+  args = train.arg_parser("python -m rl.agent", __doc__).parse_intermixed_args(argv)
+  if args.check:
+    return train.run_check(args, "rl.agent")
+  cfg = train.config_of(args, "rl.agent")
   train.start_process(cfg)
   trainer = AgentTrainer(cfg)
   try:

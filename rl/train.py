@@ -29,11 +29,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from kernels.backend import host_platform
 from kernels.optim import partition_specs_of
-from rl import configlib, mismatch, rewards, sharding
+from rl import check, configlib, mismatch, platform, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
 from rl.checkpointing import Checkpointer, CheckpointError
-from rl.config import GRPOConfig, TrainSection
+from rl.config import GRPOConfig, TrainSection, check_entry
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
@@ -102,6 +103,14 @@ def build_model(cfg: GRPOConfig, mesh):
   return shard_model(init_model(architecture, seed=cfg.train.seed), mesh)
 
 
+def tokenizer_of(cfg: GRPOConfig):
+  """model.tokenizer's, else model.checkpoint's, else the embedded byte-level tokenizer."""
+  key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
+  path = cfg.model.tokenizer or cfg.model.checkpoint
+  with _reading(key, path):
+    return load_tokenizer(path)
+
+
 @contextlib.contextmanager
 def _reading(key: str, value):
   """A missing, truncated or unusable file named by config key `key` is a ConfigError naming the key
@@ -125,6 +134,25 @@ def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def check_prompt_room(cfg: GRPOConfig, encode, train_data, test_data) -> int:
+  """A ConfigError if the longest prompt of either split leaves no room under rollout.max_seq_len
+  (GSM8K's byte-level prompts reach 1134 tokens: the embedded default's 256 fits only the synthetic
+  task); the message asks for room for max_new_tokens too. Returns the update's prompt width: the
+  train split's longest prompt (every GRPO step draws from it), rounded up to WIDTH_ALIGN."""
+  longest = max(len(encode(e.question)) for e in (*train_data, *test_data))
+  need = longest + cfg.sampling.max_new_tokens
+  # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
+  # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
+  if longest + 1 > cfg.rollout.max_seq_len:
+    raise ConfigError(
+      f"rollout.max_seq_len={cfg.rollout.max_seq_len} is too short for "
+      f"data.dataset={cfg.data.dataset}: its longest prompt is {longest} tokens; with "
+      f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}, set rollout.max_seq_len >= "
+      f"{round_up(need, cfg.rollout.page_size)}"
+    )
+  return round_up(max(len(encode(e.question)) for e in train_data), WIDTH_ALIGN)
+
+
 class Trainer:
   """Owns the model, rollout engine, optimizer state, data order, metrics and checkpoints of one run."""
 
@@ -142,10 +170,8 @@ class Trainer:
       )
     self.cfg = cfg
     self.is_main = jax.process_index() == 0
+    self.tokenizer = tokenizer_of(cfg)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
-    tokenizer_path = cfg.model.tokenizer or cfg.model.checkpoint
-    with _reading(tokenizer_key, tokenizer_path):
-      self.tokenizer = load_tokenizer(tokenizer_path)
     self.template = TEMPLATES[cfg.data.template]  # the config checked the name
     self.train_data, self.test_data = load_data(cfg)
     self._encoded: dict[str, list[int]] = {}
@@ -184,7 +210,7 @@ class Trainer:
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
       spec=cfg.loss_spec,
-      impl=train_cfg.policy_loss_impl,
+      impl=platform.loss_impl(host_platform(), train_cfg.fused_lm_head, train_cfg.policy_loss_impl),
       fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,
       vocab_axis="tp" if cfg.mesh.tp > 1 else None,
@@ -213,27 +239,9 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------------- data
   def _check_prompt_room(self) -> None:
-    """A ConfigError now, before anything compiles, if the longest prompt of either split leaves no
-    room under rollout.max_seq_len (GSM8K's byte-level prompts reach 1050 tokens: the embedded
-    default's 256 fits only the synthetic task); the message asks for room for max_new_tokens too."""
-    longest = max(
-      (len(self.encode(e.question)), e.question) for e in (*self.train_data, *self.test_data)
-    )
-    need = longest[0] + self.cfg.sampling.max_new_tokens
-    # the update's one prompt width: every GRPO step's prompts come from the train split
-    self.prompt_width = round_up(
-      max(len(self.encode(e.question)) for e in self.train_data), WIDTH_ALIGN
-    )
-    # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
-    # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
-    if longest[0] + 1 > self.cfg.rollout.max_seq_len:
-      page = self.cfg.rollout.page_size
-      raise ConfigError(
-        f"rollout.max_seq_len={self.cfg.rollout.max_seq_len} is too short for "
-        f"data.dataset={self.cfg.data.dataset}: its longest prompt is {longest[0]} tokens; with "
-        f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}, set rollout.max_seq_len >= "
-        f"{round_up(need, page)}"
-      )
+    """A ConfigError now, before anything compiles, if a prompt leaves no room (`check_prompt_room`);
+    sets the update's one prompt width."""
+    self.prompt_width = check_prompt_room(self.cfg, self.encode, self.train_data, self.test_data)
 
   def encode(self, question: str) -> list[int]:
     if question not in self._encoded:
@@ -584,9 +592,7 @@ def _log(enabled: bool, msg: str) -> None:
     print(f"[rl.train] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_args(
-  argv: Sequence[str] | None = None, prog: str = "python -m rl.train", doc: str = __doc__
-) -> GRPOConfig:
+def arg_parser(prog: str = "python -m rl.train", doc: str = __doc__) -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
   ap.add_argument(
     "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
@@ -594,12 +600,58 @@ def parse_args(
   ap.add_argument(
     "--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir"
   )
+  ap.add_argument(
+    "--check",
+    action="store_true",
+    help="check the config for its platform (configs/gpu-*: gpu, tpu-*: tpu, cpu-*: cpu) and "
+    "AOT-lower the train step and the decode chunk there; nothing runs (rl.check)",
+  )
+  ap.add_argument(
+    "--platform", choices=platform.PLATFORMS, help="--check for this platform, not the config's"
+  )
   ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
-  args = ap.parse_intermixed_args(argv)
-  cfg = configlib.load(GRPOConfig, args.config, args.overrides)
+  return ap
+
+
+def parse_args(
+  argv: Sequence[str] | None = None,
+  prog: str = "python -m rl.train",
+  doc: str = __doc__,
+  entry: str | None = None,
+) -> GRPOConfig:
+  """The config of a command line. With `entry` ("rl.train" / "rl.agent"), a key that entry point
+  does not read is an error naming the one that does (rl.config.check_entry)."""
+  return config_of(arg_parser(prog, doc).parse_intermixed_args(argv), entry)
+
+
+def target_platform(args: argparse.Namespace):
+  """--check: --platform, else the config file's; a run: this host's."""
+  if args.check:
+    return args.platform or platform.config_platform(args.config)
+  return host_platform()
+
+
+def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
+  raw = configlib.read(args.config, args.overrides)
+  if entry is not None:
+    try:
+      check_entry(configlib.given_keys(raw), entry)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  cfg = configlib.build(GRPOConfig, raw)
   if args.resume:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+  t = cfg.train  # the loss impl exists on the platform: at load, not a minute into compiling
+  platform.loss_impl(target_platform(args), t.fused_lm_head, t.policy_loss_impl)
   return cfg
+
+
+def run_check(args: argparse.Namespace, entry: str) -> dict:
+  """--check: rl.check's figures for the config, printed; its ConfigError propagates."""
+  cfg = config_of(args, entry)
+  report = check.check(cfg, target_platform(args), entry)
+  print(f"{args.config or '(defaults)'}: ok for {report['platform']}: {report}")
+  return report
 
 
 def start_process(cfg: GRPOConfig) -> None:
@@ -618,7 +670,10 @@ def start_process(cfg: GRPOConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
-  cfg = parse_args(argv)  # every config value error surfaces here, before jax starts
+  args = arg_parser().parse_intermixed_args(argv)
+  if args.check:
+    return run_check(args, "rl.train")
+  cfg = config_of(args, "rl.train")  # every config value error surfaces here, before jax starts
   start_process(cfg)
   trainer = Trainer(cfg)
   try:
