@@ -33,13 +33,14 @@ from flax import nnx
 
 from kernels.backend import host_platform
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import platform, ppo, sharding, train
+from rl import platform, ppo, setup, sharding, train
 from rl.advantages import group_advantages
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.evaluate import process_slice
+from rl.metrics import step_time_metrics
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import (
@@ -217,7 +218,7 @@ class AgentTrainer(train.Trainer):
       head_graphdef,
       sharding.replicated(self.mesh, head_params),
     )
-    learning_rate = train.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
+    learning_rate = setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
       learning_rate,
@@ -240,7 +241,7 @@ class AgentTrainer(train.Trainer):
       trunk = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     else:
       model_cfg = self.cfg.model
-      with train._reading("train.critic_preset", tcfg.critic_preset):
+      with setup.reading("train.critic_preset", tcfg.critic_preset):
         architecture = preset(
           tcfg.critic_preset, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype
         )
@@ -298,7 +299,7 @@ class AgentTrainer(train.Trainer):
     """An episode's warm-up prompt is an environment history, not a dataset question: its widths are
     rounded per batch (the same on every process), as the update's are."""
     widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(0)
-    return tuple(train.round_up(int(w), WIDTH_BUCKET) for w in widths)
+    return tuple(setup.round_up(int(w), WIDTH_BUCKET) for w in widths)
 
   def prompt_tokens(self, observation: str) -> list[int]:
     messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -348,7 +349,7 @@ class AgentTrainer(train.Trainer):
     rest_len = max(len(ep.tokens) - ep.prompt_len for ep in episodes)
     # every process packs to the same widths
     widths = sharding.allgather(np.array([[prompt_len, rest_len]])).max(0)
-    pw, cw = (train.round_up(int(w), WIDTH_BUCKET) for w in widths)
+    pw, cw = (setup.round_up(int(w), WIDTH_BUCKET) for w in widths)
     packed = pack_episodes(episodes, pw, cw, self.tokenizer.pad_id)
     k = cfg.grad_accum_steps
     shape = lambda x: sharding.global_batch(self.mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
@@ -397,7 +398,7 @@ class AgentTrainer(train.Trainer):
       self._set_params(params)
       epochs = jax.device_get(epochs)
     step_s = time.perf_counter() - t_step
-    out = train.step_time_metrics(timer.reset(), step_s, self.compile_watch, self.step_avg)
+    out = step_time_metrics(timer.reset(), step_s, self.compile_watch, self.step_avg)
     out.update(self._episode_metrics(episodes))
     out["reward/total/mean"] = out["env/reward_mean"]
     counts = sharding.allgather(

@@ -25,9 +25,11 @@ from flax import nnx
 
 from kernels.backend import Platform, make_target, use_target
 from rl import platform as platforms
+from rl import setup
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.model import abstract_model, preset
+from rl.prompts import TEMPLATES
 from rl.rollout import steps
 from rl.rollout.paged_cache import PagedKVCache
 from rl.update import Batch, LossSettings, compile_train_step, make_optimizer
@@ -109,13 +111,12 @@ def _check_tp(cfg: GRPOConfig, model_cfg) -> None:
 
 
 def _prompt_width(cfg: GRPOConfig) -> int:
-  from rl import train  # the loop's own loaders and rule: the check and the run agree
-
-  tokenizer = train.tokenizer_of(cfg)
-  template = train.TEMPLATES[cfg.data.template]
-  train_data, test_data = train.load_data(cfg)
+  """The update's prompt width, by the loop's own loaders and rule: the check and the run agree."""
+  tokenizer = setup.tokenizer_of(cfg)
+  template = TEMPLATES[cfg.data.template]
+  train_data, test_data = setup.load_data(cfg)
   encode = lambda q: template.encode(q, tokenizer)
-  return train.check_prompt_room(cfg, encode, train_data, test_data)
+  return setup.check_prompt_room(cfg, encode, train_data, test_data)
 
 
 def _bytes(tree) -> int:

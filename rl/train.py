@@ -14,9 +14,7 @@ norm is skipped (`train/nonfinite_steps` counts them); `train.max_nonfinite_step
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -30,14 +28,21 @@ from flax import nnx
 from tqdm import tqdm
 
 from kernels.backend import host_platform
-from kernels.optim import partition_specs_of
-from rl import check, configlib, mismatch, platform, rewards, sharding
+from rl import configlib, mismatch, platform, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.checkpointing import Checkpointer, CheckpointError
-from rl.config import GRPOConfig, TrainSection, check_entry
+from rl.checkpointing import Checkpointer
+from rl.cli import (
+  arg_parser,
+  config_of,
+  parse_args,
+  run_check,
+  run_cli,
+  start_process,
+  target_platform,
+)
+from rl.config import GRPOConfig
 from rl.configlib import ConfigError
-from rl.data import Example, generate_synthetic, load_gsm8k
-from rl.data.gsm8k import default_dir as gsm8k_default_dir
+from rl.data import Example
 from rl.evaluate import before_after_table, evaluate
 from rl.evaluate import process_slice as _share
 from rl.metrics import (
@@ -49,126 +54,44 @@ from rl.metrics import (
   read_metrics,
   step_time_metrics,
 )
-from rl.model import init_model, load_checkpoint, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
-from rl.tokenizer import IM_END, load_tokenizer
+from rl.setup import (
+  WIDTH_ALIGN,
+  build_model,
+  check_prompt_room,
+  load_data,
+  optimizer_for,
+  resolve_mesh,
+  round_up,
+  tokenizer_of,
+)
+from rl.tokenizer import IM_END
 from rl.update import (
   Batch,
   LossSettings,
-  NonFiniteError,
   NonFiniteGuard,
   batch_token_logps,
   compile_train_step,
   init_optimizer_state,
-  make_optimizer,
   pack,
   shardings_of,
-  warmup_schedule,
 )
 
-# Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
-# longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /
-# old log-prob passes and the SFT step each compile once per run (issue 31: a width rounded per step
-# recompiled the 0.5B update every few steps on GSM8K, ~50 s each on an H100).
-WIDTH_ALIGN = 32
-
-
-def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
-  data_cfg = cfg.data
-  if data_cfg.dataset == "gsm8k":
-    with _reading("data.path", data_cfg.path):
-      path = data_cfg.path or gsm8k_default_dir()
-      train = load_gsm8k(path, "train", data_cfg.train_limit)
-      test = load_gsm8k(path, "test", data_cfg.eval_limit)
-  else:
-    levels = data_cfg.synthetic_levels
-    train = generate_synthetic(data_cfg.train_limit or data_cfg.synthetic_train, 1, levels)
-    test = generate_synthetic(data_cfg.eval_limit or data_cfg.synthetic_test, 2, levels)
-  if not train or not test:
-    raise ConfigError(
-      f"data.dataset={data_cfg.dataset} has {len(train)} train and {len(test)} test examples"
-    )
-  return train, test
-
-
-def build_model(cfg: GRPOConfig, mesh):
-  model_cfg = cfg.model
-  dtypes = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
-  if model_cfg.checkpoint:
-    with _reading("model.checkpoint", model_cfg.checkpoint):
-      return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **dtypes)
-  with _reading("model.preset", model_cfg.preset):
-    architecture = preset(model_cfg.preset, **dtypes)
-  return shard_model(init_model(architecture, seed=cfg.train.seed), mesh)
-
-
-def tokenizer_of(cfg: GRPOConfig):
-  """model.tokenizer's, else model.checkpoint's, else the embedded byte-level tokenizer."""
-  key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
-  path = cfg.model.tokenizer or cfg.model.checkpoint
-  with _reading(key, path):
-    return load_tokenizer(path)
-
-
-@contextlib.contextmanager
-def _reading(key: str, value):
-  """A missing, truncated or unusable file named by config key `key` is a ConfigError naming the key
-  (the loaders' messages name the file)."""
-  try:
-    yield
-  except ConfigError:
-    raise
-  except (ValueError, OSError) as e:
-    raise ConfigError(f"{key}={value}: {e}") from e
-
-
-def learning_rate_schedule(train_cfg: TrainSection, learning_rate: float, steps: int):
-  """train.lr_warmup_steps and train.lr_schedule applied to one phase of `steps` updates (the SFT
-  warm-up, or the RL phase): a float or an optax schedule."""
-  decay = steps if train_cfg.lr_schedule == "cosine" else 0
-  return warmup_schedule(learning_rate, train_cfg.lr_warmup_steps, decay)
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def check_prompt_room(cfg: GRPOConfig, encode, train_data, test_data) -> int:
-  """A ConfigError if the longest prompt of either split leaves no room under rollout.max_seq_len
-  (GSM8K's byte-level prompts reach 1134 tokens: the embedded default's 256 fits only the synthetic
-  task); the message asks for room for max_new_tokens too. Returns the update's prompt width: the
-  train split's longest prompt (every GRPO step draws from it), rounded up to WIDTH_ALIGN."""
-  longest = max(len(encode(e.question)) for e in (*train_data, *test_data))
-  need = longest + cfg.sampling.max_new_tokens
-  # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
-  # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
-  if longest + 1 > cfg.rollout.max_seq_len:
-    raise ConfigError(
-      f"rollout.max_seq_len={cfg.rollout.max_seq_len} is too short for "
-      f"data.dataset={cfg.data.dataset}: its longest prompt is {longest} tokens; with "
-      f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}, set rollout.max_seq_len >= "
-      f"{round_up(need, cfg.rollout.page_size)}"
-    )
-  return round_up(max(len(encode(e.question)) for e in train_data), WIDTH_ALIGN)
+# The command line's and the set-up's names, as rl.train always offered them (rl.agent, bench, tests).
+__all__ = ["WIDTH_ALIGN", "Trainer", "arg_parser", "cli", "config_of", "load_data", "main"]
+__all__ += ["parse_args", "round_up", "run_check", "start_process", "target_platform"]
 
 
 class Trainer:
   """Owns the model, rollout engine, optimizer state, data order, metrics and checkpoints of one run."""
 
   def __init__(self, cfg: GRPOConfig):
-    try:
-      cfg = cfg.resolved(jax.device_count())
-      self.mesh = sharding.mesh_for(cfg.mesh.dp, cfg.mesh.fsdp, cfg.mesh.tp)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-    procs = jax.process_count()
-    if cfg.train.prompts_per_step % procs or cfg.global_micro_batch % procs:
-      raise ConfigError(
-        f"train.prompts_per_step={cfg.train.prompts_per_step} and the global micro-batch "
-        f"{cfg.global_micro_batch} must divide over the {procs} processes"
-      )
+    cfg, self.mesh = resolve_mesh(cfg)
     self.cfg = cfg
+    train_cfg = cfg.train
+    # the loss impl this host's platform has: a ConfigError now, not a minute into compiling
+    impl = platform.loss_impl(host_platform(), train_cfg.fused_lm_head, train_cfg.policy_loss_impl)
     self.is_main = jax.process_index() == 0
     self.tokenizer = tokenizer_of(cfg)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
@@ -186,31 +109,17 @@ class Trainer:
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
     # Several processes: each rolls out its own prompts on a local replica of the weights.
     self.rollout_model = (
-      self.model if procs == 1 else nnx.merge(self.graphdef, self._local_params())
+      self.model if jax.process_count() == 1 else nnx.merge(self.graphdef, self._local_params())
     )
     self.engine = make_engine(self.rollout_model, cfg.rollout, self.tokenizer)
-
-    train_cfg = cfg.train
-    specs = partition_specs_of(self.params) if self.mesh.size > 1 else None
-    mesh = self.mesh if specs is not None else None
-
-    def optimizer_with(learning_rate: float, steps: int):
-      return make_optimizer(
-        train_cfg.optimizer,
-        learning_rate_schedule(train_cfg, learning_rate, steps),
-        train_cfg.weight_decay,
-        train_cfg.max_grad_norm,
-        train_cfg.fused_optimizer,
-        mesh,
-        specs,
-      )
+    optimizer_with = functools.partial(optimizer_for, cfg, self.mesh, self.params)
 
     optimizer = optimizer_with(train_cfg.learning_rate, train_cfg.steps)
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
       spec=cfg.loss_spec,
-      impl=platform.loss_impl(host_platform(), train_cfg.fused_lm_head, train_cfg.policy_loss_impl),
+      impl=impl,
       fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,
       vocab_axis="tp" if cfg.mesh.tp > 1 else None,
@@ -592,85 +501,9 @@ def _log(enabled: bool, msg: str) -> None:
     print(f"[rl.train] {msg}", file=sys.stderr, flush=True)
 
 
-def arg_parser(prog: str = "python -m rl.train", doc: str = __doc__) -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-  ap.add_argument(
-    "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
-  )
-  ap.add_argument(
-    "--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir"
-  )
-  ap.add_argument(
-    "--check",
-    action="store_true",
-    help="check the config for its platform (configs/gpu-*: gpu, tpu-*: tpu, cpu-*: cpu) and "
-    "AOT-lower the train step and the decode chunk there; nothing runs (rl.check)",
-  )
-  ap.add_argument(
-    "--platform", choices=platform.PLATFORMS, help="--check for this platform, not the config's"
-  )
-  ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
-  return ap
-
-
-def parse_args(
-  argv: Sequence[str] | None = None,
-  prog: str = "python -m rl.train",
-  doc: str = __doc__,
-  entry: str | None = None,
-) -> GRPOConfig:
-  """The config of a command line. With `entry` ("rl.train" / "rl.agent"), a key that entry point
-  does not read is an error naming the one that does (rl.config.check_entry)."""
-  return config_of(arg_parser(prog, doc).parse_intermixed_args(argv), entry)
-
-
-def target_platform(args: argparse.Namespace):
-  """--check: --platform, else the config file's; a run: this host's."""
-  if args.check:
-    return args.platform or platform.config_platform(args.config)
-  return host_platform()
-
-
-def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
-  raw = configlib.read(args.config, args.overrides)
-  if entry is not None:
-    try:
-      check_entry(configlib.given_keys(raw), entry)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-  cfg = configlib.build(GRPOConfig, raw)
-  if args.resume:
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
-  t = cfg.train  # the loss impl exists on the platform: at load, not a minute into compiling
-  platform.loss_impl(target_platform(args), t.fused_lm_head, t.policy_loss_impl)
-  return cfg
-
-
-def run_check(args: argparse.Namespace, entry: str) -> dict:
-  """--check: rl.check's figures for the config, printed; its ConfigError propagates."""
-  cfg = config_of(args, entry)
-  report = check.check(cfg, target_platform(args), entry)
-  print(f"{args.config or '(defaults)'}: ok for {report['platform']}: {report}")
-  return report
-
-
-def start_process(cfg: GRPOConfig) -> None:
-  """Before jax touches a device: run.host_devices simulated CPU devices, and (dist.initialize) this
-  process joins the multi-process run."""
-  dist = cfg.dist
-  sharding.initialize_distributed(
-    dist.initialize,
-    dist.coordinator_address,
-    dist.num_processes,
-    dist.process_id,
-    dist.cpu_collectives,
-    cfg.run.host_devices,
-  )
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
-  args = arg_parser().parse_intermixed_args(argv)
+  args = arg_parser(doc=__doc__).parse_intermixed_args(argv)
   if args.check:
     return run_check(args, "rl.train")
   cfg = config_of(args, "rl.train")  # every config value error surfaces here, before jax starts
@@ -694,15 +527,7 @@ def cli(argv: Sequence[str] | None = None, main=main, prog: str = "python -m rl.
   """`main` for the command line: a config error is its message alone on stderr and exit status 2
   (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
   with no readable checkpoint to resume is its message and status 1. `rl.agent` passes its own main."""
-  try:
-    main(argv)
-  except ConfigError as e:
-    print(f"{prog}: config error: {e}", file=sys.stderr)
-    return 2
-  except (NonFiniteError, CheckpointError) as e:
-    print(f"{prog}: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return run_cli(argv, main, prog)
 
 
 if __name__ == "__main__":
