@@ -200,15 +200,30 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------------- GRPO step
   def step(self, step: int) -> dict[str, float]:
-    cfg, timer = self.cfg, self.timer
-    t_step = time.perf_counter()
+    """One GRPO step, top to bottom: rollout -> reward -> advantage -> pack -> update."""
+    timer, t_step = self.timer, time.perf_counter()
     self.compile_watch.take()  # compiles since the last step (evals) are not this step's
     examples = self.step_examples(step)
-    share = _share(len(examples))
-    mine, first = examples[share], share.start
-    prompts = [self.encode(e.question) for e in examples]
-    sampling = cfg.sampling
-    params = [
+    share = _share(len(examples))  # this process's prompts
+    mine = examples[share]
+    prompts = [self.encode(e.question) for e in mine]
+    with timer("rollout"):
+      result = self.engine.generate(prompts, self.sampling_params(step, share.start, len(mine)))
+    with timer("reward"):
+      scores = self._score(result, mine)
+    totals = np.array([sc["total"] for sc in scores], np.float32)
+    adv = np.asarray(group_advantages(totals, self.cfg.sampling.group_size))
+    rows = self._pack(result)
+    with timer("update"):
+      losses = self._optimize(self._to_batch(*rows[:2], adv, rows[2]))
+    step_s = time.perf_counter() - t_step
+    return self._step_metrics(result, scores, totals, adv, losses, timer.reset(), step_s)
+
+  def sampling_params(self, step: int, first: int, n: int) -> list[SamplingParams]:
+    """The sampling settings of this process's `n` prompts of `step`, the first being global prompt
+    `first`: each prompt's group draws from its own seed."""
+    sampling = self.cfg.sampling
+    return [
       SamplingParams(
         max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,
@@ -217,42 +232,41 @@ class Trainer:
         n=sampling.group_size,
         seed=self.prompt_seed(step, first + i),
       )
-      for i in range(len(mine))
+      for i in range(n)
     ]
-    with timer("rollout"):
-      result = self.engine.generate(prompts[first : first + len(mine)], params)
-    with timer("reward"):
-      scores = self._score(result, mine)
-    totals = np.array([sc["total"] for sc in scores], np.float32)
-    adv = np.asarray(group_advantages(totals, sampling.group_size))
+
+  def _pack(self, result: RolloutResult):
+    """The completions as rows at the run's fixed widths: ([N, P + C] tokens, [N, P + C] mask,
+    [N, C] the engine's log-probs, aligned with the rows' completions)."""
+    c = self.cfg.sampling.max_new_tokens
     tokens, mask = pack(
-      [c.prompt_ids for c in result.completions],
-      [c.token_ids for c in result.completions],
+      [x.prompt_ids for x in result.completions],
+      [x.token_ids for x in result.completions],
       self.prompt_width,
-      sampling.max_new_tokens,
+      c,
       self.tokenizer.pad_id,
     )
-    _, _, sampler_logps = result.padded(sampling.max_new_tokens)  # aligned with pack's completions
-    with timer("update"):
-      batch = self._to_batch(tokens, mask, adv, sampler_logps)
-      logps_of = lambda weights: batch_token_logps(
-        self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
-      )
-      if self.ref_params is not None:
-        batch = batch._replace(ref_logps=logps_of(self.ref_params))
-      if cfg.train.ppo_epochs > 1:
-        batch = batch._replace(old_logps=logps_of(self.params))
-      epochs = []
-      params, opt_state = self.params, self.opt_state
-      for _ in range(cfg.train.ppo_epochs):
-        params, opt_state, epoch_metrics = self.train_step(params, opt_state, batch)
-        epochs.append(epoch_metrics)
-      self.opt_state = opt_state
-      self._set_params(params)
-      losses = jax.device_get(epochs)
-    step_s = time.perf_counter() - t_step
-    times = timer.reset()
-    return self._step_metrics(result, scores, totals, adv, losses, times, step_s)
+    return tokens, mask, result.padded(c)[2]
+
+  def _optimize(self, batch: Batch) -> list[dict]:
+    """Reference / old log-probs when the loss needs them, then one optimizer step per PPO epoch;
+    the live weights (and the rollout's) move to the result. Each epoch's metrics."""
+    sampling, tcfg = self.cfg.sampling, self.cfg.train
+    logps_of = lambda weights: batch_token_logps(
+      self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
+    )
+    if self.ref_params is not None:
+      batch = batch._replace(ref_logps=logps_of(self.ref_params))
+    if tcfg.ppo_epochs > 1:
+      batch = batch._replace(old_logps=logps_of(self.params))
+    epochs = []
+    params, opt_state = self.params, self.opt_state
+    for _ in range(tcfg.ppo_epochs):
+      params, opt_state, epoch_metrics = self.train_step(params, opt_state, batch)
+      epochs.append(epoch_metrics)
+    self.opt_state = opt_state
+    self._set_params(params)
+    return jax.device_get(epochs)
 
   def _score(self, result: RolloutResult, examples: Sequence[Example]) -> list[dict[str, float]]:
     weights = self.cfg.reward.weights()
