@@ -16,6 +16,7 @@ another; any other file name: this host's). In order, each a ConfigError naming 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -65,7 +66,9 @@ def check(cfg: GRPOConfig, platform: Platform, entry: str = "rl.train", lower: b
       "rollout.max_slots or rollout.max_seq_len, or shard over more devices (mesh.fsdp)"
     )
   if lower:
-    out["lowered_s"] = lower_steps(cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"])
+    out["lowered_s"] = lower_steps(
+      cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"], entry
+    )
   return out
 
 
@@ -163,9 +166,17 @@ def _abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
   )
 
 
-def lower_steps(cfg: GRPOConfig, model_cfg, platform: Platform, prompt_width: int, impl: str):
-  """Lowers (traces and converts to the platform's MLIR; no XLA compile) the GRPO train step at one
-  device's [K, M, P + C] batch and the paged decode chunk at [max_slots] slots; seconds of each."""
+def lower_steps(
+  cfg: GRPOConfig,
+  model_cfg,
+  platform: Platform,
+  prompt_width: int,
+  impl: str,
+  entry: str = "rl.train",
+):
+  """Lowers (traces and converts to the platform's MLIR; no XLA compile) the update at one device's
+  [K, M, P + C] batch (rl.train: the GRPO train step; rl.agent: its policy + critic update at
+  P + C = rollout.max_seq_len) and the paged decode chunk at [max_slots] slots; seconds of each."""
   target = make_target(platform, interpret=platform == "cpu")
   graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
   tcfg, c = cfg.train, cfg.sampling.max_new_tokens
@@ -190,9 +201,12 @@ def lower_steps(cfg: GRPOConfig, model_cfg, platform: Platform, prompt_width: in
   platforms_arg = (target.lowering_platform,)
   with use_target(platform, target.interpret):
     t = time.perf_counter()
-    opt_state = jax.eval_shape(optimizer.init, params)
-    step = compile_train_step(graphdef, optimizer, settings, "grpo")
-    step.trace(params, opt_state, batch).lower(lowering_platforms=platforms_arg)
+    if entry == "rl.agent":
+      _lower_agent_update(cfg, model_cfg, graphdef, params, optimizer, impl, platforms_arg)
+    else:
+      opt_state = jax.eval_shape(optimizer.init, params)
+      step = compile_train_step(graphdef, optimizer, settings, "grpo")
+      step.trace(params, opt_state, batch).lower(lowering_platforms=platforms_arg)
     seconds["train_step"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     graph, state = nnx.split(abstract_model(model_cfg))
@@ -206,3 +220,56 @@ def lower_steps(cfg: GRPOConfig, model_cfg, platform: Platform, prompt_width: in
     ).lower(lowering_platforms=platforms_arg)  # fmt: skip
     seconds["decode_chunk"] = round(time.perf_counter() - t, 2)
   return seconds
+
+
+def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer, impl, platforms):
+  """rl.agent's update (policy term + value loss over the critic: a head, or a separate model) at
+  K x M episodes of rollout.max_seq_len tokens, the second half of them the packed completion (an
+  episode's model turns and observations after its first prompt)."""
+  import optax
+
+  from rl import agent  # rl.agent imports rl.train, which imports this module's command line
+  from rl.critic import CriticModel, ValueHead
+  from rl.model import Qwen
+
+  tcfg = cfg.train
+  hidden = model_cfg.hidden_size
+  if tcfg.critic == "head":
+    critic = nnx.eval_shape(lambda: ValueHead(hidden, rngs=nnx.Rngs(0)))
+  else:
+    trunk_cfg = model_cfg if tcfg.critic_preset is None else preset(tcfg.critic_preset)
+    critic = nnx.eval_shape(
+      lambda: CriticModel(
+        Qwen(trunk_cfg, rngs=nnx.Rngs(0)), trunk_cfg.hidden_size, rngs=nnx.Rngs(0)
+      )
+    )
+  head_graphdef, head_params = nnx.split(critic, nnx.Param)
+  head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
+  c = -(-cfg.rollout.max_seq_len // 2)
+  p = cfg.rollout.max_seq_len - c
+  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
+  sds, f32 = jax.ShapeDtypeStruct, lambda: jax.ShapeDtypeStruct((k, m, c), jnp.float32)
+  batch = agent.AgentBatch(
+    sds((k, m, p + c), jnp.int32),
+    sds((k, m, p + c), jnp.bool_),
+    sds((k, m, c), jnp.bool_),
+    f32(),
+    f32(),
+    f32(),
+    f32(),
+    f32() if tcfg.beta > 0 else None,
+  )
+  settings = agent.UpdateSettings(
+    c, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,
+    cfg.sampling.temperature, tcfg.vf_coef, tcfg.value_clip, impl, tcfg.fused_lm_head, tcfg.beta,
+  )  # fmt: skip
+  state = (
+    params,
+    head_params,
+    jax.eval_shape(optimizer.init, params),
+    jax.eval_shape(head_opt.init, head_params),
+  )
+  update = functools.partial(
+    agent.update_step, graphdef, head_graphdef, optimizer, head_opt, settings
+  )
+  jax.jit(update).trace(state, batch).lower(lowering_platforms=platforms)

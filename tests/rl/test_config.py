@@ -247,7 +247,9 @@ def test_every_config_checks_for_its_platform(name, overrides, monkeypatch):
   # the config's model with one layer: every width and kernel of the real one, 1/24 of the tracing
   small = dataclasses.replace(check._model_config(cfg), num_layers=1)
   small_cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolve(report["devices"]))
-  lowered = check.lower_steps(small_cfg, small, target, report["prompt_width"], report["loss_impl"])
+  lowered = check.lower_steps(
+    small_cfg, small, target, report["prompt_width"], report["loss_impl"], entry
+  )
   assert set(lowered) == {"train_step", "decode_chunk"}
 
 
