@@ -314,15 +314,13 @@ class Trainer:
 
   def sft_widths(self, prompts, answers) -> tuple[int, int]:
     """The SFT batch's (prompt, answer) widths: the longest over the train split's worked solutions,
-    fixed on first use (one compiled SFT step per run); a batch that outgrows them is a bug."""
-    if not hasattr(self, "_sft_width"):
-      pairs = [self.sft_pair(i) for i in range(len(self.train_data))]
-      self._sft_width = tuple(
-        round_up(max(len(x[j]) for x in pairs), WIDTH_ALIGN) for j in range(2)
-      )
-    widest = (max(map(len, prompts)), max(map(len, answers)))
-    assert all(w <= f for w, f in zip(widest, self._sft_width)), (widest, self._sft_width)
-    return self._sft_width
+    fixed on first use (one compiled SFT step per run). rl.agent's episodes override it."""
+    if not hasattr(self, "_sft_width"):  # the warm-up's pairs (sft_pair) are the train split's
+      end = len(self.tokenizer.encode(IM_END))
+      prompt = max(len(self.encode(e.question)) for e in self.train_data)
+      answer = max(len(self.tokenizer.encode(e.answer)) for e in self.train_data) + end
+      self._sft_width = (round_up(prompt, WIDTH_ALIGN), round_up(answer, WIDTH_ALIGN))
+    return self._sft_width  # (`pack` refuses a row wider than its slot: nothing is cut)
 
   def sft(self, steps: int, progress: bool) -> None:
     """Supervised warm-up on worked solutions (prompt + answer + end-of-turn), one token-mean NLL step

@@ -311,7 +311,8 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   declared set, rl.rollout.engine.bucket), plus one known recompile of prefill in step 2 (the
   rollout's KV cache gains its mesh layout after the first decode). Catches a per-step width (the
   PROMPT_BUCKET rounding that recompiled the 0.5B update every few steps on an H100) and any other
-  per-step shape. Also: compiling steps are left out of step_avg and report compiles / compile_s."""
+  per-step shape. The SFT warm-up compiles its step once too. Also: compiling steps are left out of
+  step_avg and report compiles / compile_s."""
   data = _spread_gsm8k(tmp_path / "gsm8k", range(0, 43, 3))
   cfg = train.parse_args(
     TINY
@@ -331,6 +332,9 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   assert trainer.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
   seen, rows, widths = set(), [], []
   try:
+    with compiled_functions() as names:  # the SFT warm-up's batches span the prompt lengths too
+      trainer.sft(4, progress=False)
+    assert names.count("jit(train_step)") == 1, names
     for step in range(8):
       with compiled_functions() as names:
         rows.append(trainer.step(step))
