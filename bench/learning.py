@@ -35,6 +35,17 @@ REWARD = "reward/correct/mean"
 SUCCESS = "env/success_rate"  # rl.agent's per-step figure (it has no single-answer correctness)
 
 
+def steady_step_time(steps: list[dict], last: int = 10) -> dict:
+  """`step_avg_s`: the median step time of the last `last` steps that compiled nothing
+  (`time/train/compiles` == 0; rows written before that metric existed all count), robust to one
+  slow step; `step_avg_steps`: how many steps it is over (0: every step compiled, the figure NaN)."""
+  steady = [m["time/train/step_s"] for m in steps if m.get("time/train/compiles", 0) == 0][-last:]
+  return {
+    "step_avg_s": statistics.median(steady) if steady else float("nan"),
+    "step_avg_steps": len(steady),
+  }
+
+
 def summarize(run_dir: str, window: int = 10) -> dict:
   """One run's learning figures from its metrics.jsonl: reward curve, first / last `window` steps'
   mean correctness reward, eval_full before (the step-0 row) and after (the last one), step_avg."""
@@ -53,10 +64,7 @@ def summarize(run_dir: str, window: int = 10) -> dict:
     "reward_curve": curve,
     "reward_first": statistics.fmean(curve[:w]) if curve else float("nan"),
     "reward_last": statistics.fmean(curve[-w:]) if curve else float("nan"),
-    # the median of the last 10 steps: compile-free, and robust to one slow step
-    "step_avg_s": statistics.median([m["time/train/step_s"] for m in steps[-10:]])
-    if steps
-    else float("nan"),
+    **steady_step_time(steps),
     "eval_before": before["eval_full/accuracy"] if before else float("nan"),
     "eval_after": after["eval_full/accuracy"] if after else float("nan"),
     "eval_examples": (after or before or {}).get("eval_full/examples", 0),

@@ -7,7 +7,9 @@ on the same device, config and jax version.
 
 A row is one JSON line of ``bench/history/loop.jsonl``: date, commit, device kind, jax version, the
 config and overrides, and the medians of the step time and of its rollout / update phases over the
-steps after the first `skip` (which compile). A slower loop shows up as a ratio above 1 against the
+steady steps: after the first `skip`, those that compiled nothing (the loop's
+`time/train/compiles`); `timed_steps` says how many, `compile_steps` how many compiled and were left
+out, `compile_s` their compile seconds. A slower loop shows up as a ratio above 1 against the
 previous row with the same key; above ``1 + tolerance`` it is called a regression (and with
 ``--fail-on-regression`` the command exits 1). CPU timings on a shared machine vary by 10-20 %: the
 default tolerance is 0.25.
@@ -73,6 +75,12 @@ def measure(config: str, steps: int, skip: int, overrides: Sequence[str] = ()) -
       ]
     )
     rows = [m for m in read_metrics(out) if "time/train/step_s" in m][skip:]
+  compiling = [m for m in rows if m.get("time/train/compiles", 0) > 0]
+  rows = [m for m in rows if m.get("time/train/compiles", 0) == 0]
+  if not rows:
+    raise ValueError(
+      f"every one of the {steps - skip} steps after skip={skip} compiled: more steps"
+    )
   median = lambda key: statistics.median(m[key] for m in rows)
   return {
     "step_s": median("time/train/step_s"),
@@ -82,6 +90,8 @@ def measure(config: str, steps: int, skip: int, overrides: Sequence[str] = ()) -
     "update_s": median("time/train/update_s"),
     "tokens_per_s": median("rollout/tokens_per_s"),
     "timed_steps": len(rows),
+    "compile_steps": len(compiling),
+    "compile_s": sum(m["time/train/compile_s"] for m in compiling),
   }
 
 
@@ -136,7 +146,8 @@ def append(row: dict, path: os.PathLike | str = HISTORY) -> None:
 
 def describe(row: dict, cmp: dict) -> str:
   text = (
-    f"loop step time ({row['config']}, {row['timed_steps']} timed steps on {row['device_kind']}): "
+    f"loop step time ({row['config']}, {row['timed_steps']} steady steps on {row['device_kind']}, "
+    f"{row.get('compile_steps', 0)} compiling left out): "
     f"median {row['step_s']:.3f} s [{row['step_s_min']:.3f}, {row['step_s_max']:.3f}] "
     f"(rollout {row['rollout_s']:.3f} s, update {row['update_s']:.3f} s)"
   )

@@ -5,7 +5,7 @@
 
 Each seed starts every arm from the same initial model, data order and sampling seeds (all functions
 of train.seed), so arms are compared seed by seed (paired). Per arm: step_avg (median of the last 10
-step times) and eval_full/accuracy; per other arm against the first: the mean paired difference with
+steady step times: steps that compiled are left out; the report says over how many) and eval_full/accuracy; per other arm against the first: the mean paired difference with
 a 95% t-interval. "parity" is stated only when the interval contains 0 and lies within +-margin;
 one seed is never enough (at least two are required). `--agent` runs rl.agent's multi-turn loop in every
 arm (e.g. PPO with its critic: configs/cpu-grid.yaml), compared the same way on its greedy eval_full
@@ -128,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cmp = {}
     for key, margin in (("eval_full_accuracy", args.margin_accuracy), ("step_avg_s", None)):
       diffs = [results[name][s][key] - results[base][s][key] for s in args.seeds]
+      if not all(map(math.isfinite, diffs)):  # a run with no steady (compile-free) step
+        cmp[key] = {"mean_diff": math.nan, "ci95": [math.nan, math.nan], "margin": math.nan}
+        cmp[key]["verdict"] = "no figure: a run had no step without compiles (more steps)"
+        continue
       mean, low, high = paired_interval(diffs)
       if margin is None:  # relative to the baseline's mean step time
         margin = args.margin_step * statistics.fmean(results[base][s][key] for s in args.seeds)
@@ -152,14 +156,16 @@ def markdown(report: dict) -> str:
   """Each run's learning figures (does every arm learn?), then the paired comparisons."""
   first = next(iter(next(iter(report["runs"].values())).values()))
   lines = [
-    f"| arm | seed | step_avg (s) | {learning.reward_label(first)} first -> last steps | "
+    f"| arm | seed | step_avg (s, over steady steps) | {learning.reward_label(first)} first -> "
+    "last steps | "
     "eval_full before -> after |",
     "|---|---|---|---|---|",
   ]
   for name, runs in report["runs"].items():
     for seed, r in runs.items():
       lines.append(
-        f"| {name} | {seed} | {r['step_avg_s']:.4f} | {r['reward_first']:.3f} -> "
+        f"| {name} | {seed} | {r['step_avg_s']:.4f} ({r.get('step_avg_steps', '?')}) | "
+        f"{r['reward_first']:.3f} -> "
         f"{r['reward_last']:.3f} ({r['reward_gain']:+.3f}) | {r['eval_before']:.3f} -> "
         f"{r['eval_after']:.3f} ({r['eval_gain_se']:+.1f} SE) |"
       )

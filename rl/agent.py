@@ -31,14 +31,16 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kernels.backend import host_platform
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import ppo, sharding, train
+from rl import platform, ppo, setup, sharding, train
 from rl.advantages import group_advantages
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead, critic_values
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.evaluate import process_slice
+from rl.metrics import step_time_metrics
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import (
@@ -216,7 +218,7 @@ class AgentTrainer(train.Trainer):
       head_graphdef,
       sharding.replicated(self.mesh, head_params),
     )
-    learning_rate = train.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
+    learning_rate = setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
     self.policy_opt = make_optimizer(
       tcfg.optimizer,
       learning_rate,
@@ -239,7 +241,7 @@ class AgentTrainer(train.Trainer):
       trunk = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     else:
       model_cfg = self.cfg.model
-      with train._reading("train.critic_preset", tcfg.critic_preset):
+      with setup.reading("train.critic_preset", tcfg.critic_preset):
         architecture = preset(
           tcfg.critic_preset, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype
         )
@@ -293,6 +295,12 @@ class AgentTrainer(train.Trainer):
       prompt += tok.encode(move) + end + observation_tokens(tok, step.observation, closed=True)
     return prompt, tok.encode(env.best_move()) + end
 
+  def sft_widths(self, prompts, answers) -> tuple[int, int]:
+    """An episode's warm-up prompt is an environment history, not a dataset question: its widths are
+    rounded per batch (the same on every process), as the update's are."""
+    widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(0)
+    return tuple(setup.round_up(int(w), WIDTH_BUCKET) for w in widths)
+
   def prompt_tokens(self, observation: str) -> list[int]:
     messages = [{"role": "system", "content": self.system}] if self.system else []
     return self.tokenizer.encode(chatml(messages + [{"role": "user", "content": observation}]))
@@ -328,6 +336,7 @@ class AgentTrainer(train.Trainer):
   def step(self, step: int) -> dict[str, float]:
     cfg, tcfg, timer = self.cfg, self.cfg.train, self.timer
     t_step = time.perf_counter()
+    self.compile_watch.take()  # compiles since the last step (evals) are not this step's
     group = cfg.sampling.group_size
     share = process_slice(tcfg.prompts_per_step)  # this process's seeds (all, in one process)
     env_seeds = [self.env_seed(step, i) for i in range(share.start, share.stop)]
@@ -340,7 +349,7 @@ class AgentTrainer(train.Trainer):
     rest_len = max(len(ep.tokens) - ep.prompt_len for ep in episodes)
     # every process packs to the same widths
     widths = sharding.allgather(np.array([[prompt_len, rest_len]])).max(0)
-    pw, cw = (train.round_up(int(w), WIDTH_BUCKET) for w in widths)
+    pw, cw = (setup.round_up(int(w), WIDTH_BUCKET) for w in widths)
     packed = pack_episodes(episodes, pw, cw, self.tokenizer.pad_id)
     k = cfg.grad_accum_steps
     shape = lambda x: sharding.global_batch(self.mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
@@ -388,10 +397,8 @@ class AgentTrainer(train.Trainer):
       params, self.head_params, self.opt_state, self.head_opt_state = state
       self._set_params(params)
       epochs = jax.device_get(epochs)
-    out = {f"time/train/{key}_s": v for key, v in timer.reset().items()}
     step_s = time.perf_counter() - t_step
-    out["time/train/step_s"] = step_s
-    out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
+    out = step_time_metrics(timer.reset(), step_s, self.compile_watch, self.step_avg)
     out.update(self._episode_metrics(episodes))
     out["reward/total/mean"] = out["env/reward_mean"]
     counts = sharding.allgather(
@@ -434,7 +441,7 @@ class AgentTrainer(train.Trainer):
         self.cfg.sampling.temperature,
         tcfg.vf_coef,
         tcfg.value_clip,
-        tcfg.policy_loss_impl,
+        platform.loss_impl(host_platform(), tcfg.fused_lm_head, tcfg.policy_loss_impl),
         tcfg.fused_lm_head,
         tcfg.beta,
       )
@@ -484,7 +491,10 @@ class AgentTrainer(train.Trainer):
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  cfg = train.parse_args(argv, "python -m rl.agent", __doc__)
+  args = train.arg_parser("python -m rl.agent", __doc__).parse_intermixed_args(argv)
+  if args.check:
+    return train.run_check(args, "rl.agent")
+  cfg = train.config_of(args, "rl.agent")
   train.start_process(cfg)
   trainer = AgentTrainer(cfg)
   try:

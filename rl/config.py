@@ -105,7 +105,9 @@ class TrainSection:
   prompts_per_step: int = 8
   micro_batch_size: int = 16  # sequences per device per micro-batch
   ppo_epochs: int = 1  # > 1 makes the clipping matter (old log-probs are recorded)
-  policy_loss_impl: Literal["pallas", "chunked", "xla", "auto"] = "auto"
+  # rl.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
+  # project's kernel there); a choice the platform lacks is an error at load.
+  policy_loss_impl: Literal["pallas", "chunked", "xla", "auto", "mosaic_gpu"] = "auto"
   fused_lm_head: bool = False
   loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
   beta: float = 0.0  # KL weight; a reference model is kept only when > 0
@@ -402,3 +404,43 @@ class GRPOConfig:
         f"{self.mesh.dp * self.mesh.fsdp}); pick sizes that divide"
       )
     return n // mb
+
+
+# Keys only one entry point reads. Set for the other they would be ignored without a word (issue 31:
+# `env: calc` under rl.train ran plain single-turn GRPO), so they are an error naming the right one.
+AGENT_ONLY = (
+  "env",
+  "train.algorithm",
+  "train.vf_coef",
+  "train.value_clip",
+  "train.gamma",
+  "train.gae_lambda",
+  "train.whiten_advantages",
+  "train.critic",
+  "train.critic_preset",
+)
+TRAIN_ONLY = (  # the mismatch-aware loss: rl.agent's PPO term does not take it
+  "train.is_mode",
+  "train.is_cap",
+  "train.importance_sampling_level",
+  "train.epsilon_c",
+  "train.max_log_ratio",
+)
+ENTRIES = {"rl.train": ("rl.agent", AGENT_ONLY), "rl.agent": ("rl.train", TRAIN_ONLY)}
+
+
+def check_entry(keys: list[str], entry: str) -> None:
+  """ValueError when `keys` (the dotted keys a config sets) hold one the `entry` point
+  ("rl.train" / "rl.agent") does not read, naming the entry point that does."""
+  other, foreign = ENTRIES[entry]
+  unused = [k for k in keys if any(k == f or k.startswith(f + ".") for f in foreign)]
+  if unused:
+    what = {
+      "rl.agent": "multi-turn episodes (env:) and PPO with a critic",
+      "rl.train": "the mismatch-aware loss (is_mode, epsilon_c, max_log_ratio, ...)",
+    }[other]
+    raise ValueError(
+      f"{', '.join(unused)}: not read by python -m {entry}, which would ignore "
+      f"{'it' if len(unused) == 1 else 'them'}; {what} is python -m {other}'s: use python -m "
+      f"{other}, or remove {'it' if len(unused) == 1 else 'them'}"
+    )

@@ -170,6 +170,33 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 def load(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
   """`cls` from an optional YAML file, then command-line overrides; every value type-checked and
   range-checked. Any problem is a ConfigError naming the key (or the file)."""
+  return build(cls, read(path, overrides))
+
+
+def given_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+  """The dotted keys a raw config dict sets (`read`'s output): ["train.beta", "env.name", ...]."""
+  keys = []
+  for k, v in data.items():
+    if isinstance(v, dict) and v:
+      keys += given_keys(v, f"{prefix}{k}.")
+    else:
+      keys.append(f"{prefix}{k}")
+  return keys
+
+
+def build(cls: type[T], data: dict[str, Any]) -> T:
+  """`cls` from a raw dict (`read`'s): a ConfigError naming the key on any problem."""
+  try:
+    return from_dict(cls, data)
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
+def read(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+  """The raw nested dict of an optional YAML file with the overrides applied (nothing checked yet
+  but the file and the override syntax): what the config sets, before defaults fill the rest."""
   data: dict[str, Any] = {}
   if path is not None:
     try:
@@ -179,10 +206,10 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequenc
       raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from e
     except yaml.YAMLError as e:
       raise ConfigError(f"the config file {path} is not valid YAML: {e}") from e
+  if not isinstance(data, dict):
+    raise ConfigError(f"the config file {path} must hold a mapping, got {type(data).__name__}")
   try:
-    return from_dict(cls, apply_overrides(data, overrides))
-  except ConfigError:
-    raise
+    return apply_overrides(data, overrides)
   except ValueError as e:
     raise ConfigError(str(e)) from e
 

@@ -49,15 +49,65 @@ class StepTimer:
 
 
 class StepAverage:
-  """Mean of the last `window` step times (`time/train/step_avg_last10_s`): the first steps, which
-  compile, drop out of it once `window` more have run."""
+  """Mean of the last `window` steady step times (`time/train/step_avg_last10_s`): a step that
+  compiled is left out (its time is `time/train/compile_s`'s business), so the figure is the loop's
+  steady state from the first compile-free step on. None until one step ran without compiling."""
 
   def __init__(self, window: int = 10):
     self.times: collections.deque[float] = collections.deque(maxlen=window)
 
-  def add(self, seconds: float) -> float:
-    self.times.append(seconds)
-    return sum(self.times) / len(self.times)
+  def add(self, seconds: float, compiled: bool = False) -> float | None:
+    if not compiled:
+      self.times.append(seconds)
+    return sum(self.times) / len(self.times) if self.times else None
+
+
+# jax.monitoring's duration events of a jit cache miss: trace, lower to MLIR, XLA compile.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileWatch:
+  """Counts XLA compiles (backend compile events) and the seconds spent tracing, lowering and
+  compiling while it listens, from jax.monitoring (what jax itself reports, not a guess from the step
+  time). `take()` returns (compiles, seconds) since the last take. One per trainer; `close()` stops
+  listening. Listens process-wide: work of other threads in the same window counts too."""
+
+  def __init__(self):
+    self.compiles, self.seconds = 0, 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event: str, duration: float, **_) -> None:
+    if event == COMPILE_EVENT:
+      self.compiles += 1
+    if event in (TRACE_EVENT, LOWER_EVENT, COMPILE_EVENT):
+      self.seconds += duration
+
+  def take(self) -> tuple[int, float]:
+    out = (self.compiles, self.seconds)
+    self.compiles, self.seconds = 0, 0.0
+    return out
+
+  def close(self) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def step_time_metrics(
+  times: Mapping[str, float], step_s: float, watch: CompileWatch, average: StepAverage
+) -> dict[str, float]:
+  """A step's `time/train/*` row: its phases, its wall time, the XLA compiles inside it
+  (`compiles`, `compile_s`: seconds jax spent tracing, lowering and compiling) and the steady
+  average, which leaves out every step that compiled (absent until a step ran without compiling)."""
+  compiles, compile_s = watch.take()
+  out = {f"time/train/{k}_s": v for k, v in times.items()}
+  out["time/train/step_s"] = step_s
+  out["time/train/compiles"] = compiles
+  out["time/train/compile_s"] = compile_s
+  steady = average.add(step_s, compiled=compiles > 0)
+  if steady is not None:
+    out["time/train/step_avg_last10_s"] = steady
+  return out
 
 
 def _is_sft_row(row: dict) -> bool:

@@ -14,9 +14,7 @@ norm is skipped (`train/nonfinite_steps` counts them); `train.max_nonfinite_step
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -29,111 +27,74 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from kernels.optim import partition_specs_of
-from rl import configlib, mismatch, rewards, sharding
+from kernels.backend import host_platform
+from rl import configlib, mismatch, platform, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.checkpointing import Checkpointer, CheckpointError
-from rl.config import GRPOConfig, TrainSection
+from rl.checkpointing import Checkpointer
+from rl.cli import (
+  arg_parser,
+  config_of,
+  parse_args,
+  run_check,
+  run_cli,
+  start_process,
+  target_platform,
+)
+from rl.config import GRPOConfig
 from rl.configlib import ConfigError
-from rl.data import Example, generate_synthetic, load_gsm8k
-from rl.data.gsm8k import default_dir as gsm8k_default_dir
+from rl.data import Example
 from rl.evaluate import before_after_table, evaluate
 from rl.evaluate import process_slice as _share
-from rl.metrics import MetricsWriter, StepAverage, StepTimer, profiler_options, read_metrics
-from rl.model import init_model, load_checkpoint, preset, shard_model
+from rl.metrics import (
+  CompileWatch,
+  MetricsWriter,
+  StepAverage,
+  StepTimer,
+  profiler_options,
+  read_metrics,
+  step_time_metrics,
+)
 from rl.prompts import TEMPLATES
 from rl.rollout import RolloutResult, SamplingParams, make_engine
-from rl.tokenizer import IM_END, load_tokenizer
+from rl.setup import (
+  WIDTH_ALIGN,
+  build_model,
+  check_prompt_room,
+  load_data,
+  optimizer_for,
+  resolve_mesh,
+  round_up,
+  tokenizer_of,
+)
+from rl.tokenizer import IM_END
 from rl.update import (
   Batch,
   LossSettings,
-  NonFiniteError,
   NonFiniteGuard,
   batch_token_logps,
   compile_train_step,
   init_optimizer_state,
-  make_optimizer,
   pack,
   shardings_of,
-  warmup_schedule,
 )
 
-PROMPT_BUCKET = 32  # prompt widths are rounded up to this: a handful of compiled shapes per run
-
-
-def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
-  data_cfg = cfg.data
-  if data_cfg.dataset == "gsm8k":
-    with _reading("data.path", data_cfg.path):
-      path = data_cfg.path or gsm8k_default_dir()
-      train = load_gsm8k(path, "train", data_cfg.train_limit)
-      test = load_gsm8k(path, "test", data_cfg.eval_limit)
-  else:
-    levels = data_cfg.synthetic_levels
-    train = generate_synthetic(data_cfg.train_limit or data_cfg.synthetic_train, 1, levels)
-    test = generate_synthetic(data_cfg.eval_limit or data_cfg.synthetic_test, 2, levels)
-  if not train or not test:
-    raise ConfigError(
-      f"data.dataset={data_cfg.dataset} has {len(train)} train and {len(test)} test examples"
-    )
-  return train, test
-
-
-def build_model(cfg: GRPOConfig, mesh):
-  model_cfg = cfg.model
-  dtypes = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
-  if model_cfg.checkpoint:
-    with _reading("model.checkpoint", model_cfg.checkpoint):
-      return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **dtypes)
-  with _reading("model.preset", model_cfg.preset):
-    architecture = preset(model_cfg.preset, **dtypes)
-  return shard_model(init_model(architecture, seed=cfg.train.seed), mesh)
-
-
-@contextlib.contextmanager
-def _reading(key: str, value):
-  """A missing, truncated or unusable file named by config key `key` is a ConfigError naming the key
-  (the loaders' messages name the file)."""
-  try:
-    yield
-  except ConfigError:
-    raise
-  except (ValueError, OSError) as e:
-    raise ConfigError(f"{key}={value}: {e}") from e
-
-
-def learning_rate_schedule(train_cfg: TrainSection, learning_rate: float, steps: int):
-  """train.lr_warmup_steps and train.lr_schedule applied to one phase of `steps` updates (the SFT
-  warm-up, or the RL phase): a float or an optax schedule."""
-  decay = steps if train_cfg.lr_schedule == "cosine" else 0
-  return warmup_schedule(learning_rate, train_cfg.lr_warmup_steps, decay)
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
+# The command line's and the set-up's names, as rl.train always offered them (rl.agent, bench, tests).
+__all__ = ["WIDTH_ALIGN", "Trainer", "arg_parser", "cli", "config_of", "load_data", "main"]
+__all__ += ["parse_args", "round_up", "run_check", "start_process", "target_platform"]
 
 
 class Trainer:
   """Owns the model, rollout engine, optimizer state, data order, metrics and checkpoints of one run."""
 
   def __init__(self, cfg: GRPOConfig):
-    try:
-      cfg = cfg.resolved(jax.device_count())
-      self.mesh = sharding.mesh_for(cfg.mesh.dp, cfg.mesh.fsdp, cfg.mesh.tp)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-    procs = jax.process_count()
-    if cfg.train.prompts_per_step % procs or cfg.global_micro_batch % procs:
-      raise ConfigError(
-        f"train.prompts_per_step={cfg.train.prompts_per_step} and the global micro-batch "
-        f"{cfg.global_micro_batch} must divide over the {procs} processes"
-      )
+    cfg, self.mesh = resolve_mesh(cfg)
     self.cfg = cfg
+    train_cfg = cfg.train
+    # the loss impl this host's platform has: a ConfigError now, not a minute into compiling
+    impl = platform.loss_impl(host_platform(), train_cfg.fused_lm_head, train_cfg.policy_loss_impl)
     self.is_main = jax.process_index() == 0
+    self.tokenizer = tokenizer_of(cfg)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
-    tokenizer_path = cfg.model.tokenizer or cfg.model.checkpoint
-    with _reading(tokenizer_key, tokenizer_path):
-      self.tokenizer = load_tokenizer(tokenizer_path)
     self.template = TEMPLATES[cfg.data.template]  # the config checked the name
     self.train_data, self.test_data = load_data(cfg)
     self._encoded: dict[str, list[int]] = {}
@@ -148,31 +109,17 @@ class Trainer:
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
     # Several processes: each rolls out its own prompts on a local replica of the weights.
     self.rollout_model = (
-      self.model if procs == 1 else nnx.merge(self.graphdef, self._local_params())
+      self.model if jax.process_count() == 1 else nnx.merge(self.graphdef, self._local_params())
     )
     self.engine = make_engine(self.rollout_model, cfg.rollout, self.tokenizer)
-
-    train_cfg = cfg.train
-    specs = partition_specs_of(self.params) if self.mesh.size > 1 else None
-    mesh = self.mesh if specs is not None else None
-
-    def optimizer_with(learning_rate: float, steps: int):
-      return make_optimizer(
-        train_cfg.optimizer,
-        learning_rate_schedule(train_cfg, learning_rate, steps),
-        train_cfg.weight_decay,
-        train_cfg.max_grad_norm,
-        train_cfg.fused_optimizer,
-        mesh,
-        specs,
-      )
+    optimizer_with = functools.partial(optimizer_for, cfg, self.mesh, self.params)
 
     optimizer = optimizer_with(train_cfg.learning_rate, train_cfg.steps)
     self.opt_state = init_optimizer_state(optimizer, self.params, self.mesh)
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
       spec=cfg.loss_spec,
-      impl=train_cfg.policy_loss_impl,
+      impl=impl,
       fused_lm_head=train_cfg.fused_lm_head,
       mesh=self.mesh if cfg.mesh.tp > 1 else None,
       vocab_axis="tp" if cfg.mesh.tp > 1 else None,
@@ -189,7 +136,7 @@ class Trainer:
     self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
     self.baseline: dict[str, float] | None = None  # eval_full before the first GRPO step
 
-    self.timer, self.step_avg = StepTimer(), StepAverage(10)
+    self.timer, self.step_avg, self.compile_watch = StepTimer(), StepAverage(10), CompileWatch()
     self.writer = MetricsWriter(
       cfg.run.out_dir, enabled=self.is_main, tensorboard=cfg.run.tensorboard
     )
@@ -201,23 +148,9 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------------- data
   def _check_prompt_room(self) -> None:
-    """A ConfigError now, before anything compiles, if the longest prompt of either split leaves no
-    room under rollout.max_seq_len (GSM8K's byte-level prompts reach 1050 tokens: the embedded
-    default's 256 fits only the synthetic task); the message asks for room for max_new_tokens too."""
-    longest = max(
-      (len(self.encode(e.question)), e.question) for e in (*self.train_data, *self.test_data)
-    )
-    need = longest[0] + self.cfg.sampling.max_new_tokens
-    # the engine's own rule: a prompt must leave room for one new token (a completion that reaches
-    # max_seq_len early finishes as "length", as one that reaches max_new_tokens does)
-    if longest[0] + 1 > self.cfg.rollout.max_seq_len:
-      page = self.cfg.rollout.page_size
-      raise ConfigError(
-        f"rollout.max_seq_len={self.cfg.rollout.max_seq_len} is too short for "
-        f"data.dataset={self.cfg.data.dataset}: its longest prompt is {longest[0]} tokens; with "
-        f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}, set rollout.max_seq_len >= "
-        f"{round_up(need, page)}"
-      )
+    """A ConfigError now, before anything compiles, if a prompt leaves no room (`check_prompt_room`);
+    sets the update's one prompt width."""
+    self.prompt_width = check_prompt_room(self.cfg, self.encode, self.train_data, self.test_data)
 
   def encode(self, question: str) -> list[int]:
     if question not in self._encoded:
@@ -267,14 +200,30 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------------- GRPO step
   def step(self, step: int) -> dict[str, float]:
-    cfg, timer = self.cfg, self.timer
-    t_step = time.perf_counter()
+    """One GRPO step, top to bottom: rollout -> reward -> advantage -> pack -> update."""
+    timer, t_step = self.timer, time.perf_counter()
+    self.compile_watch.take()  # compiles since the last step (evals) are not this step's
     examples = self.step_examples(step)
-    share = _share(len(examples))
-    mine, first = examples[share], share.start
-    prompts = [self.encode(e.question) for e in examples]
-    sampling = cfg.sampling
-    params = [
+    share = _share(len(examples))  # this process's prompts
+    mine = examples[share]
+    prompts = [self.encode(e.question) for e in mine]
+    with timer("rollout"):
+      result = self.engine.generate(prompts, self.sampling_params(step, share.start, len(mine)))
+    with timer("reward"):
+      scores = self._score(result, mine)
+    totals = np.array([sc["total"] for sc in scores], np.float32)
+    adv = np.asarray(group_advantages(totals, self.cfg.sampling.group_size))
+    rows = self._pack(result)
+    with timer("update"):
+      losses = self._optimize(self._to_batch(*rows[:2], adv, rows[2]))
+    step_s = time.perf_counter() - t_step
+    return self._step_metrics(result, scores, totals, adv, losses, timer.reset(), step_s)
+
+  def sampling_params(self, step: int, first: int, n: int) -> list[SamplingParams]:
+    """The sampling settings of this process's `n` prompts of `step`, the first being global prompt
+    `first`: each prompt's group draws from its own seed."""
+    sampling = self.cfg.sampling
+    return [
       SamplingParams(
         max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,
@@ -283,43 +232,41 @@ class Trainer:
         n=sampling.group_size,
         seed=self.prompt_seed(step, first + i),
       )
-      for i in range(len(mine))
+      for i in range(n)
     ]
-    with timer("rollout"):
-      result = self.engine.generate(prompts[first : first + len(mine)], params)
-    with timer("reward"):
-      scores = self._score(result, mine)
-    totals = np.array([sc["total"] for sc in scores], np.float32)
-    adv = np.asarray(group_advantages(totals, sampling.group_size))
-    prompt_width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+
+  def _pack(self, result: RolloutResult):
+    """The completions as rows at the run's fixed widths: ([N, P + C] tokens, [N, P + C] mask,
+    [N, C] the engine's log-probs, aligned with the rows' completions)."""
+    c = self.cfg.sampling.max_new_tokens
     tokens, mask = pack(
-      [c.prompt_ids for c in result.completions],
-      [c.token_ids for c in result.completions],
-      prompt_width,
-      sampling.max_new_tokens,
+      [x.prompt_ids for x in result.completions],
+      [x.token_ids for x in result.completions],
+      self.prompt_width,
+      c,
       self.tokenizer.pad_id,
     )
-    _, _, sampler_logps = result.padded(sampling.max_new_tokens)  # aligned with pack's completions
-    with timer("update"):
-      batch = self._to_batch(tokens, mask, adv, sampler_logps)
-      logps_of = lambda weights: batch_token_logps(
-        self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
-      )
-      if self.ref_params is not None:
-        batch = batch._replace(ref_logps=logps_of(self.ref_params))
-      if cfg.train.ppo_epochs > 1:
-        batch = batch._replace(old_logps=logps_of(self.params))
-      epochs = []
-      params, opt_state = self.params, self.opt_state
-      for _ in range(cfg.train.ppo_epochs):
-        params, opt_state, epoch_metrics = self.train_step(params, opt_state, batch)
-        epochs.append(epoch_metrics)
-      self.opt_state = opt_state
-      self._set_params(params)
-      losses = jax.device_get(epochs)
-    step_s = time.perf_counter() - t_step
-    times = timer.reset()
-    return self._step_metrics(result, scores, totals, adv, losses, times, step_s)
+    return tokens, mask, result.padded(c)[2]
+
+  def _optimize(self, batch: Batch) -> list[dict]:
+    """Reference / old log-probs when the loss needs them, then one optimizer step per PPO epoch;
+    the live weights (and the rollout's) move to the result. Each epoch's metrics."""
+    sampling, tcfg = self.cfg.sampling, self.cfg.train
+    logps_of = lambda weights: batch_token_logps(
+      self.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
+    )
+    if self.ref_params is not None:
+      batch = batch._replace(ref_logps=logps_of(self.ref_params))
+    if tcfg.ppo_epochs > 1:
+      batch = batch._replace(old_logps=logps_of(self.params))
+    epochs = []
+    params, opt_state = self.params, self.opt_state
+    for _ in range(tcfg.ppo_epochs):
+      params, opt_state, epoch_metrics = self.train_step(params, opt_state, batch)
+      epochs.append(epoch_metrics)
+    self.opt_state = opt_state
+    self._set_params(params)
+    return jax.device_get(epochs)
 
   def _score(self, result: RolloutResult, examples: Sequence[Example]) -> list[dict[str, float]]:
     weights = self.cfg.reward.weights()
@@ -341,10 +288,7 @@ class Trainer:
     rows = sharding.allgather(local)  # [all sequences, rewards + length + truncated]
     all_totals, all_adv = sharding.allgather(totals), sharding.allgather(adv)
     generated = rows[:, len(names)].sum()
-    out = {f"time/train/{k}_s": v for k, v in times.items()}
-    out["time/train/step_s"] = step_s
-    out["time/train/step_avg_last10_s"] = self.step_avg.add(step_s)
-    out["rollout/tokens_per_s"] = generated / max(times["rollout"], 1e-9)
+    out = {"rollout/tokens_per_s": generated / max(times["rollout"], 1e-9)}
     out["rollout/generated_tokens"] = generated
     for j, n in enumerate(names):
       out[f"reward/{n}/mean"], out[f"reward/{n}/std"] = rows[:, j].mean(), rows[:, j].std()
@@ -357,7 +301,8 @@ class Trainer:
         k if k.startswith(mismatch.PREFIX) else f"train/{k}"
       )  # mismatch/*: as rl.mismatch names
       out[name] = float(np.mean([epoch[k] for epoch in losses]))
-    return out
+    # last: the compiles of the metrics' own first-step ops count too
+    return step_time_metrics(times, step_s, self.compile_watch, self.step_avg) | out
 
   # ---------------------------------------------------------------------------------------- SFT warm-up
   def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
@@ -366,6 +311,16 @@ class Trainer:
     example = self._order(index, 1)
     answer = self.tokenizer.encode(example.answer) + self.tokenizer.encode(IM_END)
     return self.encode(example.question), answer
+
+  def sft_widths(self, prompts, answers) -> tuple[int, int]:
+    """The SFT batch's (prompt, answer) widths: the longest over the train split's worked solutions,
+    fixed on first use (one compiled SFT step per run). rl.agent's episodes override it."""
+    if not hasattr(self, "_sft_width"):  # the warm-up's pairs (sft_pair) are the train split's
+      end = len(self.tokenizer.encode(IM_END))
+      prompt = max(len(self.encode(e.question)) for e in self.train_data)
+      answer = max(len(self.tokenizer.encode(e.answer)) for e in self.train_data) + end
+      self._sft_width = (round_up(prompt, WIDTH_ALIGN), round_up(answer, WIDTH_ALIGN))
+    return self._sft_width  # (`pack` refuses a row wider than its slot: nothing is cut)
 
   def sft(self, steps: int, progress: bool) -> None:
     """Supervised warm-up on worked solutions (prompt + answer + end-of-turn), one token-mean NLL step
@@ -378,10 +333,7 @@ class Trainer:
     for i in bar:
       pairs = [self.sft_pair(i * n + j) for j in range(n)][_share(n)]
       prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-      widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(
-        axis=0
-      )
-      pw, cw = round_up(int(widths[0]), PROMPT_BUCKET), round_up(int(widths[1]), PROMPT_BUCKET)
+      pw, cw = self.sft_widths(prompts, answers)
       if cw not in compiled:
         compiled[cw] = compile_train_step(
           self.graphdef, optimizer, LossSettings(completion_len=cw), "sft", self.state_shardings
@@ -526,6 +478,7 @@ class Trainer:
     return last
 
   def close(self) -> None:
+    self.compile_watch.close()
     self.writer.close()
     self.checkpointer.close()
     self.engine.close()
@@ -560,41 +513,12 @@ def _log(enabled: bool, msg: str) -> None:
     print(f"[rl.train] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_args(
-  argv: Sequence[str] | None = None, prog: str = "python -m rl.train", doc: str = __doc__
-) -> GRPOConfig:
-  ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-  ap.add_argument(
-    "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
-  )
-  ap.add_argument(
-    "--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir"
-  )
-  ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
-  args = ap.parse_intermixed_args(argv)
-  cfg = configlib.load(GRPOConfig, args.config, args.overrides)
-  if args.resume:
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
-  return cfg
-
-
-def start_process(cfg: GRPOConfig) -> None:
-  """Before jax touches a device: run.host_devices simulated CPU devices, and (dist.initialize) this
-  process joins the multi-process run."""
-  dist = cfg.dist
-  sharding.initialize_distributed(
-    dist.initialize,
-    dist.coordinator_address,
-    dist.num_processes,
-    dist.process_id,
-    dist.cpu_collectives,
-    cfg.run.host_devices,
-  )
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   """The run (config errors raise ConfigError); `cli` is the command line's wrapper."""
-  cfg = parse_args(argv)  # every config value error surfaces here, before jax starts
+  args = arg_parser(doc=__doc__).parse_intermixed_args(argv)
+  if args.check:
+    return run_check(args, "rl.train")
+  cfg = config_of(args, "rl.train")  # every config value error surfaces here, before jax starts
   start_process(cfg)
   trainer = Trainer(cfg)
   try:
@@ -615,15 +539,7 @@ def cli(argv: Sequence[str] | None = None, main=main, prog: str = "python -m rl.
   """`main` for the command line: a config error is its message alone on stderr and exit status 2
   (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
   with no readable checkpoint to resume is its message and status 1. `rl.agent` passes its own main."""
-  try:
-    main(argv)
-  except ConfigError as e:
-    print(f"{prog}: config error: {e}", file=sys.stderr)
-    return 2
-  except (NonFiniteError, CheckpointError) as e:
-    print(f"{prog}: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return run_cli(argv, main, prog)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Counting XLA work: `with compile_events() as events:` lists the trace / lower / compile events jax
 reports inside the block. A no-recompile test asserts it stays empty; this is robust where a jitted
-function's C++ cache size is not (it read 0 after other modules had run in the same process)."""
+function's C++ cache size is not (it read 0 after other modules had run in the same process).
+`with compiled_functions() as names:` lists the name of each function XLA compiled in the block (one
+entry per backend compile), for tests that allow some compiles and forbid others."""
 
 import contextlib
 
 import jax
+
+from rl.metrics import COMPILE_EVENT
 
 
 @contextlib.contextmanager
@@ -14,5 +18,20 @@ def compile_events():
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@contextlib.contextmanager
+def compiled_functions():
+  names: list[str] = []
+
+  def listener(event, _duration, fun_name="?", **__):
+    if event == COMPILE_EVENT:
+      names.append(str(fun_name))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)

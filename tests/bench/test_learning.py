@@ -19,6 +19,22 @@ def _step(step, reward, seconds=1.0):
   return {"step": step, "time/train/step_s": seconds, learning.REWARD: reward}
 
 
+def test_step_avg_leaves_out_every_step_that_compiled():
+  """A 50 s recompile in step 6 (issue 31: the update recompiled mid-run on an H100) neither enters
+  the median nor counts as a timed step; rows from before the compile metric all count. Catches a
+  step_avg that averages compile time in (38 s read where the steady step took 1.2 s)."""
+  steps = [
+    {"time/train/step_s": s, "time/train/compiles": c}
+    for s, c in [(64.0, 40), (1.2, 0), (1.3, 0), (1.1, 0), (1.25, 0), (50.0, 2), (1.2, 0)]
+  ]
+  assert learning.steady_step_time(steps) == {"step_avg_s": 1.2, "step_avg_steps": 5}
+  assert learning.steady_step_time(steps, last=2) == {"step_avg_s": 1.225, "step_avg_steps": 2}
+  old = [{"time/train/step_s": s} for s in (3.0, 1.0, 2.0)]  # written before compiles existed
+  assert learning.steady_step_time(old) == {"step_avg_s": 2.0, "step_avg_steps": 3}
+  nan = learning.steady_step_time(steps[:1])
+  assert nan["step_avg_steps"] == 0 and math.isnan(nan["step_avg_s"])
+
+
 def _full(step, acc, n=100):
   return {"step": step, "eval_full/accuracy": acc, "eval_full/examples": n}
 

@@ -1,12 +1,15 @@
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
-from rl import configlib, train
+from rl import check, configlib, train
+from rl import platform as platforms
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
+from tests.compiles import compile_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -182,3 +185,149 @@ def test_cli_exit_status_from_the_shell():
   assert (
     "Traceback" not in proc.stderr and "train.learning_rate must be finite and > 0" in proc.stderr
   )
+
+
+# ------------------------------------------------------------------------------------------ --check
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml"))
+# bench.device's parity step: the 0.5B config's xla and pallas loss arms at its overrides
+DEVICE_PARITY = [
+  "train.warmup_sft_steps=0",
+  "train.steps=6",
+  "train.prompts_per_step=8",
+  "sampling.max_new_tokens=64",
+  "eval.every=1000",
+  "data.eval_limit=64",
+  f"run.checkpoint_every={10**6}",
+]
+VARIANTS = [
+  (name, [])
+  for name in CONFIGS  # as shipped
+] + [
+  ("gpu-qwen2.5-0.5b.yaml", [*DEVICE_PARITY, f"train.policy_loss_impl={impl}"])
+  for impl in ("xla", "pallas")
+]
+
+
+def _checked_args(name: str, overrides=()):
+  """The --check command line of configs/`name`: rl.agent's when it sets env:, and the GSM8K the
+  config names, else the checkout's default copy (configs say ../shared/data/gsm8k: a worktree
+  elsewhere has none there); a skip when there is no GSM8K at all."""
+  from rl.data.gsm8k import default_dir
+
+  path = os.path.join(ROOT, "configs", name)
+  raw = configlib.read(path, overrides)
+  entry = "rl.agent" if "env" in raw else "rl.train"
+  extra = []
+  data = raw.get("data", {})
+  if data.get("dataset") == "gsm8k" and not os.path.isdir(os.path.join(ROOT, data.get("path", ""))):
+    try:
+      extra = [f"data.path={default_dir()}"]
+    except FileNotFoundError as e:
+      pytest.skip(str(e))
+  args = train.arg_parser().parse_intermixed_args([path, "--check", *overrides, *extra][1:])
+  args.config = path
+  return args, entry
+
+
+@pytest.mark.parametrize("name,overrides", VARIANTS, ids=lambda v: str(v)[:40])
+def test_every_config_checks_for_its_platform(name, overrides, monkeypatch):
+  """Every shipped config (and bench.device's parity arms) passes --check for its platform: impl x
+  platform, mesh, prompt room on its dataset, memory at its real shapes; then the train step and
+  the decode chunk lower for the platform (GPU: CUDA, from this CPU host) with the config's settings
+  with one layer of the config's model (all layers: the slow test below). Catches a shipped config that
+  stops at load (gpu-*: max_seq_len 1024 < GSM8K's 1134-token prompt) or in the first compile
+  (fused pallas on GPU)."""
+  monkeypatch.chdir(ROOT)  # configs name data paths relative to the checkout
+  args, entry = _checked_args(name, overrides)
+  cfg = train.config_of(args, entry)
+  target = train.target_platform(args)
+  assert target == name.split("-")[0]
+  report = check.check(cfg, target, entry, lower=False)
+  assert report["memory_gib"]["total"] > 0
+  # the config's model with one layer: every width and kernel of the real one, 1/24 of the tracing
+  small = dataclasses.replace(check._model_config(cfg), num_layers=1)
+  small_cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolve(report["devices"]))
+  lowered = check.lower_steps(
+    small_cfg, small, target, report["prompt_width"], report["loss_impl"], entry
+  )
+  assert set(lowered) == {"train_step", "decode_chunk"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,overrides", VARIANTS, ids=lambda v: str(v)[:40])
+def test_every_config_lowers_at_its_real_shapes(name, overrides, monkeypatch):
+  """The whole --check, the real model included (the 0.5B GPU train step: ~32 s to lower on CPU)."""
+  monkeypatch.chdir(ROOT)
+  args, entry = _checked_args(name, overrides)
+  assert train.run_check(args, entry)["lowered_s"]["train_step"] > 0
+
+
+def test_check_command_line(capsys, monkeypatch):
+  """`python -m rl.train --config X --check`: status 0 and the figures; a config its platform cannot
+  run: status 2 and one line (the impl table, at load: nothing compiles)."""
+  monkeypatch.chdir(ROOT)
+  assert train.cli(["--config", "configs/cpu-default.yaml", "--check", "model.preset=tiny"]) == 0
+  assert "ok for cpu" in capsys.readouterr().out
+  with compile_events() as compiles:
+    status = train.cli(["--config", "configs/cpu-default.yaml", "--check", "--platform", "tpu",
+                        "train.policy_loss_impl=mosaic_gpu"])  # fmt: skip
+  assert status == 2 and not compiles
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "not available on tpu" in err[0] and "'pallas'" in err[0], err
+
+
+@pytest.mark.parametrize(
+  "platform,fused,impl,expected",
+  [
+    ("gpu", True, "pallas", "chunked"),  # this project's best fused LM-head path on GPU
+    ("gpu", False, "pallas", "pallas"),  # Triton
+    ("tpu", True, "pallas", "pallas"),  # the tiled fully fused kernels
+    ("cpu", False, "xla", "xla"),
+    ("gpu", False, "mosaic_gpu", "mosaic_gpu"),
+  ],
+)
+def test_pallas_means_this_projects_kernel_on_the_platform(platform, fused, impl, expected):
+  assert platforms.loss_impl(platform, fused, impl) == expected
+
+
+@pytest.mark.parametrize(
+  "platform,fused,impl",
+  [("tpu", False, "mosaic_gpu"), ("gpu", True, "mosaic_gpu"), ("tpu", True, "mosaic_gpu")],
+)
+def test_an_impl_the_platform_lacks_names_the_alternatives(platform, fused, impl):
+  with pytest.raises(ConfigError, match=rf"policy_loss_impl={impl} is not available on {platform}"):
+    platforms.loss_impl(platform, fused, impl)
+
+
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
+    (["mesh.tp=3", "mesh.fsdp=1"], r"mesh\.tp=3 does not divide"),
+    (["rollout.max_seq_len=1024"], r"rollout\.max_seq_len=1024 is too short.*>= 1648"),
+    (  # unfused f32 logits (and their gradient) of 128 x 512 x 151936: over an H100's 80 GiB
+      ["train.fused_lm_head=false", "train.prompts_per_step=16", "train.micro_batch_size=128"],
+      r"estimate of one gpu device's memory, .* exceeds its 80 GiB",
+    ),
+  ],
+)
+def test_check_refuses_what_the_platform_cannot_run(overrides, match, monkeypatch):
+  """Each a ConfigError before anything lowers (lower=True: the check stops first)."""
+  monkeypatch.chdir(ROOT)
+  args, entry = _checked_args("gpu-qwen2.5-0.5b.yaml", overrides)
+  with compile_events() as compiles, pytest.raises(ConfigError, match=match):
+    check.check(train.config_of(args, entry), "gpu", entry)
+  assert not [e for e in compiles if "backend_compile" in e]  # (eval_shape traces)
+
+
+# ------------------------------------------------------------------------------------ ignored keys
+def test_a_section_the_entry_point_ignores_is_an_error_naming_the_right_one(capsys):
+  """issue 31: `rl.train --config configs/cpu-multiturn.yaml` ran single-turn GRPO, env: ignored."""
+  assert train.cli(["--config", os.path.join(ROOT, "configs/cpu-multiturn.yaml")]) == 2
+  err = capsys.readouterr().err
+  assert "env.name" in err and "use python -m rl.agent" in err, err
+  with pytest.raises(ConfigError, match=r"train\.vf_coef: not read by python -m rl\.train"):
+    train.parse_args(["train.vf_coef=0.5"], entry="rl.train")
+  with pytest.raises(ConfigError, match=r"train\.is_mode: .*use python -m rl\.train"):
+    train.parse_args(["train.is_mode=token_mask"], entry="rl.agent")
+  assert train.parse_args(["env.name=grid"], entry="rl.agent").env.name == "grid"
+  assert train.parse_args(["train.is_mode=token_mask"], entry="rl.train").train.is_mode

@@ -1,6 +1,7 @@
 """The GRPO loop end to end on the tiny model: metrics written, resume exact, bad configs caught early,
 the same numbers on 1 device, 8 simulated devices and 2 processes."""
 
+import json
 import os
 import re
 import socket
@@ -14,7 +15,8 @@ import pytest
 from rl import train
 from rl.configlib import ConfigError
 from rl.metrics import read_metrics
-from tests.compiles import compile_events
+from rl.rollout.engine import bucket
+from tests.compiles import compile_events, compiled_functions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +42,8 @@ REQUIRED = [
   "time/train/reward_s",
   "time/train/update_s",
   "time/train/step_s",
-  "time/train/step_avg_last10_s",
+  "time/train/compiles",  # step_avg_last10_s: from the first step that did not compile (below)
+  "time/train/compile_s",
   "rollout/tokens_per_s",
   "reward/total/mean",
   "reward/total/std",
@@ -288,3 +291,68 @@ def test_two_processes_match_one(tmp_path):
   assert (
     a[-1]["eval_full/accuracy"] == b[-1]["eval_full/accuracy"] and b[-1]["eval_full/examples"] == 4
   )
+
+
+def _spread_gsm8k(directory, sizes) -> str:
+  """A GSM8K-format split (train.jsonl / test.jsonl) whose questions span `sizes` repeats: prompts
+  from ~50 to ~500 byte tokens, as GSM8K's spread (104 to 1134) does at a smaller scale."""
+  directory.mkdir()
+  question = lambda n: ("How many apples " + "and pears " * n).strip() + "?"
+  rows = [{"question": question(n), "answer": f"{n} + 1 = {n + 1}\n#### {n + 1}"} for n in sizes]
+  (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (directory / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+  return str(directory)
+
+
+def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
+  """Eight GRPO steps (reference and old log-probs on) on prompts of 55 to 495 tokens: after the
+  first step the update, the log-prob passes and the metrics never compile again; the rollout's
+  prefill compiles only in a step whose prompt width brings a new power-of-two bucket (the engine's
+  declared set, rl.rollout.engine.bucket), plus one known recompile of prefill in step 2 (the
+  rollout's KV cache gains its mesh layout after the first decode). Catches a per-step width (the
+  PROMPT_BUCKET rounding that recompiled the 0.5B update every few steps on an H100) and any other
+  per-step shape. The SFT warm-up compiles its step once too. Also: compiling steps are left out of
+  step_avg and report compiles / compile_s."""
+  data = _spread_gsm8k(tmp_path / "gsm8k", range(0, 43, 3))
+  cfg = train.parse_args(
+    TINY
+    + [
+      "data.dataset=gsm8k",
+      f"data.path={data}",
+      "rollout.max_seq_len=512",
+      "train.micro_batch_size=4",
+      "train.beta=0.05",
+      "train.ppo_epochs=2",
+      "run.tensorboard=false",
+      f"run.out_dir={tmp_path / 'run'}",
+    ]
+  )
+  trainer = train.Trainer(cfg)
+  longest = max(len(trainer.encode(e.question)) for e in trainer.train_data)
+  assert trainer.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
+  seen, rows, widths = set(), [], []
+  try:
+    with compiled_functions() as names:  # the SFT warm-up's batches span the prompt lengths too
+      trainer.sft(4, progress=False)
+    assert names.count("jit(train_step)") == 1, names
+    for step in range(8):
+      with compiled_functions() as names:
+        rows.append(trainer.step(step))
+      width = bucket(max(len(trainer.encode(e.question)) for e in trainer.step_examples(step)))
+      widths.append(width)
+      assert rows[-1]["time/train/compiles"] == len(names), (step, names)
+      if step == 0:
+        assert {"jit(train_step)", "jit(batch_token_logps)"} <= set(names)
+      elif width not in seen:  # a new prefill bucket: prefill and its position / staging ops
+        assert set(names) <= {"jit(prefill)", "jit(iota)", "jit(broadcast_in_dim)", "jit(stage)"}
+      else:
+        assert names == (["jit(prefill)"] if step == 1 else []), (step, names)
+      seen.add(width)
+  finally:
+    trainer.close()
+  assert len(set(widths)) > 1  # the data did bring several prefill buckets
+  steady = [r for r in rows if r["time/train/compiles"] == 0]
+  assert len(steady) >= 3 and rows[0]["time/train/compile_s"] > 0
+  assert "time/train/step_avg_last10_s" not in rows[0]  # nothing steady to average yet
+  last10 = [r["time/train/step_s"] for r in steady][-10:]
+  assert rows[-1]["time/train/step_avg_last10_s"] == pytest.approx(np.mean(last10))

@@ -1,0 +1,275 @@
+"""`python -m rl.train --config X --check` (and rl.agent): is config X valid for its platform? Nothing runs.
+
+The platform is the config's (configs/gpu-*.yaml: gpu, tpu-*: tpu, cpu-*: cpu; `--platform` names
+another; any other file name: this host's). In order, each a ConfigError naming the key:
+  1. the loss implementation exists there (rl.platform.LOSS_IMPLS; already checked at load);
+  2. the mesh: the batch splits over its fixed axes, tp divides the heads and the vocabulary;
+  3. rl.train: the dataset's longest prompt leaves room under rollout.max_seq_len;
+  4. a memory estimate per device (weights, gradients, optimizer state, reference weights, the KV
+     pool, unfused logits), against the device's memory where the table knows it (a lower bound:
+     activations are left out, so a config over it surely does not fit);
+  5. AOT lowering, from this host, for the platform (kernels.backend.use_target; for GPU the
+     abstract H100), of the train step and of the rollout's decode chunk at the config's shapes, with
+     the abstract (eval_shape) model: no weights are allocated, nothing is compiled for the host.
+`check` returns the figures; the command prints them and exits 0, or 2 with the one error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels.backend import Platform, make_target, use_target
+from rl import platform as platforms
+from rl import setup
+from rl.config import GRPOConfig
+from rl.configlib import ConfigError
+from rl.model import abstract_model, preset
+from rl.prompts import TEMPLATES
+from rl.rollout import steps
+from rl.rollout.paged_cache import PagedKVCache
+from rl.update import Batch, LossSettings, compile_train_step, make_optimizer
+
+GIB = 2**30
+# Memory of one device of each platform the estimate is checked against: the H100 80GB the GPU
+# configs were written for. TPU: unchecked (the generation, and so the memory, varies).
+DEVICE_MEMORY_GIB: dict[str, float] = {"gpu": 80.0}
+
+
+def check(cfg: GRPOConfig, platform: Platform, entry: str = "rl.train", lower: bool = True) -> dict:
+  """Every check of the module docstring for `cfg` on `platform`; the figures as a dict."""
+  out: dict = {"platform": platform, "entry": entry}
+  tcfg = cfg.train
+  out["loss_impl"] = platforms.loss_impl(platform, tcfg.fused_lm_head, tcfg.policy_loss_impl)
+  devices = _check_mesh(cfg)
+  cfg = cfg.resolved(devices)
+  out["devices"] = devices
+  model_cfg = _model_config(cfg)
+  _check_tp(cfg, model_cfg)
+  if entry == "rl.train":
+    out["prompt_width"] = _prompt_width(cfg)
+  else:  # episodes: prompts are environment observations, packed per step up to max_seq_len
+    out["prompt_width"] = cfg.rollout.max_seq_len - cfg.sampling.max_new_tokens
+  memory = memory_estimate(cfg, model_cfg, out["prompt_width"])
+  out["memory_gib"] = {k: round(v / GIB, 2) for k, v in memory.items()}
+  limit = DEVICE_MEMORY_GIB.get(platform)
+  if limit is not None and memory["total"] > limit * GIB:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in out["memory_gib"].items() if k != "total")
+    raise ConfigError(
+      f"the estimate of one {platform} device's memory, {memory['total'] / GIB:.1f} GiB ({parts}; "
+      f"activations not counted), exceeds its {limit:.0f} GiB: lower train.micro_batch_size, "
+      "rollout.max_slots or rollout.max_seq_len, or shard over more devices (mesh.fsdp)"
+    )
+  if lower:
+    out["lowered_s"] = lower_steps(
+      cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"], entry
+    )
+  return out
+
+
+def _check_mesh(cfg: GRPOConfig) -> int:
+  """The devices the check assumes: the product of the fixed mesh axes (a -1 axis: one device, the
+  smallest such mesh). The batch must split over them (the derived sizes raise ValueError)."""
+  mesh = cfg.mesh
+  devices = abs(mesh.dp * mesh.fsdp * mesh.tp)
+  try:
+    resolved = cfg.resolved(devices)
+    resolved.grad_accum_steps  # noqa: B018 (validates)
+    resolved.sft_accum_steps  # noqa: B018
+  except ValueError as e:
+    raise ConfigError(f"mesh on {devices} device(s): {e}") from e
+  return devices
+
+
+def _model_config(cfg: GRPOConfig):
+  if cfg.model.checkpoint:  # a local HF directory's config.json (rl.model.checkpoint reads it)
+    from rl.model.checkpoint import _model_config as read_config
+
+    try:
+      return read_config(
+        cfg.model.checkpoint, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+      )
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"model.checkpoint={cfg.model.checkpoint}: {e}") from e
+  try:
+    return preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f"model.preset={cfg.model.preset}: {e}") from e
+
+
+def _check_tp(cfg: GRPOConfig, model_cfg) -> None:
+  tp = cfg.mesh.tp
+  for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+    size = getattr(model_cfg, name)
+    if size % tp:
+      raise ConfigError(
+        f"mesh.tp={tp} does not divide the model's {name}={size} ({cfg.model.preset}): pick a "
+        f"tp that divides it"
+      )
+
+
+def _prompt_width(cfg: GRPOConfig) -> int:
+  """The update's prompt width, by the loop's own loaders and rule: the check and the run agree."""
+  tokenizer = setup.tokenizer_of(cfg)
+  template = TEMPLATES[cfg.data.template]
+  train_data, test_data = setup.load_data(cfg)
+  encode = lambda q: template.encode(q, tokenizer)
+  return setup.check_prompt_room(cfg, encode, train_data, test_data)
+
+
+def _bytes(tree) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def memory_estimate(cfg: GRPOConfig, model_cfg, prompt_width: int) -> dict[str, int]:
+  """Bytes per device of what a step surely holds: the weights, f32 gradient accumulators, the
+  optimizer state and the reference weights (train.beta > 0), sharded over fsdp x tp; the rollout's
+  KV pool and (unfused LM head) one micro-batch's f32 logits with their gradient."""
+  params = nnx.state(abstract_model(model_cfg), nnx.Param)
+  shards = cfg.mesh.fsdp * cfg.mesh.tp
+  tcfg = cfg.train
+  optimizer = make_optimizer(tcfg.optimizer, tcfg.learning_rate, 0.0, 1.0, fused=False)
+  weights = _bytes(params)
+  grads = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(params))
+  out = {
+    "weights": weights // shards,
+    "gradients": grads // shards,
+    "optimizer": _bytes(jax.eval_shape(optimizer.init, params)) // shards,
+    "reference": (weights if tcfg.beta > 0 else 0) // shards,
+    "kv_pool": _bytes(_abstract_cache(cfg, model_cfg)),
+    "logits": 0
+    if tcfg.fused_lm_head
+    else 2 * 4 * tcfg.micro_batch_size * cfg.sampling.max_new_tokens * model_cfg.vocab_size,
+  }
+  out["total"] = sum(out.values())
+  return out
+
+
+def _abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
+  ecfg = cfg.rollout
+  dtype = ecfg.cache_dtype or model_cfg.dtype
+  return jax.eval_shape(
+    lambda: PagedKVCache.create(
+      model_cfg.num_layers,
+      ecfg.pool_pages,
+      ecfg.page_size,
+      model_cfg.num_kv_heads,
+      model_cfg.dim_per_head,
+      jnp.dtype(dtype),
+      ecfg.attn_impl,
+    )
+  )
+
+
+def lower_steps(
+  cfg: GRPOConfig,
+  model_cfg,
+  platform: Platform,
+  prompt_width: int,
+  impl: str,
+  entry: str = "rl.train",
+):
+  """Lowers (traces and converts to the platform's MLIR; no XLA compile) the update at one device's
+  [K, M, P + C] batch (rl.train: the GRPO train step; rl.agent: its policy + critic update at
+  P + C = rollout.max_seq_len) and the paged decode chunk at [max_slots] slots; seconds of each."""
+  target = make_target(platform, interpret=platform == "cpu")
+  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
+  tcfg, c = cfg.train, cfg.sampling.max_new_tokens
+  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
+  settings = LossSettings(
+    completion_len=c, spec=cfg.loss_spec, impl=impl, fused_lm_head=tcfg.fused_lm_head
+  )
+  optimizer = make_optimizer(
+    tcfg.optimizer, tcfg.learning_rate, tcfg.weight_decay, tcfg.max_grad_norm, tcfg.fused_optimizer
+  )
+  sds = jax.ShapeDtypeStruct
+  f32 = lambda *shape: sds(shape, jnp.float32)
+  batch = Batch(
+    sds((k, m, prompt_width + c), jnp.int32),
+    sds((k, m, prompt_width + c), jnp.bool_),
+    f32(k, m),
+    old_logps=f32(k, m, c) if tcfg.ppo_epochs > 1 else None,
+    ref_logps=f32(k, m, c) if tcfg.beta > 0 else None,
+    sampler_logps=f32(k, m, c),
+  )
+  seconds = {}
+  platforms_arg = (target.lowering_platform,)
+  with use_target(platform, target.interpret):
+    t = time.perf_counter()
+    if entry == "rl.agent":
+      _lower_agent_update(cfg, model_cfg, graphdef, params, optimizer, impl, platforms_arg)
+    else:
+      opt_state = jax.eval_shape(optimizer.init, params)
+      step = compile_train_step(graphdef, optimizer, settings, "grpo")
+      step.trace(params, opt_state, batch).lower(lowering_platforms=platforms_arg)
+    seconds["train_step"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    graph, state = nnx.split(abstract_model(model_cfg))
+    s, ecfg = cfg.rollout.max_slots, cfg.rollout
+    cache = _abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
+    i32 = sds((s,), jnp.int32)
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), s))
+    steps.decode_chunk.trace(
+      graph, state, cache, ecfg.steps_per_sync, i32, i32, i32, i32, sds((s, 1), jnp.int32),
+      keys, f32(s), i32, f32(s),
+    ).lower(lowering_platforms=platforms_arg)  # fmt: skip
+    seconds["decode_chunk"] = round(time.perf_counter() - t, 2)
+  return seconds
+
+
+def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer, impl, platforms):
+  """rl.agent's update (policy term + value loss over the critic: a head, or a separate model) at
+  K x M episodes of rollout.max_seq_len tokens, the second half of them the packed completion (an
+  episode's model turns and observations after its first prompt)."""
+  import optax
+
+  from rl import agent  # rl.agent imports rl.train, which imports this module's command line
+  from rl.critic import CriticModel, ValueHead
+  from rl.model import Qwen
+
+  tcfg = cfg.train
+  hidden = model_cfg.hidden_size
+  if tcfg.critic == "head":
+    critic = nnx.eval_shape(lambda: ValueHead(hidden, rngs=nnx.Rngs(0)))
+  else:
+    trunk_cfg = model_cfg if tcfg.critic_preset is None else preset(tcfg.critic_preset)
+    critic = nnx.eval_shape(
+      lambda: CriticModel(
+        Qwen(trunk_cfg, rngs=nnx.Rngs(0)), trunk_cfg.hidden_size, rngs=nnx.Rngs(0)
+      )
+    )
+  head_graphdef, head_params = nnx.split(critic, nnx.Param)
+  head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
+  c = -(-cfg.rollout.max_seq_len // 2)
+  p = cfg.rollout.max_seq_len - c
+  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
+  sds, f32 = jax.ShapeDtypeStruct, lambda: jax.ShapeDtypeStruct((k, m, c), jnp.float32)
+  batch = agent.AgentBatch(
+    sds((k, m, p + c), jnp.int32),
+    sds((k, m, p + c), jnp.bool_),
+    sds((k, m, c), jnp.bool_),
+    f32(),
+    f32(),
+    f32(),
+    f32(),
+    f32() if tcfg.beta > 0 else None,
+  )
+  settings = agent.UpdateSettings(
+    c, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,
+    cfg.sampling.temperature, tcfg.vf_coef, tcfg.value_clip, impl, tcfg.fused_lm_head, tcfg.beta,
+  )  # fmt: skip
+  state = (
+    params,
+    head_params,
+    jax.eval_shape(optimizer.init, params),
+    jax.eval_shape(head_opt.init, head_params),
+  )
+  update = functools.partial(
+    agent.update_step, graphdef, head_graphdef, optimizer, head_opt, settings
+  )
+  jax.jit(update).trace(state, batch).lower(lowering_platforms=platforms)

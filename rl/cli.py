@@ -1,0 +1,111 @@
+"""The command line of `python -m rl.train` and `python -m rl.agent`: arguments -> a checked config (the
+keys the entry point reads, the loss impl its platform has), `--check`, the process set-up, and the exit
+statuses (a config error: its message alone and status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from kernels.backend import host_platform
+from rl import check, configlib, platform, sharding
+from rl.checkpointing import CheckpointError
+from rl.config import GRPOConfig, check_entry
+from rl.configlib import ConfigError
+from rl.update import NonFiniteError
+
+
+def arg_parser(prog: str = "python -m rl.train", doc: str = "") -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+  ap.add_argument(
+    "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
+  )
+  ap.add_argument(
+    "--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir"
+  )
+  ap.add_argument(
+    "--check",
+    action="store_true",
+    help="check the config for its platform (configs/gpu-*: gpu, tpu-*: tpu, cpu-*: cpu) and "
+    "AOT-lower the train step and the decode chunk there; nothing runs (rl.check)",
+  )
+  ap.add_argument(
+    "--platform", choices=platform.PLATFORMS, help="--check for this platform, not the config's"
+  )
+  ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
+  return ap
+
+
+def parse_args(
+  argv: Sequence[str] | None = None,
+  prog: str = "python -m rl.train",
+  doc: str = "",
+  entry: str | None = None,
+) -> GRPOConfig:
+  """The config of a command line. With `entry` ("rl.train" / "rl.agent"), a key that entry point
+  does not read is an error naming the one that does (rl.config.check_entry)."""
+  return config_of(arg_parser(prog, doc).parse_intermixed_args(argv), entry)
+
+
+def target_platform(args: argparse.Namespace):
+  """--check: --platform, else the config file's; a run: this host's (jax starts: after
+  start_process only)."""
+  if args.check:
+    return args.platform or platform.config_platform(args.config)
+  return host_platform()
+
+
+def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
+  raw = configlib.read(args.config, args.overrides)
+  if entry is not None:
+    try:
+      check_entry(configlib.given_keys(raw), entry)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  cfg = configlib.build(GRPOConfig, raw)
+  if args.resume:
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+  if args.check:  # a run checks its host's impl when it starts (jax must not start here)
+    t = cfg.train
+    platform.loss_impl(target_platform(args), t.fused_lm_head, t.policy_loss_impl)
+  return cfg
+
+
+def run_check(args: argparse.Namespace, entry: str) -> dict:
+  """--check: rl.check's figures for the config, printed; its ConfigError propagates."""
+  cfg = config_of(args, entry)
+  report = check.check(cfg, target_platform(args), entry)
+  print(f"{args.config or '(defaults)'}: ok for {report['platform']}: {report}")
+  return report
+
+
+def start_process(cfg: GRPOConfig) -> None:
+  """Before jax touches a device: run.host_devices simulated CPU devices, and (dist.initialize) this
+  process joins the multi-process run."""
+  dist = cfg.dist
+  sharding.initialize_distributed(
+    dist.initialize,
+    dist.coordinator_address,
+    dist.num_processes,
+    dist.process_id,
+    dist.cpu_collectives,
+    cfg.run.host_devices,
+  )
+
+
+def run_cli(argv: Sequence[str] | None, main, prog: str) -> int:
+  """`main` for the command line: a config error is its message alone on stderr and exit status 2
+  (argparse's status for bad usage), not a traceback around it; a run stopped by non-finite steps or
+  with no readable checkpoint to resume is its message and status 1. `rl.agent` passes its own main."""
+  try:
+    main(argv)
+  except ConfigError as e:
+    print(f"{prog}: config error: {e}", file=sys.stderr)
+    return 2
+  except (NonFiniteError, CheckpointError) as e:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return 1
+  return 0
