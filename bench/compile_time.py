@@ -104,6 +104,8 @@ def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
   """The paged engine's decode chunk and its abstract arguments (steps_per_sync steps, max_slots)."""
   model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
   graphdef, state = nnx.split(abstract_model(model_cfg))
+  # as the engines pass them: the weights cast once to the compute dtype per weight sync
+  state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
   ecfg = cfg.rollout
   cache_dtype = jnp.dtype(ecfg.cache_dtype or model_cfg.dtype)
   cache = jax.eval_shape(
@@ -131,7 +133,8 @@ def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
     top_k=slot(jnp.int32),
     top_p=slot(jnp.float32),
   )
-  return steps.decode_chunk, (graphdef, state, cache, ecfg.steps_per_sync, *args.values())
+  # filtered=False: the plain sampler (no row uses top-k / top-p), as the GRPO configs sample
+  return steps.decode_chunk, (graphdef, state, cache, ecfg.steps_per_sync, False, *args.values())
 
 
 def measure(cfg: GRPOConfig, prompt_width: int, only: Sequence[str] = ()) -> dict:

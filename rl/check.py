@@ -210,12 +210,14 @@ def lower_steps(
     seconds["train_step"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     graph, state = nnx.split(abstract_model(model_cfg))
+    # as the engines pass them: the weights cast once to the compute dtype per weight sync
+    state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
     s, ecfg = cfg.rollout.max_slots, cfg.rollout
     cache = _abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
     i32 = sds((s,), jnp.int32)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), s))
     steps.decode_chunk.trace(
-      graph, state, cache, ecfg.steps_per_sync, i32, i32, i32, i32, sds((s, 1), jnp.int32),
+      graph, state, cache, ecfg.steps_per_sync, False, i32, i32, i32, i32, sds((s, 1), jnp.int32),
       keys, f32(s), i32, f32(s),
     ).lower(lowering_platforms=platforms_arg)  # fmt: skip
     seconds["decode_chunk"] = round(time.perf_counter() - t, 2)

@@ -2,8 +2,8 @@
 
 `policy_loss_impl=pallas` means "this project's kernel on this platform": the Triton loss on GPU, the
 tiled kernel on TPU, the Pallas interpreter on CPU; with `fused_lm_head=true` the best fused LM-head
-path the platform has (GPU: the chunked one until a fused GPU kernel lands; to switch, change the
-("gpu", True) row's "pallas" entry, e.g. to kernels.fused_linear's "mosaic_gpu"). A choice a platform
+path the platform has (GPU: kernels.fused_linear's own "pallas", which there is the Mosaic GPU fused
+kernel for bf16 / f16 activations and the chunked path for f32; "chunked" stays selectable). A choice a platform
 lacks is a ConfigError when the config is loaded, naming the choices it has — never an error from
 inside the first compile (issue 31: fused pallas on GPU failed a minute into compiling the update).
 """
@@ -24,7 +24,13 @@ LOSS_IMPLS: dict[tuple[Platform, bool], dict[str, str]] = {
   ("cpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas", "mosaic_gpu": "mosaic_gpu"},
   ("cpu", True): {"auto": "auto", "xla": "xla", "pallas": "pallas", "chunked": "chunked"},
   ("gpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas", "mosaic_gpu": "mosaic_gpu"},
-  ("gpu", True): {"auto": "auto", "xla": "xla", "pallas": "chunked", "chunked": "chunked"},
+  ("gpu", True): {
+    "auto": "auto",
+    "xla": "xla",
+    "pallas": "pallas",
+    "mosaic_gpu": "mosaic_gpu",
+    "chunked": "chunked",
+  },
   ("tpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas"},
   ("tpu", True): {"auto": "auto", "xla": "xla", "pallas": "pallas", "chunked": "chunked"},
 }
