@@ -126,3 +126,39 @@ def policy_objective(
   else:
     kl = jnp.zeros_like(logp)
   return Objective(per_token, kl, is_clipped, is_weight, sampler_log_ratio)
+
+
+def token_coefficient(
+  logp,  # [...] f32: one token's log p per element (the training kernels: [bn, 1] or a scalar)
+  mask,  # [...] bool
+  advantages,  # [...] f32
+  weight,  # [...] f32: the token's weight in the loss, d loss / d per_token
+  spec: LossSpec,
+  *,
+  old_logps=None,  # [...] f32 or None
+  ref_logps=None,  # [...] f32 or None
+  sampler_logps=None,  # [...] f32 or None
+):
+  """d (weight * per_token) / d logp, elementwise: the per-token coefficient of the loss's gradient.
+
+  For token-level specs a token's loss depends on its own log p only, so this is exactly that token's
+  d loss / d logp — computed by autodiff of :func:`policy_objective` itself (one definition for every
+  impl), elementwise, so the training kernels evaluate it in-kernel the moment a row's log p is known
+  and write dlogits in the same pass. Sequence-level specs need the whole sequence first: ValueError.
+  """
+  if spec.sequence_level:
+    raise ValueError("token_coefficient needs a token-level LossSpec (no GSPO / sequence IS mode)")
+
+  def per_token(lp):
+    return policy_objective(
+      lp,
+      mask,
+      advantages,
+      spec,
+      old_logps=old_logps,
+      ref_logps=ref_logps,
+      sampler_logps=sampler_logps,
+    ).per_token
+
+  _, vjp = jax.vjp(per_token, logp)
+  return vjp(weight)[0]

@@ -45,7 +45,7 @@ class LossConfig:
   reuse_logits_buffer: bool = False
 
 
-def _finalize(m, l, s, chosen, found):
+def finalize(m, l, s, chosen, found):
   """(logp, entropy, lse_rel, shift): the log-sum-exp is shift + lse_rel."""
   shift = lse.lse_shift(m)
   lse_rel = (m - shift) + jnp.log(l)
@@ -92,7 +92,7 @@ def _tiled_fwd_kernel(
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _finish():
-    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), _finalize(m, l, s, c, f)):
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), finalize(m, l, s, c, f)):
       ref[...] = val
 
 
@@ -150,40 +150,55 @@ def _tiled_bwd(cfg: LossConfig, x, ids, lse, shift, g):
 
 
 # ---------------------------------------------------------------------------------- rowloop family
-def _rowloop_fwd_kernel(x_ref, ids_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg: LossConfig):
-  bv, vocab = cfg.blocks.block_v, cfg.vocab
-  token = ids_ref[...]
+def rowloop_stats(x_ref, token, cfg: LossConfig):
+  """(logp, entropy, lse_rel, shift) of one row: one sweep over its chunks.
+
+  Per chunk one block-wide max; the sum-exp and entropy sums stay per lane until the row ends
+  (:func:`kernels.lse.lane_update`), and the chosen logit is one scalar load, not a masked sum.
+  """
+  bv, vocab, inv_t = cfg.blocks.block_v, cfg.vocab, 1.0 / cfg.temperature
 
   def body(k, carry):
     cols = k * bv + jnp.arange(bv, dtype=jnp.int32)
     valid = cols < vocab
     x = backend.masked_load(x_ref.at[pl.ds(k * bv, bv)], mask=valid, other=0.0).astype(jnp.float32)
-    z = jnp.where(valid, x * (1.0 / cfg.temperature), -jnp.inf)
-    return lse.online_update(z, cols == token, valid, *carry, axis=None)
+    return lse.lane_update(jnp.where(valid, x * inv_t, -jnp.inf), valid, *carry)
 
-  zero = jnp.float32(0.0)
-  m, l, s, c, f = jax.lax.fori_loop(
-    0, pl.cdiv(vocab, bv), body, (jnp.float32(lse.NEG_BIG), zero, zero, zero, zero)
-  )
-  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), _finalize(m, l, s, c, f)):
-    ref[...] = val
+  lanes = jnp.zeros((bv,), jnp.float32)
+  m, l, s = jax.lax.fori_loop(0, pl.cdiv(vocab, bv), body, (jnp.float32(lse.NEG_BIG), lanes, lanes))
+  found = (token >= 0) & (token < vocab)  # an id outside [0, V) poisons (NaN), never hides
+  chosen = x_ref[jnp.where(found, token, 0)].astype(jnp.float32) * inv_t
+  return finalize(m, jnp.sum(l), jnp.sum(s), chosen, found.astype(jnp.float32))
 
 
-def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
+def rowloop_dlogits(x_ref, dx_ref, token, lse_rel, shift, g, cfg: LossConfig, reverse=False):
+  """dx = g * (onehot(token) - softmax(z)) over one row, chunk by chunk (last chunk first when
+  ``reverse``: right after a stats sweep those are the chunks most likely still in L2)."""
   bv, vocab = cfg.blocks.block_v, cfg.vocab
-  token, lse, shift, g = ids_ref[...], lse_ref[...], shift_ref[...], g_ref[...]
+  chunks = pl.cdiv(vocab, bv)
 
-  @pl.loop(0, pl.cdiv(vocab, bv))
-  def _chunk(k):
+  @pl.loop(0, chunks)
+  def _chunk(i):
+    k = chunks - 1 - i if reverse else i
     cols = k * bv + jnp.arange(bv, dtype=jnp.int32)
     valid = cols < vocab
     x = backend.masked_load(x_ref.at[pl.ds(k * bv, bv)], mask=valid, other=0.0).astype(jnp.float32)
-    p = jnp.exp((x * (1.0 / cfg.temperature) - shift) - lse)
+    p = jnp.exp((x * (1.0 / cfg.temperature) - shift) - lse_rel)
     d = jnp.where(g == 0, 0.0, g * ((cols == token).astype(jnp.float32) - p))  # see _tiled_bwd
     backend.masked_store(dx_ref.at[pl.ds(k * bv, bv)], d.astype(dx_ref.dtype), mask=valid)
 
 
-def _rowloop_params(cfg: LossConfig):
+def _rowloop_fwd_kernel(x_ref, ids_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg: LossConfig):
+  stats = rowloop_stats(x_ref, ids_ref[...], cfg)
+  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
+    ref[...] = val
+
+
+def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
+  rowloop_dlogits(x_ref, dx_ref, ids_ref[...], lse_ref[...], shift_ref[...], g_ref[...], cfg)
+
+
+def rowloop_params(cfg: LossConfig):
   return backend.compiler_params(
     cfg.target, num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages
   )
@@ -199,7 +214,7 @@ def _rowloop_fwd(cfg: LossConfig, x, ids):
       in_specs=[pl.BlockSpec((None, v), lambda i: (i, 0)), scalar],
       out_specs=[scalar] * 4,
       out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 4,
-      compiler_params=_rowloop_params(cfg),
+      compiler_params=rowloop_params(cfg),
       interpret=cfg.target.interpret,
       name="grpo_loss_fwd",
     )(x, ids)
@@ -217,7 +232,7 @@ def _rowloop_bwd(cfg: LossConfig, x, ids, lse, shift, g):
     out_specs=row,
     out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
     input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
-    compiler_params=_rowloop_params(cfg),
+    compiler_params=rowloop_params(cfg),
     interpret=cfg.target.interpret,
     name="grpo_loss_bwd",
   )(x, ids, lse, shift, g)
