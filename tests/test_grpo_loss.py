@@ -251,9 +251,10 @@ def test_default_clamp_is_bit_identical_where_inactive():
       off = loss_and_grad(args, kw, loss_type=loss_type, max_log_ratio=None, **call)
       for a, e in zip(jax.tree.leaves(on[:2]), jax.tree.leaves(off[:2])):  # loss and aux
         np.testing.assert_array_equal(a, e, err_msg=f"{name} {loss_type}")
-      # dlogits: bit-equal in xla and tiled; the compiled rowloop kernel may contract a multiply-add
-      # differently once the clamp's select is in the graph (1 ulp seen), so within tolerance there.
-      if name == "rowloop":
+      # dlogits: bit-equal in xla; the kernels compute the token coefficient in-kernel (the two-pass
+      # training path), where the compiler may contract a multiply-add differently once the clamp's
+      # select is in the graph (1 ulp seen, tiled and rowloop), so within tolerance there.
+      if name != "xla":
         assert_close(on[2], off[2], "grad", jnp.float32, 300, f"{name} {loss_type}")
       else:
         np.testing.assert_array_equal(on[2], off[2], err_msg=f"{name} {loss_type}")

@@ -25,7 +25,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas as _pallas
@@ -47,10 +49,71 @@ class TrainConfig:
 
 
 def coefficient(cfg: TrainConfig, logp, tok: dict):
-  """g = d loss / d z_chosen for rows whose log p is ``logp``; tok maps each field to the same shape."""
-  logps = {k: tok[k] for k in cfg.fields[3:]}
-  g = token_coefficient(logp, tok["mask"] != 0, tok["advantages"], tok["weight"], cfg.spec, **logps)
-  return g * (1.0 / cfg.loss.temperature)
+  """g = d loss / d z_chosen for rows whose log p is ``logp``; tok maps each field to the same shape.
+
+  Traced once into a jaxpr and replayed primitive by primitive, with ``stop_gradient`` as the identity
+  (nothing differentiates the kernel body; Mosaic GPU has no lowering rule for it) and nested
+  ``jit`` / ``custom_jvp_call`` inlined.
+  """
+  names = ("logp",) + cfg.fields
+
+  def g(*values):
+    v = dict(zip(names, values))
+    logps = {k: v[k] for k in cfg.fields[3:]}
+    return token_coefficient(
+      v["logp"], v["mask"] != 0, v["advantages"], v["weight"], cfg.spec, **logps
+    )
+
+  args = (logp,) + tuple(tok[k] for k in cfg.fields)
+  shapes = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.float32) for a in args]
+  closed = jax.make_jaxpr(g)(*shapes)
+  (out,) = _replay(closed.jaxpr, closed.consts, args)
+  return out * (1.0 / cfg.loss.temperature)
+
+
+_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+_FOLD = {  # scalar arithmetic on constants, computed here (numpy)
+  "neg": np.negative,
+  "convert_element_type": lambda x: x,
+  "add": np.add,
+  "sub": np.subtract,
+  "mul": np.multiply,
+  "div": np.divide,
+  "max": np.maximum,
+  "min": np.minimum,
+}
+
+
+def _replay(jaxpr, consts, args):
+  """Evaluate ``jaxpr`` on ``args`` binding each primitive: stop_gradient dropped, nested calls
+  inlined, reshapes without the mesh sharding that tracing under ``use_target`` attaches."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda var: var.val if isinstance(var, jax_core.Literal) else env[var]
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in ("stop_gradient", "reshard"):  # no autodiff and no sharding inside a kernel
+      outs = ins
+    elif name == "add_any":  # autodiff's cotangent sum: a plain add (Mosaic GPU lowers only that)
+      outs = [jax.lax.add(*ins)]
+    elif name in _INLINED:
+      inner = eqn.params[_INLINED[name]]
+      outs = _replay(inner.jaxpr, inner.consts, ins[len(ins) - len(inner.jaxpr.invars) :])
+    else:
+      params = dict(eqn.params)
+      if name == "reshape":  # traced under an (abstract) mesh: kernel values carry no sharding
+        params["sharding"] = None
+      # Scalar math on constants (-clip bounds, literal casts) is folded here, never left to a
+      # kernel lowering (jax 0.11's Mosaic GPU returns a Python float for neg of a literal).
+      if name in _FOLD and not any(isinstance(x, jax.core.Tracer) for x in ins):
+        dtype = eqn.outvars[0].aval.dtype
+        outs = [np.asarray(_FOLD[name](*(np.asarray(x) for x in ins)), dtype)]
+      else:
+        outs = eqn.primitive.bind(*ins, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
 
 
 # ------------------------------------------------------------------------------------ tiled family
