@@ -124,8 +124,7 @@ def _bwd(static: Static, residuals, cts):
   if isinstance(ct_logp, SymbolicZero):
     if no_loss:
       return jnp.zeros_like(logits), None, None
-    # ct = 1 (a constant) simplifies away in XLA; else one fused pass over [N, V]
-    return (dlogits.astype(jnp.float32) * ct_loss).astype(dlogits.dtype), None, None
+    return apply_cotangent(dlogits, ct_loss), None, None
   g = ct_logp
   if not no_loss:
     g = g + ct_loss * jax.grad(loss_value, argnums=1)(static, logp, data)
@@ -134,3 +133,10 @@ def _bwd(static: Static, residuals, cts):
 
 
 loss_logps.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def apply_cotangent(dlogits, ct):
+  """dlogits [N, V] (for cotangent 1) times the loss's cotangent ct (a scalar), rounded once to
+  dlogits' dtype. With ct the constant 1 (``jax.grad`` of the loss) XLA's algebraic simplifier
+  removes the multiply and both converts: no pass over [N, V]; a traced ct costs one fused pass."""
+  return (dlogits.astype(jnp.float32) * ct).astype(dlogits.dtype)
