@@ -147,3 +147,29 @@ def test_bad_loss_scale_raises_naming_it(value, error):
   args, kw = make_problem(1, 2, 16, jnp.float32)
   with pytest.raises(error, match="loss_scale"):
     kernels.grpo_loss(*args, **kw, loss_scale=value, **CALLS["tiled"])
+
+
+def test_launch_budgets_at_the_production_shape():
+  """The no-GPU evidence in the kernels' docstrings (kernels/grpo_loss/blocks.py), at N 8192,
+  V 151936, bf16, default blocks: the Triton heuristic keeps enough bytes in flight per SM for 80 %
+  of the copy rate (Little's law), fills the GPU many times over, and sweeps few enough rows at once
+  for the training kernel's reversed re-read to hit L2 (one HBM read). The Mosaic GPU kernel's
+  64-row CTAs fill 128 of 132 SMs with 64 KB in flight, but read the logits twice when training.
+  Catches a heuristic change that silently breaks one of these (e.g. 8 warps: two resident rows per
+  SM, 80 MB swept > 50 MB of L2)."""
+  from kernels import backend
+  from kernels.grpo_loss.blocks import default_blocks, mosaic_budget, rowloop_budget
+  from kernels.grpo_loss.mosaic_gpu import default_blocks as mosaic_default
+
+  n, v = 8192, 151936
+  gpu = backend.make_target("gpu", interpret=False)
+  r = rowloop_budget(n, v, 2, default_blocks(gpu, n, v))
+  assert r.programs == n and r.waves >= 8 and r.bytes_per_program == v * 2
+  assert r.in_flight_per_sm >= r.needed_in_flight_per_sm
+  assert r.training_reads == 1 and r.swept_rows_bytes <= 50 * 2**20
+  assert r.train_ms == pytest.approx(2 * r.fwd_ms) and 1.0 < r.fwd_ms < 1.05  # 2.49 GB at 2.4 TB/s
+  crowded = rowloop_budget(n, v, 2, LossBlocks(1, 4096, num_warps=8))
+  assert crowded.resident_per_sm == 2 and crowded.training_reads == 2
+  m = mosaic_budget(n, v, 2, mosaic_default(jnp.bfloat16))
+  assert (m.programs, m.resident_per_sm, m.in_flight_per_sm) == (128, 1, 64 * 1024)
+  assert m.training_reads == 2 and m.train_ms == pytest.approx(3 * m.fwd_ms)

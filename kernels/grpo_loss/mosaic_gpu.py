@@ -99,17 +99,17 @@ def _layouts(cfg):
 
 
 def stats_init(cfg):
-  """The running (max, sum-exp, entropy sum, chosen z, found) of bn rows, [bn] each."""
+  """The running (max, sum-exp, entropy sum, chosen z) of bn rows, [bn] each."""
   cast, wg, _ = _layouts(cfg)
   row_vec = lambda value: cast(jnp.full((cfg.blocks.block_n,), value, jnp.float32), wg.reduce(1))
-  return (row_vec(NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0), row_vec(0.0))
+  return (row_vec(NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0))
 
 
 def stats_fold(cfg, ids, j, x_smem, carry):
   """Fold vocabulary tile j (in shared memory) into the running statistics; ids: [bn] row layout."""
   cast, wg, bcast = _layouts(cfg)
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
-  m, l, s, chosen, found = carry  # [bn] each
+  m, l, s, chosen = carry  # [bn] each
   col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
   valid = col < cfg.vocab
   z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
@@ -124,15 +124,16 @@ def stats_fold(cfg, ids, j, x_smem, carry):
   l = alpha * l + p.sum(axis=1)
   hit = (col == bcast(ids)) & valid  # a padded column never matches an out-of-range id
   chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
-  found = found + hit.astype(jnp.float32).sum(axis=1)
-  return m_new, l, s, chosen, found
+  return m_new, l, s, chosen
 
 
-def stats_finish(carry):
-  """(lse, logp, entropy), [bn] each, of the final statistics."""
-  m, l, s, chosen, found = carry
+def stats_finish(cfg, ids, carry):
+  """(lse, logp, entropy), [bn] each, of the final statistics; ids: [bn] row layout. An id outside
+  [0, V) (never matched: no row reduction needed to know) gives a NaN logp."""
+  m, l, s, chosen = carry
   lse = m + jnp.log(l)
-  return lse, jnp.where(found > 0, chosen - lse, jnp.nan), jnp.log(l) - s / l
+  found = (ids >= 0) & (ids < cfg.vocab)
+  return lse, jnp.where(found, chosen - lse, jnp.nan), jnp.log(l) - s / l
 
 
 def grad_store(cfg, ids, lse, g, j, x_smem, out_s, dx_rows):
@@ -191,7 +192,7 @@ def _fwd_kernel(x_gmem, ids_gmem, lse_gmem, logp_gmem, ent_gmem, ids_s, out_s, b
   ids = cast(ids_s[...], wg.reduce(1))  # [bn]
   step = lambda j, x_smem, carry: stats_fold(cfg, ids, j, x_smem, carry)
   carry = tile_pipeline(cfg, x_gmem, rows, step, stats_init(cfg))
-  store_rows(out_s, stats_finish(carry), (lse_gmem, logp_gmem, ent_gmem), rows)
+  store_rows(out_s, stats_finish(cfg, ids, carry), (lse_gmem, logp_gmem, ent_gmem), rows)
 
 
 def _bwd_kernel(x_gmem, ids_gmem, lse_gmem, g_gmem, dx_gmem, row_s, out_s, bar, *, cfg):

@@ -37,7 +37,8 @@ def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig):
   plgpu.barrier_wait(bar)
   ids = cast(ids_s[...], wg.reduce(1))  # [bn]
   step = lambda j, x_smem, carry: mg.stats_fold(kc, ids, j, x_smem, carry)
-  lse, logp, ent = mg.stats_finish(mg.tile_pipeline(kc, x_gmem, rows, step, mg.stats_init(kc)))
+  carry = mg.tile_pipeline(kc, x_gmem, rows, step, mg.stats_init(kc))
+  lse, logp, ent = mg.stats_finish(kc, ids, carry)
   tok = {k: cast(tok_s.at[i][...], wg.reduce(1)) for i, k in enumerate(cfg.fields)}
   g = _train.coefficient(cfg, logp, tok)  # [bn], includes 1 / temperature
   args = (bcast(ids), bcast(lse), bcast(g))

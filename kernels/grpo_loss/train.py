@@ -14,8 +14,8 @@ Two families, as :mod:`kernels.grpo_loss.pallas`:
           logits leave HBM once.
   rowloop (GPU / Triton): grid (rows,); the stats sweep, then the dlogits sweep in reverse chunk
           order, so it starts on the chunks the first sweep read last, the ones still in L2 (a
-          297 KB row; :func:`kernels.grpo_loss.blocks.rowloop_budget` sizes the programs in flight
-          so that their rows fit in L2).
+          297 KB row; :func:`kernels.grpo_loss.blocks.rowloop_budget` models whether the rows
+          being swept fit in L2, which decides whether the second sweep costs HBM reads).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from jax.extend import core as jax_core
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas as _pallas
+from kernels.grpo_loss.blocks import tiled_train_rows
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.loss_spec import LossSpec
 from kernels.objective import token_coefficient
@@ -160,7 +161,7 @@ def _tiled_train_kernel(x_ref, ids_ref, tok_ref, *out_refs, cfg: TrainConfig):
 
 def _tiled_train(cfg: TrainConfig, x, ids, tok):
   n, v = x.shape
-  bn = cfg.loss.blocks.block_n
+  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target)
   row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
   block = pl.BlockSpec((bn, v), lambda i: (i, 0))
   outs = pl.pallas_call(
@@ -184,7 +185,7 @@ def _tiled_train(cfg: TrainConfig, x, ids, tok):
 
 def tiled_vmem_bytes(bn: int, v: int, dtype, bv: int) -> int:
   """VMEM of one tiled training step: the row block in and dlogits out, each double-buffered, plus
-  f32 chunk temporaries and 4 MiB of headroom (a bf16 block of 8 x 151936 is 2.3 MiB)."""
+  f32 chunk temporaries and 4 MiB of headroom (:func:`tiled_train_rows` keeps the blocks <= 48 MiB)."""
   block = bn * v * jnp.dtype(dtype).itemsize
   return 4 * block + 8 * bn * bv * 4 + (4 << 20)
 
