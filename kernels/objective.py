@@ -1,12 +1,14 @@
 """The policy objective on per-token log-probs: the one [B, T] definition every impl shares.
 
-Every impl of ``grpo_loss`` / ``fused_linear_grpo_loss`` reduces the logits to differentiable per-token
-log-probs ``logp`` [B, T] (the kernels: one pass over the vocabulary forward, one backward, fed by
-d loss / d logp through a custom VJP), and then applies :func:`policy_objective` — plain JAX on [B, T]
-arrays, differentiated by autodiff. Why here and not fused into the kernels' last vocabulary tile:
-the sequence-level options (GSPO, sequence importance weights) need per-sequence sums of log-probs,
-which a per-token kernel cannot finish in its one pass; computing every option once, outside, keeps the
-options identical across impls by construction, and costs O(B * T) against the kernels' O(B * T * V).
+Every impl of ``grpo_loss`` / ``fused_linear_grpo_loss`` reduces the logits to per-token log-probs
+``logp`` [B, T] and applies :func:`policy_objective` — plain JAX on [B, T] arrays — for the loss value.
+Gradients: sequence-level options (GSPO, sequence importance weights) need per-sequence sums of
+log-probs, so there autodiff of this function gives d loss / d logp for a backward kernel (three passes
+over the logits). Token-level options make a token's loss a function of its own log p: then
+:func:`token_coefficient` (autodiff of the same function, elementwise) runs inside the training kernels
+once a row's log p is known, and dlogits are written in the forward's pass (two passes in all). One
+definition keeps the options identical across impls by construction; it costs O(B * T) against the
+kernels' O(B * T * V).
 """
 
 from __future__ import annotations

@@ -11,9 +11,15 @@ dlogits = g / T * (onehot(id) - softmax(z)) from the saved log-sum-exp), laid ou
 * the backward writes dlogits through its own ring of shared-memory tiles with TMA stores
   (``copy_smem_to_gmem``), waiting only until the store that last used a slot has *read* it.
 
-The kernels produce differentiable (logp, entropy) with a custom VJP whose backward takes
-d loss / d logp; the policy objective (ratio, clip, importance weights, KL) is the [B, T] XLA math of
-:mod:`kernels.objective` shared by every impl: all [N, V] traffic is in the two kernels. Shapes that are not multiples
+These are the statistics and backward kernels (the three-pass path: sequence-level specs, aux
+gradients); the training path's one kernel is :mod:`kernels.grpo_loss.mosaic_train`, built from the
+same pieces (:func:`stats_fold`, :func:`grad_store`, :func:`tile_pipeline`). The policy objective is
+the [B, T] XLA math of :mod:`kernels.objective` shared by every impl: all [N, V] traffic is in kernels.
+
+Launch budget at N 8192, V 151936 bf16 (:func:`kernels.grpo_loss.blocks.mosaic_budget`, tested):
+128 CTAs of 64 rows on 132 SMs, one per SM, 19 MB of logits each, 64 KB in flight per SM (4 stages of
+64 x 128 bf16) against ~18 KB that Little's law asks at 80 % of a 3.0 TB/s copy: the forward's one
+pass is not starved of loads (1.04 ms at 80 %). Not measured. Shapes that are not multiples
 of the tile (N % block_n, V % block_v) are padded by a copy in the wrapper — production shapes
 (N = 8192, V = 151936 = 1187 * 128) need none; the padded columns are masked in-kernel.
 """

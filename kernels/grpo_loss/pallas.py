@@ -1,20 +1,22 @@
-"""Pallas kernels for the GRPO loss over the vocabulary: one forward pass, one backward pass.
+"""Pallas kernels for the GRPO loss over the vocabulary: the statistics forward and the backward.
 
 Forward, per token row: an online max / sum-exp over vocabulary tiles (the tail masked in-kernel, never
 padded in memory), the chosen token's logit and the entropy's running sum, finished in the last tile
 into (log p, entropy) and the saved log-sum-exp.
 Backward: dlogits = g / T * (onehot(id) - softmax(z)) tile by tile from the saved log-sum-exp, where
-g = d loss / d log p arrives through the custom VJP; no f32 [N, V] array is ever built.
+g = d loss / d log p; no f32 [N, V] array is ever built.
 
-The policy objective (ratio, clip, importance weights, KL) is not in the kernels: it is the shared [N]
-math of :mod:`kernels.objective`, differentiated by autodiff into g. Sequence-level options need
-per-sequence sums of log p, which a per-token kernel cannot finish in its one pass; outside, every
-option is defined once for all impls, and the traffic stays one pass over the logits forward and one
-backward (the [B, T] math is O(B * T) against O(B * T * V)).
+These are the three-pass pieces (statistics, then [B, T] objective, then backward): what runs for
+sequence-level specs, for callers that differentiate aux outputs, and for the fused LM-head loss
+(:mod:`kernels.fused_linear.chunked` calls :func:`row_stats` and :func:`softmax_grad`). The training
+path for token-level specs is :mod:`kernels.grpo_loss.train` (one kernel: statistics, the in-kernel
+coefficient, dlogits) under the custom VJP of :mod:`kernels.grpo_loss.vjp`.
 
 Two families:
   tiled   (TPU, CPU interpreter): grid (rows / bn, V / bv), the vocab axis a sequential reduction.
-  rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores.
+  rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores;
+                                  one block-wide max per chunk, per-lane sums reduced once per row
+                                  (launch model: :func:`kernels.grpo_loss.blocks.rowloop_budget`).
 
 All per-token inputs and outputs are flat f32 [N] (rowloop) or [N, 1] (tiled: a (bn, 1) block spans
 the last dim, which satisfies Mosaic's tiling rule) arrays.
