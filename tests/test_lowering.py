@@ -122,6 +122,17 @@ def test_aux_gradient_and_token_options_lower_at_production_shape(platform, impl
   assert text.count(marker) == 2  # the training kernel + the backward kernel
 
 
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+def test_split_row_statistics_lower_for_triton(shape_name):
+  """LossBlocks.splits > 1: the statistics kernel's (row, split) grid with a traced chunk count per
+  split lowers for CUDA (forward, and GSPO's statistics + backward kernels)."""
+  blocks = LossBlocks(1, 8192, num_warps=16, num_stages=2, splits=4)
+  shape = LOSS_SHAPES[shape_name]
+  marker = backend.LOWERED_KERNEL_MARKERS["gpu"]
+  assert lower_loss("gpu", shape, grad=False, blocks=blocks).count(marker) == 1
+  assert lower_loss("gpu", shape, grad=True, blocks=blocks, **SPEC_OPTIONS).count(marker) == 2
+
+
 def test_mosaic_itself_rejects_what_our_check_rejects():
   """Our block check mirrors Mosaic's rule: with the check satisfied-by-fiat (N = bn), Mosaic accepts;
   a 100-wide vocab tile is rejected by our check before Mosaic sees it."""

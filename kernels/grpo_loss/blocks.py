@@ -15,15 +15,19 @@ class LossBlocks:
   block_n: token rows per program (the GPU ``rowloop`` family handles exactly one row per program).
   block_v: vocabulary columns per tile (tiled family) or per loop chunk (rowloop family).
   num_warps, num_stages: Triton launch parameters, ignored elsewhere.
+  splits: programs per row in the rowloop statistics kernel (each a contiguous range of whole
+    chunks; their partial max / sum-exp / entropy sums combined exactly by log-sum-exp), for
+    batches too small to fill the GPU with one program per row; 1 elsewhere.
   """
 
   block_n: int
   block_v: int
   num_warps: int = 8
   num_stages: int = 1
+  splits: int = 1
 
   def __post_init__(self):
-    for name in ("block_n", "block_v", "num_warps", "num_stages"):
+    for name in ("block_n", "block_v", "num_warps", "num_stages", "splits"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"LossBlocks.{name} must be a positive int, got {value!r}")
@@ -37,6 +41,10 @@ class LossBlocks:
         )
       lse.check_triton_tile("block_v", self.block_v)
       return
+    if self.splits != 1:
+      raise ValueError(
+        f"LossBlocks.splits is a GPU (rowloop) setting: must be 1, got {self.splits}"
+      )
     if target.platform == "tpu" and not target.interpret:
       lse.check_tpu_tile("block_n", self.block_n, n, 8, "N")
       lse.check_tpu_tile("block_v", self.block_v, v, 128, "V")
@@ -58,7 +66,10 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   """
   if target.family == "rowloop":
     bv = min(8192, 1 << max(v - 1, 0).bit_length())
-    return LossBlocks(block_n=1, block_v=bv, num_warps=max(1, min(16, bv // 512)), num_stages=2)
+    # fewer than 4 programs per SM: split rows so that ~4 * 132 programs share the statistics pass
+    splits = max(1, min(8, -(-528 // max(n, 1)), -(-v // bv)))
+    warps = max(1, min(16, bv // 512))
+    return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
     return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 2048 else 2048)
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
@@ -129,7 +140,9 @@ def rowloop_budget(n: int, v: int, itemsize: int, blocks: LossBlocks, hw: Hopper
   row = v * itemsize
   in_flight = resident * blocks.block_v * itemsize * blocks.num_stages
   swept = hw.sms * resident * row
-  return _budget(hw, n, v, itemsize, n, resident, row, in_flight, swept, 1 + (swept > hw.l2_bytes))
+  programs, per_program = n * blocks.splits, -(-row // blocks.splits)  # the statistics kernel
+  reads = 1 + (swept > hw.l2_bytes)
+  return _budget(hw, n, v, itemsize, programs, resident, per_program, in_flight, swept, reads)
 
 
 def mosaic_budget(n: int, v: int, itemsize: int, blocks, hw: Hopper = Hopper()):

@@ -207,6 +207,8 @@ def rowloop_params(cfg: LossConfig):
 
 
 def _rowloop_fwd(cfg: LossConfig, x, ids):
+  if cfg.blocks.splits > 1:
+    return _rowloop_split_fwd(cfg, x, ids)
   n, v = x.shape
   scalar = pl.BlockSpec((None,), lambda i: (i,))
   return tuple(
@@ -221,6 +223,50 @@ def _rowloop_fwd(cfg: LossConfig, x, ids):
       name="grpo_loss_fwd",
     )(x, ids)
   )
+
+
+def _rowloop_split_kernel(x_ref, m_ref, l_ref, s_ref, *, cfg: LossConfig, width: int):
+  """Partial statistics of columns [s * width, (s + 1) * width) of one row (program (row, s))."""
+  bv, vocab, inv_t = cfg.blocks.block_v, cfg.vocab, 1.0 / cfg.temperature
+  start = pl.program_id(1) * width
+  chunks = jnp.clip(pl.cdiv(vocab - start, bv), 0, width // bv)  # no fully out-of-range chunk
+
+  def body(k, carry):
+    cols = start + k * bv + jnp.arange(bv, dtype=jnp.int32)
+    valid = cols < vocab
+    x = backend.masked_load(x_ref.at[pl.ds(start + k * bv, bv)], mask=valid, other=0.0)
+    z = jnp.where(valid, x.astype(jnp.float32) * inv_t, -jnp.inf)
+    return lse.lane_update(z, valid, *carry)
+
+  lanes = jnp.zeros((bv,), jnp.float32)
+  m, l, s = jax.lax.fori_loop(0, chunks, body, (jnp.float32(lse.NEG_BIG), lanes, lanes))
+  m_ref[...], l_ref[...], s_ref[...] = m, jnp.sum(l), jnp.sum(s)
+
+
+def _rowloop_split_fwd(cfg: LossConfig, x, ids):
+  """The statistics kernel with ``splits`` programs per row; partials combined by log-sum-exp."""
+  n, v = x.shape
+  bv, splits = cfg.blocks.block_v, cfg.blocks.splits
+  width = pl.cdiv(pl.cdiv(v, splits), bv) * bv
+  part = pl.BlockSpec((None, None), lambda i, s: (i, s))
+  m, l, s = pl.pallas_call(
+    functools.partial(_rowloop_split_kernel, cfg=cfg, width=width),
+    grid=(n, splits),
+    in_specs=[pl.BlockSpec((None, v), lambda i, s: (i, 0))],
+    out_specs=[part] * 3,
+    out_shape=[jax.ShapeDtypeStruct((n, splits), jnp.float32)] * 3,
+    compiler_params=rowloop_params(cfg),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_fwd_split",
+  )(x)
+  top = jnp.max(m, axis=1, keepdims=True)
+  a = jnp.exp(m - top)  # 0 for an empty split (m = NEG_BIG), whose terms are then dropped
+  l_row = jnp.sum(a * l, axis=1)
+  s_row = jnp.sum(jnp.where(a == 0, 0.0, a * (s + (m - top) * l)), axis=1)
+  found = (ids >= 0) & (ids < v)  # an id outside [0, V) poisons (NaN), never hides
+  picked = jnp.take_along_axis(x, jnp.where(found, ids, 0)[:, None], axis=1)[:, 0]
+  chosen = picked.astype(jnp.float32) * (1.0 / cfg.temperature)
+  return finalize(top[:, 0], l_row, s_row, chosen, found.astype(jnp.float32))
 
 
 def _rowloop_bwd(cfg: LossConfig, x, ids, lse, shift, g):
