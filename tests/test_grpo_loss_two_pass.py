@@ -173,3 +173,12 @@ def test_launch_budgets_at_the_production_shape():
   m = mosaic_budget(n, v, 2, mosaic_default(jnp.bfloat16))
   assert (m.programs, m.resident_per_sm, m.in_flight_per_sm) == (128, 1, 64 * 1024)
   assert m.training_reads == 2 and m.train_ms == pytest.approx(3 * m.fwd_ms)
+
+
+def test_split_blocks_validated():
+  """splits is a positive int, and a GPU (rowloop) setting: the tiled family has no split kernel."""
+  with pytest.raises(ValueError, match="splits"):
+    LossBlocks(1, 128, splits=0)
+  args, kw = make_problem(1, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match="splits"):
+    kernels.grpo_loss(*args, **kw, **dict(CALLS["tiled"], blocks=LossBlocks(8, 128, splits=2)))
