@@ -32,6 +32,7 @@ from bench.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
 from kernels.grpo_loss import LossBlocks
+from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 from kernels.paged_attention import PagedBlocks
 from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
@@ -64,20 +65,30 @@ def loss_problems(size: str, platform: str) -> list[autotune.Problem]:
 
 
 def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.Candidate]:
+  """XLA, the Pallas kernel family of the platform and (GPU / CPU) Mosaic GPU, over the blocks that
+  trade bytes in flight against rows swept at once (kernels/grpo_loss/blocks.py's launch budgets):
+  Triton chunk width x warps x pipeline stages, skipping configurations the register model says
+  cannot hold one program per SM; TPU rows per training step; Mosaic GPU tile width x ring depth."""
   dtype = problem.shape["dtype"]
+  itemsize = jnp.dtype(dtype).itemsize
+  tokens, vocab = problem.shape["tokens"], problem.shape["vocab"]
   fn = lambda impl, blocks: functools.partial(_loss_fwd_bwd, impl, platform, blocks)
   cands = [autotune.Candidate("xla", None, fn("xla", None))]
+  pallas = [None]
   if platform == "gpu":
-    for bv, warps in itertools.product((2048, 4096, 8192), (4, 8, 16)):
-      blocks = LossBlocks(1, bv, num_warps=warps)
-      cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
-  else:  # TPU Mosaic / CPU interpreter: the heuristic blocks only
-    cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
+    pallas = []
+    for bv, warps, stages in itertools.product((4096, 8192, 16384), (8, 16, 32), (1, 2)):
+      blocks = LossBlocks(1, bv, num_warps=warps, num_stages=stages)
+      if loss_blocks.rowloop_budget(tokens, vocab, itemsize, blocks).resident_per_sm >= 1:
+        pallas.append(blocks)
+  elif platform == "tpu":
+    pallas = [None] + [LossBlocks(bn, 2048) for bn in (8, 32) if bn < tokens]
+  cands += [autotune.Candidate("pallas", b, fn("pallas", b)) for b in pallas]
   if platform in ("gpu", "cpu"):
-    unit = 128 // jnp.dtype(dtype).itemsize  # swizzle width in elements
-    grid = ((unit, 3), (2 * unit, 2), (2 * unit, 4), (4 * unit, 2))
+    unit = 128 // itemsize  # swizzle width in elements
+    grid = ((unit, 3), (unit, 4), (2 * unit, 2), (2 * unit, 4), (4 * unit, 2))
     if platform == "cpu":
-      grid = grid[1:2]  # the interpreter is slow: one config exercises the plumbing
+      grid = grid[2:3]  # the interpreter is slow: one config exercises the plumbing
     for bv, stages in grid:
       blocks = MosaicLossBlocks(64, bv, stages)
       try:

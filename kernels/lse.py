@@ -63,3 +63,19 @@ def check_tpu_tile(name: str, block: int, full: int, multiple: int, dim: str) ->
 def check_triton_tile(name: str, block: int) -> None:
   if not is_pow2(block):
     raise ValueError(f"Triton tiles must be powers of two: {name}={block}")
+
+
+def lane_update(z, valid, m, l, s):
+  """Fold one 1-D chunk of scaled logits z (invalid columns -inf) into per-lane statistics.
+
+  The rowloop kernels' online update: m is the row's running max (a scalar, one block-wide reduction
+  per chunk), l and s are per-lane vectors (sum exp(z - m) and sum p * (z - m), all lanes relative to
+  the same m) reduced across the program once per row, not once per chunk — a chunk costs one
+  cross-warp reduction instead of five. Same guards as :func:`online_update`.
+  """
+  m_new = jnp.maximum(m, jnp.max(z))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(z - m_new)
+  pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - m_new, 0.0))
+  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz
+  return m_new, alpha * l + p, s

@@ -1,12 +1,14 @@
 """The policy objective on per-token log-probs: the one [B, T] definition every impl shares.
 
-Every impl of ``grpo_loss`` / ``fused_linear_grpo_loss`` reduces the logits to differentiable per-token
-log-probs ``logp`` [B, T] (the kernels: one pass over the vocabulary forward, one backward, fed by
-d loss / d logp through a custom VJP), and then applies :func:`policy_objective` — plain JAX on [B, T]
-arrays, differentiated by autodiff. Why here and not fused into the kernels' last vocabulary tile:
-the sequence-level options (GSPO, sequence importance weights) need per-sequence sums of log-probs,
-which a per-token kernel cannot finish in its one pass; computing every option once, outside, keeps the
-options identical across impls by construction, and costs O(B * T) against the kernels' O(B * T * V).
+Every impl of ``grpo_loss`` / ``fused_linear_grpo_loss`` reduces the logits to per-token log-probs
+``logp`` [B, T] and applies :func:`policy_objective` — plain JAX on [B, T] arrays — for the loss value.
+Gradients: sequence-level options (GSPO, sequence importance weights) need per-sequence sums of
+log-probs, so there autodiff of this function gives d loss / d logp for a backward kernel (three passes
+over the logits). Token-level options make a token's loss a function of its own log p: then
+:func:`token_coefficient` (autodiff of the same function, elementwise) runs inside the training kernels
+once a row's log p is known, and dlogits are written in the forward's pass (two passes in all). One
+definition keeps the options identical across impls by construction; it costs O(B * T) against the
+kernels' O(B * T * V).
 """
 
 from __future__ import annotations
@@ -126,3 +128,39 @@ def policy_objective(
   else:
     kl = jnp.zeros_like(logp)
   return Objective(per_token, kl, is_clipped, is_weight, sampler_log_ratio)
+
+
+def token_coefficient(
+  logp,  # [...] f32: one token's log p per element (the training kernels: [bn, 1] or a scalar)
+  mask,  # [...] bool
+  advantages,  # [...] f32
+  weight,  # [...] f32: the token's weight in the loss, d loss / d per_token
+  spec: LossSpec,
+  *,
+  old_logps=None,  # [...] f32 or None
+  ref_logps=None,  # [...] f32 or None
+  sampler_logps=None,  # [...] f32 or None
+):
+  """d (weight * per_token) / d logp, elementwise: the per-token coefficient of the loss's gradient.
+
+  For token-level specs a token's loss depends on its own log p only, so this is exactly that token's
+  d loss / d logp — computed by autodiff of :func:`policy_objective` itself (one definition for every
+  impl), elementwise, so the training kernels evaluate it in-kernel the moment a row's log p is known
+  and write dlogits in the same pass. Sequence-level specs need the whole sequence first: ValueError.
+  """
+  if spec.sequence_level:
+    raise ValueError("token_coefficient needs a token-level LossSpec (no GSPO / sequence IS mode)")
+
+  def per_token(lp):
+    return policy_objective(
+      lp,
+      mask,
+      advantages,
+      spec,
+      old_logps=old_logps,
+      ref_logps=ref_logps,
+      sampler_logps=sampler_logps,
+    ).per_token
+
+  _, vjp = jax.vjp(per_token, logp)
+  return vjp(weight)[0]

@@ -57,10 +57,8 @@ def lower_loss(
 def test_lowers_real_kernel_at_production_shape(platform, shape_name, grad):
   text = lower_loss(platform, LOSS_SHAPES[shape_name], grad=grad)
   marker = backend.LOWERED_KERNEL_MARKERS[platform]
-  # forward kernel, plus the backward kernel when differentiating
-  assert text.count(marker) == (2 if grad else 1), (
-    f"expected the {platform} kernel, not the interpreter"
-  )
+  # the statistics kernel; differentiated (the training path), the one kernel that also writes dlogits
+  assert text.count(marker) == 1, f"expected the {platform} kernel, not the interpreter"
 
 
 @pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
@@ -69,7 +67,7 @@ def test_mosaic_gpu_loss_lowers_at_production_shape(shape_name, grad):
   """The Mosaic GPU kernels (impl="mosaic_gpu") lower for sm_90: the WGMMA register layouts, the
   swizzled TMA tiles and the pipelines are checked here, which the interpreter cannot do."""
   text = lower_loss("gpu", LOSS_SHAPES[shape_name], grad=grad, impl="mosaic_gpu")
-  assert text.count(backend.MOSAIC_GPU_MARKER) == (2 if grad else 1)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 1  # statistics, or the training kernel
   assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text  # no Triton kernel on this path
 
 
@@ -93,7 +91,48 @@ def test_loss_spec_options_lower_at_production_shape(platform, impl, shape_name)
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_on_policy_lowers(platform):
   text = lower_loss(platform, LOSS_SHAPES["qwen2.5-8k"], grad=True, off_policy=False, beta=0.0)
-  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == 2
+  assert text.count(backend.LOWERED_KERNEL_MARKERS[platform]) == 1  # the training kernel
+
+
+# The two-pass training path's other branch: a caller differentiating an aux output gets the training
+# kernel and the three-pass backward kernel; token-level options lower into the in-kernel coefficient.
+@pytest.mark.parametrize(
+  "platform,impl", [("tpu", "pallas"), ("gpu", "pallas"), ("gpu", "mosaic_gpu")]
+)
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+def test_aux_gradient_and_token_options_lower_at_production_shape(platform, impl, shape_name):
+  shape = LOSS_SHAPES[shape_name]
+  marker = backend.MOSAIC_GPU_MARKER if impl == "mosaic_gpu" else None
+  marker = marker or backend.LOWERED_KERNEL_MARKERS[platform]
+  options = dict(is_mode="token_mask", epsilon_c=3.0, temperature=0.7)
+  assert lower_loss(platform, shape, grad=True, impl=impl, **options).count(marker) == 1
+  b, t, v = shape.batch, shape.seq, shape.vocab
+  x = jax.ShapeDtypeStruct((b, t, v), jnp.dtype(shape.dtype))
+  ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  mask = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+  adv = jax.ShapeDtypeStruct((b,), jnp.float32)
+  ref = jax.ShapeDtypeStruct((b, t), jnp.float32)
+
+  def loss(logits, ids, mask, adv, ref):
+    out = kernels.grpo_loss(logits, ids, mask, adv, ref_logps=ref, beta=0.04, impl=impl)
+    return out[0] + jnp.sum(out[1].per_token_kl)
+
+  target = backend.make_target(platform, interpret=False)
+  with backend.use_target(platform, interpret=False):
+    traced = jax.jit(jax.grad(loss)).trace(x, ids, mask, adv, ref)
+    text = traced.lower(lowering_platforms=(target.lowering_platform,)).as_text()
+  assert text.count(marker) == 2  # the training kernel + the backward kernel
+
+
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+def test_split_row_statistics_lower_for_triton(shape_name):
+  """LossBlocks.splits > 1: the statistics kernel's (row, split) grid with a traced chunk count per
+  split lowers for CUDA (forward, and GSPO's statistics + backward kernels)."""
+  blocks = LossBlocks(1, 8192, num_warps=16, num_stages=2, splits=4)
+  shape = LOSS_SHAPES[shape_name]
+  marker = backend.LOWERED_KERNEL_MARKERS["gpu"]
+  assert lower_loss("gpu", shape, grad=False, blocks=blocks).count(marker) == 1
+  assert lower_loss("gpu", shape, grad=True, blocks=blocks, **SPEC_OPTIONS).count(marker) == 2
 
 
 def test_mosaic_itself_rejects_what_our_check_rejects():

@@ -73,7 +73,9 @@ def cases(size: str, platform: str) -> list[Case]:
         inputs,
         functools.partial(_fwd_bwd, "pallas", platform),
         functools.partial(_fwd_bwd, "xla", platform),
-        3 * n * v * itemsize,
+        # the ideal traffic: the training path reads the logits once and writes dlogits once
+        # (kernels/grpo_loss/vjp.py); before the two-pass path this row counted 3 passes
+        2 * n * v * itemsize,
         None,
         (value, grad),
         params,

@@ -10,14 +10,18 @@ import jax.numpy as jnp
 from kernels import autotune, backend, checks, loss_spec
 from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
+from kernels.grpo_loss import train as _train
+from kernels.grpo_loss import vjp as _vjp
 from kernels.grpo_loss.blocks import LossBlocks, default_blocks
 from kernels.grpo_loss.reference import (
   GRPOAux,
   grpo_loss_reference,
+  make_aux,
   objective_and_loss,
   token_logps_and_entropy,
 )
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, UNSET, LossSpec
+from kernels.objective import policy_objective
 
 __all__ = [
   "DEFAULT_MAX_LOG_RATIO",
@@ -50,6 +54,7 @@ def grpo_loss(
   interpret: bool | None = None,
   blocks: LossBlocks | None = None,
   reuse_logits_buffer: bool = False,
+  loss_scale=None,  # scalar (may be traced) or None: the returned loss is loss * loss_scale
   # LossSpec fields as keywords (a convenience: they build the spec; with spec= they must agree)
   loss_type: str = UNSET,
   epsilon_low: float = UNSET,
@@ -114,8 +119,12 @@ def grpo_loss(
     platform, interpret: the kernel target (default: :func:`kernels.backend.use_target`, else the
       host's backend). Set ``platform="tpu"`` on a CPU host to lower the Mosaic kernel ahead of time.
     blocks: tile sizes; default from :func:`default_blocks`.
-    reuse_logits_buffer: alias dlogits onto the logits buffer in the backward pass, so that a donated
-      logits array is overwritten in place instead of allocating a second [N, V] array.
+    reuse_logits_buffer: alias dlogits onto the logits buffer (the kernel that writes dlogits), so
+      that a donated logits array is overwritten in place instead of allocating a second [N, V] array.
+    loss_scale: multiplies the loss (e.g. a micro-batch's share of the global loss). Passed here
+      rather than multiplied afterwards, the kernels fold it into each token's loss weight, so the
+      training path's backward sees cotangent 1 and makes no pass over [N, V] (see
+      :mod:`kernels.grpo_loss.vjp`). aux is not scaled.
 
   Returns:
     ``(loss, aux)``: a scalar f32 loss and :class:`GRPOAux`.
@@ -139,8 +148,14 @@ def grpo_loss(
   logits, mask, ids = args.logits, args.mask, args.ids
   target = backend.resolve(platform, interpret)
   impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, dict(dtype=jnp.dtype(logits.dtype).name, tokens=logits.shape[0] * logits.shape[1], vocab=logits.shape[2]))  # fmt: skip
+  if loss_scale is not None:
+    loss_scale = checks.as_array("loss_scale", loss_scale)
+    if loss_scale.ndim != 0 or not jnp.issubdtype(loss_scale.dtype, jnp.number):
+      raise checks.ArgumentTypeError(f"loss_scale must be a numeric scalar, got {loss_scale.dtype}{list(loss_scale.shape)}")  # fmt: skip
+    checks.finite("loss_scale", loss_scale)
+    loss_scale = jax.lax.stop_gradient(loss_scale.astype(jnp.float32))
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
-    return grpo_loss_reference(
+    loss, aux = grpo_loss_reference(
       logits,
       ids,
       mask,
@@ -151,17 +166,40 @@ def grpo_loss(
       spec=spec,
       num_items_in_batch=num_items_in_batch,
     )
+    return (loss if loss_scale is None else loss * loss_scale), aux
 
   b, t, v = logits.shape
   n = b * t
+  x, flat_ids = logits.reshape(n, v), ids.reshape(n)
   if impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
-    logp, entropy = _mosaic_gpu.token_logps(logits.reshape(n, v), ids.reshape(n), target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse_logits_buffer)  # fmt: skip
+    kernel_cfg = _mosaic_gpu.make_config(x, target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse_logits_buffer)  # fmt: skip
   else:
     blocks = default_blocks(target, n, v) if blocks is None else blocks
     blocks.check(target, n, v)
-    cfg = _pallas.LossConfig(target, blocks, v, spec.temperature, reuse_logits_buffer)
-    logp, entropy = _pallas.token_logps(cfg, logits.reshape(n, v), ids.reshape(n))
-  return objective_and_loss(
+    kernel_cfg = _pallas.LossConfig(target, blocks, v, spec.temperature, reuse_logits_buffer)
+  data = dict(
+    mask=mask,
+    advantages=args.advantages,
+    old_logps=args.old_logps,
+    ref_logps=args.ref_logps,
+    sampler_logps=args.sampler_logps,
+    num_items_in_batch=num_items_in_batch,
+    scale=loss_scale,
+  )
+  if not spec.sequence_level:  # the two-pass training path (kernels.grpo_loss.vjp)
+    present = tuple(k for k in _train.TOKEN_FIELDS[3:] if data[k] is not None)
+    fields = _train.TOKEN_FIELDS[:3] + present
+    kernel_cfg = _train.TrainConfig(kernel_cfg, spec, fields)
+    loss, logp, entropy = _vjp.loss_logps(_vjp.Static(kernel_cfg, b, t), x, flat_ids, data)
+    logps = {k: data[k] for k in ("old_logps", "ref_logps", "sampler_logps")}
+    obj = policy_objective(logp.reshape(b, t), mask, args.advantages, spec, **logps)
+    return loss, make_aux(mask, logp.reshape(b, t), entropy.reshape(b, t), obj)
+  # sequence-level: statistics forward, the [B, T] objective, the backward kernel (three passes)
+  if impl == "mosaic_gpu":
+    logp, entropy = _mosaic_gpu.token_logps_cfg(kernel_cfg, x, flat_ids)
+  else:
+    logp, entropy = _pallas.token_logps(kernel_cfg, x, flat_ids)
+  loss, aux = objective_and_loss(
     logp.reshape(b, t),
     entropy.reshape(b, t),
     mask,
@@ -172,6 +210,7 @@ def grpo_loss(
     ref_logps=args.ref_logps,
     sampler_logps=args.sampler_logps,
   )
+  return (loss if loss_scale is None else loss * loss_scale), aux
 
 
 class LossArgs(NamedTuple):

@@ -15,15 +15,19 @@ class LossBlocks:
   block_n: token rows per program (the GPU ``rowloop`` family handles exactly one row per program).
   block_v: vocabulary columns per tile (tiled family) or per loop chunk (rowloop family).
   num_warps, num_stages: Triton launch parameters, ignored elsewhere.
+  splits: programs per row in the rowloop statistics kernel (each a contiguous range of whole
+    chunks; their partial max / sum-exp / entropy sums combined exactly by log-sum-exp), for
+    batches too small to fill the GPU with one program per row; 1 elsewhere.
   """
 
   block_n: int
   block_v: int
   num_warps: int = 8
   num_stages: int = 1
+  splits: int = 1
 
   def __post_init__(self):
-    for name in ("block_n", "block_v", "num_warps", "num_stages"):
+    for name in ("block_n", "block_v", "num_warps", "num_stages", "splits"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"LossBlocks.{name} must be a positive int, got {value!r}")
@@ -37,6 +41,10 @@ class LossBlocks:
         )
       lse.check_triton_tile("block_v", self.block_v)
       return
+    if self.splits != 1:
+      raise ValueError(
+        f"LossBlocks.splits is a GPU (rowloop) setting: must be 1, got {self.splits}"
+      )
     if target.platform == "tpu" and not target.interpret:
       lse.check_tpu_tile("block_n", self.block_n, n, 8, "N")
       lse.check_tpu_tile("block_v", self.block_v, v, 128, "V")
@@ -48,13 +56,116 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   * TPU: 128 x 2048 tiles keep a bf16 logits tile at 512 KiB (double-buffered by the pipeline) and the
     f32 temporaries of one tile at about 1 MiB each, well inside the default scoped VMEM of v4-v6; the
     vocabulary tail is masked in-kernel, so V = 151936 (= 74 * 2048 + 384) needs no padding.
-  * GPU: one row per program (8192 programs at N = 8192 fill every SM several times over) streaming the
-    row in 4096-wide chunks with 8 warps: 16 contiguous elements per thread per load. Not yet tuned on
-    hardware; see bench/results for what was measured.
+  * GPU: one row per program, 8192-wide chunks over 16 warps (16 contiguous elements, two 16-byte
+    loads per thread per chunk), two pipeline stages: :func:`rowloop_budget` gives one resident
+    program per SM (so the rows being swept, 132 x 297 KB = 39 MB, fit the 50 MB L2 that the training
+    kernel's reversed second sweep re-reads), 32 KB in flight per SM against the ~18 KB that Little's
+    law asks at 80 % of the copy rate, and 62 waves of programs. A model, not a measurement: the
+    autotuner's candidates (bench/tune.py) decide on hardware.
   * CPU interpreter: large tiles, because each grid step costs interpreter overhead.
   """
   if target.family == "rowloop":
-    return LossBlocks(block_n=1, block_v=min(4096, 1 << max(v - 1, 0).bit_length()), num_warps=8)
+    bv = min(8192, 1 << max(v - 1, 0).bit_length())
+    # fewer than 4 programs per SM: split rows so that ~4 * 132 programs share the statistics pass
+    splits = max(1, min(8, -(-528 // max(n, 1)), -(-v // bv)))
+    warps = max(1, min(16, bv // 512))
+    return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
     return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 2048 else 2048)
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
+
+
+# ------------------------------------------------------------------ launch budgets (no GPU needed)
+@dataclasses.dataclass(frozen=True)
+class Hopper:
+  """The H100 SXM figures the budgets use: SMs, L2, registers and warps per SM, the measured copy
+  rate (issue 33: ~3.0 TB/s) and a loaded HBM latency for Little's law."""
+
+  sms: int = 132
+  l2_bytes: int = 50 * 2**20
+  regs_per_sm: int = 65536
+  warps_per_sm: int = 64
+  smem_per_sm: int = 227 * 1024
+  copy_bytes_per_s: float = 3.0e12
+  latency_s: float = 1.0e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchBudget:
+  """What one kernel launch puts on the GPU at an [n, v] problem, and the times its passes take at
+  80 % of the copy rate (the issue-33 targets: forward <= 1.0 ms, training path <= 2.0 ms)."""
+
+  programs: int  # programs (CTAs) per launch
+  resident_per_sm: int  # programs an SM holds at once
+  waves: float  # programs / (SMs x resident)
+  bytes_per_program: int  # logits one program reads
+  in_flight_per_sm: int  # bytes of loads outstanding per SM
+  needed_in_flight_per_sm: int  # Little's law: 80 % of the copy rate x latency / SMs
+  swept_rows_bytes: int  # rows being swept at once, GPU-wide (the training kernel re-reads them)
+  training_reads: (
+    int  # HBM reads of the logits on the training path (1: the row stays on chip / L2)
+  )
+  fwd_ms: float  # one read of N V itemsize at 80 % of the copy rate
+  train_ms: float  # training_reads + one dlogits write at 80 %
+
+
+def _budget(hw, n, v, itemsize, programs, resident, per_program, in_flight, swept, reads):
+  rate = 0.8 * hw.copy_bytes_per_s
+  nv = n * v * itemsize
+  return LaunchBudget(
+    programs=programs,
+    resident_per_sm=resident,
+    waves=programs / (hw.sms * max(resident, 1)),
+    bytes_per_program=per_program,
+    in_flight_per_sm=in_flight,
+    needed_in_flight_per_sm=int(rate * hw.latency_s / hw.sms),
+    swept_rows_bytes=swept,
+    training_reads=reads,
+    fwd_ms=1e3 * nv / rate,
+    train_ms=1e3 * (reads + 1) * nv / rate,
+  )
+
+
+def rowloop_budget(n: int, v: int, itemsize: int, blocks: LossBlocks, hw: Hopper = Hopper()):
+  """The Triton (rowloop) kernels: one row per program, ``block_v`` columns per chunk.
+
+  Registers per thread are modelled as 32 + 4 per element a thread holds in a chunk (the chunk, its
+  exponentials and the per-lane sum-exp and entropy sums), which bounds the programs per SM. The
+  training kernel re-reads each row in reverse chunk order; the re-read comes from L2 when the rows
+  being swept GPU-wide fit in it (then ``training_reads`` is 1, else 2).
+  """
+  threads = 32 * blocks.num_warps
+  regs = min(255, 32 + 4 * max(1, blocks.block_v // threads))
+  resident = max(0, min(hw.warps_per_sm // blocks.num_warps, hw.regs_per_sm // (threads * regs)))
+  row = v * itemsize
+  in_flight = resident * blocks.block_v * itemsize * blocks.num_stages
+  swept = hw.sms * resident * row
+  programs, per_program = n * blocks.splits, -(-row // blocks.splits)  # the statistics kernel
+  reads = 1 + (swept > hw.l2_bytes)
+  return _budget(hw, n, v, itemsize, programs, resident, per_program, in_flight, swept, reads)
+
+
+def mosaic_budget(n: int, v: int, itemsize: int, blocks, hw: Hopper = Hopper()):
+  """The Mosaic GPU kernels: ``block_n`` rows per CTA, a ``stages``-deep TMA ring of [block_n,
+  block_v] tiles (two rings, in and out, on the training path). A CTA's rows (64 x 297 KB) outgrow
+  L2 between its two sweeps: the training path reads the logits twice."""
+  tile = blocks.block_n * blocks.block_v * itemsize
+  resident = max(1, hw.smem_per_sm // (2 * blocks.stages * tile))
+  programs = -(-n // blocks.block_n)
+  resident = min(resident, max(1, programs // hw.sms))
+  per_program = blocks.block_n * v * itemsize
+  swept = min(programs, hw.sms * resident) * per_program
+  in_flight = resident * blocks.stages * tile
+  return _budget(
+    hw, n, v, itemsize, programs, resident, per_program, in_flight, swept, 1 + (swept > hw.l2_bytes)
+  )
+
+
+def tiled_train_rows(block_n: int, n: int, v: int, itemsize: int, target: Target) -> int:
+  """Rows per step of the tiled training kernel, whose [rows, V] block stays in VMEM (in and out,
+  double-buffered: 4 rows x V x itemsize): on TPU capped so that this is <= 48 MiB, a multiple of 8
+  (or all N); the interpreter takes block_n."""
+  if target.platform != "tpu" or target.interpret:
+    return block_n
+  fit = max(8, (48 * 2**20 // (4 * v * itemsize)) // 8 * 8)
+  return n if n <= min(block_n, fit) else min(block_n, fit)

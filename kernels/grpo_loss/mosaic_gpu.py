@@ -11,9 +11,15 @@ dlogits = g / T * (onehot(id) - softmax(z)) from the saved log-sum-exp), laid ou
 * the backward writes dlogits through its own ring of shared-memory tiles with TMA stores
   (``copy_smem_to_gmem``), waiting only until the store that last used a slot has *read* it.
 
-The kernels produce differentiable (logp, entropy) with a custom VJP whose backward takes
-d loss / d logp; the policy objective (ratio, clip, importance weights, KL) is the [B, T] XLA math of
-:mod:`kernels.objective` shared by every impl: all [N, V] traffic is in the two kernels. Shapes that are not multiples
+These are the statistics and backward kernels (the three-pass path: sequence-level specs, aux
+gradients); the training path's one kernel is :mod:`kernels.grpo_loss.mosaic_train`, built from the
+same pieces (:func:`stats_fold`, :func:`grad_store`, :func:`tile_pipeline`). The policy objective is
+the [B, T] XLA math of :mod:`kernels.objective` shared by every impl: all [N, V] traffic is in kernels.
+
+Launch budget at N 8192, V 151936 bf16 (:func:`kernels.grpo_loss.blocks.mosaic_budget`, tested):
+128 CTAs of 64 rows on 132 SMs, one per SM, 19 MB of logits each, 64 KB in flight per SM (4 stages of
+64 x 128 bf16) against ~18 KB that Little's law asks at 80 % of a 3.0 TB/s copy: the forward's one
+pass is not starved of loads (1.04 ms at 80 %). Not measured. Shapes that are not multiples
 of the tile (N % block_n, V % block_v) are padded by a copy in the wrapper — production shapes
 (N = 8192, V = 151936 = 1187 * 128) need none; the padded columns are masked in-kernel.
 """
@@ -90,93 +96,126 @@ class MosaicLossConfig:
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _fwd_kernel(x_gmem, ids_gmem, lse_gmem, logp_gmem, ent_gmem, ids_s, out_s, bar, *, cfg):
-  plgpu = backend.mosaic_gpu_module()
-  wg = plgpu.Layout.WGMMA
+def _layouts(cfg):
+  """(cast, wg, bcast): layout_cast for this target, the WGMMA layout, [bn] -> [bn, bv] broadcast."""
+  wg = backend.mosaic_gpu_module().Layout.WGMMA
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
-  rows = pl.ds(lax.axis_index("rows") * bn, bn)
-  plgpu.copy_gmem_to_smem(ids_gmem.at[rows], ids_s, bar)
-  plgpu.barrier_wait(bar)
-  ids = cast(ids_s[...], wg.reduce(1))  # [bn]
-  bcast = lambda a: lax.broadcast_in_dim(a, (bn, bv), [0])
+  return cast, wg, lambda a: lax.broadcast_in_dim(a, (bn, bv), [0])
 
-  def step(idx, x_smem, carry):
-    m, l, s, chosen, found = carry  # [bn] each
-    col = idx[0] * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
-    valid = col < cfg.vocab
-    z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
-    z = jnp.where(valid, z, -jnp.inf)
-    m_new = jnp.maximum(m, z.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(z - bcast(m_new))
-    zc = jnp.where(valid, z - bcast(m_new), 0.0)
-    # 0 * log 0 = 0 (a -inf logit from a vocabulary mask), as in the Pallas kernels' online update
-    pz = jnp.where(p == 0, 0.0, p * zc)
-    s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum(axis=1)
-    l = alpha * l + p.sum(axis=1)
-    hit = (col == bcast(ids)) & valid  # a padded column never matches an out-of-range id
-    chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
-    found = found + hit.astype(jnp.float32).sum(axis=1)
-    return m_new, l, s, chosen, found
 
-  row_vec = lambda value: cast(jnp.full((bn,), value, jnp.float32), wg.reduce(1))
-  init = (row_vec(NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0), row_vec(0.0))
+def stats_init(cfg):
+  """The running (max, sum-exp, entropy sum, chosen z) of bn rows, [bn] each."""
+  cast, wg, _ = _layouts(cfg)
+  row_vec = lambda value: cast(jnp.full((cfg.blocks.block_n,), value, jnp.float32), wg.reduce(1))
+  return (row_vec(NEG_BIG), row_vec(0.0), row_vec(0.0), row_vec(0.0))
+
+
+def stats_fold(cfg, ids, j, x_smem, carry):
+  """Fold vocabulary tile j (in shared memory) into the running statistics; ids: [bn] row layout."""
+  cast, wg, bcast = _layouts(cfg)
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  m, l, s, chosen = carry  # [bn] each
+  col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
+  valid = col < cfg.vocab
+  z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
+  z = jnp.where(valid, z, -jnp.inf)
+  m_new = jnp.maximum(m, z.max(axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(z - bcast(m_new))
+  zc = jnp.where(valid, z - bcast(m_new), 0.0)
+  # 0 * log 0 = 0 (a -inf logit from a vocabulary mask), as in the Pallas kernels' online update
+  pz = jnp.where(p == 0, 0.0, p * zc)
+  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum(axis=1)
+  l = alpha * l + p.sum(axis=1)
+  hit = (col == bcast(ids)) & valid  # a padded column never matches an out-of-range id
+  chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
+  return m_new, l, s, chosen
+
+
+def stats_finish(cfg, ids, carry):
+  """(lse, logp, entropy), [bn] each, of the final statistics; ids: [bn] row layout. An id outside
+  [0, V) (never matched: no row reduction needed to know) gives a NaN logp."""
+  m, l, s, chosen = carry
+  lse = m + jnp.log(l)
+  found = (ids >= 0) & (ids < cfg.vocab)
+  return lse, jnp.where(found, chosen - lse, jnp.nan), jnp.log(l) - s / l
+
+
+def grad_store(cfg, ids, lse, g, j, x_smem, out_s, dx_rows):
+  """dlogits of tile j into ring slot j % stages, TMA-stored to dx_rows (the CTA's rows of dx).
+
+  ids, lse, g: [bn, bv] broadcasts of the rows' values; g includes 1 / temperature.
+  """
+  plgpu = backend.mosaic_gpu_module()
+  cast, wg, _ = _layouts(cfg)
+  bn, bv, stages = cfg.blocks.block_n, cfg.blocks.block_v, cfg.blocks.stages
+  col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
+  z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
+  # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf (as the Pallas kernels)
+  d = jnp.where(g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp(z - lse)))
+  slot = lax.rem(j, jnp.int32(stages))
+  # The TMA store that last used this slot (step j - stages) must have read it: <= stages - 1 pending.
+  plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+  out_s.at[slot][...] = d.astype(out_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_s.at[slot], dx_rows.at[:, pl.ds(j * bv, bv)])
+
+
+def tile_pipeline(cfg, x_gmem, rows, step, init_carry=None):
+  """emit_pipeline over the vocabulary tiles of the CTA's rows: step(j, x_smem[, carry])."""
+  plgpu = backend.mosaic_gpu_module()
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   spec = plgpu.BlockSpec(
     (bn, bv), lambda j: (0, j), transforms=backend.smem_transforms(x_gmem.dtype, cfg.target)
   )
-  m, l, s, chosen, found = plgpu.emit_pipeline(
-    step,
+  kw = {} if init_carry is None else dict(init_carry=init_carry)
+  return plgpu.emit_pipeline(
+    (lambda idx, x_smem, *c: step(idx[0], x_smem, *c)),
     grid=(x_gmem.shape[1] // bv,),
     in_specs=[spec],
     max_concurrent_steps=cfg.blocks.stages,
-    init_carry=init,
+    **kw,
   )(x_gmem.at[rows])
-  lse = m + jnp.log(l)
-  outs = (lse, jnp.where(found > 0, chosen - lse, jnp.nan), jnp.log(l) - s / l)
-  for k, (val, dst) in enumerate(zip(outs, (lse_gmem, logp_gmem, ent_gmem))):
+
+
+def store_rows(out_s, values, dsts, rows):
+  """[bn] row values -> their [Np] outputs through shared memory, by TMA."""
+  plgpu = backend.mosaic_gpu_module()
+  for k, (val, dst) in enumerate(zip(values, dsts)):
     out_s.at[k][...] = val
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s.at[k], dst.at[rows])
   plgpu.wait_smem_to_gmem(0)
 
 
+def _fwd_kernel(x_gmem, ids_gmem, lse_gmem, logp_gmem, ent_gmem, ids_s, out_s, bar, *, cfg):
+  plgpu = backend.mosaic_gpu_module()
+  cast, wg, _ = _layouts(cfg)
+  rows = pl.ds(lax.axis_index("rows") * cfg.blocks.block_n, cfg.blocks.block_n)
+  plgpu.copy_gmem_to_smem(ids_gmem.at[rows], ids_s, bar)
+  plgpu.barrier_wait(bar)
+  ids = cast(ids_s[...], wg.reduce(1))  # [bn]
+  step = lambda j, x_smem, carry: stats_fold(cfg, ids, j, x_smem, carry)
+  carry = tile_pipeline(cfg, x_gmem, rows, step, stats_init(cfg))
+  store_rows(out_s, stats_finish(cfg, ids, carry), (lse_gmem, logp_gmem, ent_gmem), rows)
+
+
 def _bwd_kernel(x_gmem, ids_gmem, lse_gmem, g_gmem, dx_gmem, row_s, out_s, bar, *, cfg):
   plgpu = backend.mosaic_gpu_module()
-  wg = plgpu.Layout.WGMMA
-  bn, bv, stages = cfg.blocks.block_n, cfg.blocks.block_v, cfg.blocks.stages
-  cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
-  rows = pl.ds(lax.axis_index("rows") * bn, bn)
+  cast, wg, bcast = _layouts(cfg)
+  rows = pl.ds(lax.axis_index("rows") * cfg.blocks.block_n, cfg.blocks.block_n)
   ids_s, lse_s, g_s = row_s
   for src, dst in ((ids_gmem, ids_s), (lse_gmem, lse_s), (g_gmem, g_s)):
     plgpu.copy_gmem_to_smem(src.at[rows], dst, bar)
   plgpu.barrier_wait(bar)
-  bcast = lambda a: lax.broadcast_in_dim(cast(a, wg.reduce(1)), (bn, bv), [0])
-  ids, lse, g = bcast(ids_s[...]), bcast(lse_s[...]), bcast(g_s[...])
-
-  def step(idx, x_smem):
-    j = idx[0]
-    col = j * bv + cast(lax.broadcasted_iota(jnp.int32, (bn, bv), 1), wg)
-    z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
-    # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf (as the Pallas kernels)
-    d = jnp.where(g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp(z - lse)))
-    slot = lax.rem(j, jnp.int32(stages))
-    # The TMA store that last used this slot (step j - stages) must have read it: <= stages - 1 pending.
-    plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-    out_s.at[slot][...] = d.astype(out_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s.at[slot], dx_gmem.at[rows, pl.ds(j * bv, bv)])
-
-  spec = plgpu.BlockSpec(
-    (bn, bv), lambda j: (0, j), transforms=backend.smem_transforms(x_gmem.dtype, cfg.target)
-  )
-  plgpu.emit_pipeline(
-    step, grid=(x_gmem.shape[1] // bv,), in_specs=[spec], max_concurrent_steps=stages
-  )(x_gmem.at[rows])
+  ids, lse, g = (bcast(cast(r[...], wg.reduce(1))) for r in (ids_s, lse_s, g_s))
+  step = lambda j, x_smem: grad_store(cfg, ids, lse, g, j, x_smem, out_s, dx_gmem.at[rows])
+  tile_pipeline(cfg, x_gmem, rows, step)
   plgpu.wait_smem_to_gmem(0)
 
 
-def _fwd_call(cfg: MosaicLossConfig, x, ids):
+def fwd_call(cfg: MosaicLossConfig, x, ids):
   """x [Np, Vp] (tile multiples), ids [Np] int32 -> (lse, logp, entropy), each [Np] f32."""
   plgpu = backend.mosaic_gpu_module()
   n = x.shape[0]
@@ -196,7 +235,7 @@ def _fwd_call(cfg: MosaicLossConfig, x, ids):
   )(x, ids)
 
 
-def _bwd_call(cfg: MosaicLossConfig, x, ids, lse, g):
+def bwd_call(cfg: MosaicLossConfig, x, ids, lse, g):
   """dlogits [Np, Vp] in x's dtype; g [Np] f32 already includes 1 / temperature."""
   plgpu = backend.mosaic_gpu_module()
   n = x.shape[0]
@@ -224,12 +263,12 @@ def _bwd_call(cfg: MosaicLossConfig, x, ids, lse, g):
 
 
 # ------------------------------------------------------------------------------ differentiable op
-def _pad_to(x, n, v):
+def pad_to(x, n, v):
   pad = ((0, n - x.shape[0]),) + (((0, v - x.shape[1]),) if x.ndim == 2 else ())
   return x if all(p == (0, 0) for p in pad) else jnp.pad(x, pad)
 
 
-def _padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
+def padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   return -(-n // bn) * bn, -(-v // bv) * bv
 
@@ -245,9 +284,9 @@ def _token_logps(cfg: MosaicLossConfig, logits, ids):
 
 def _vjp_fwd(cfg, logits, ids):
   n, v = logits.shape
-  np_, vp = _padded_shape(cfg, n, v)
+  np_, vp = padded_shape(cfg, n, v)
   lse_, logp, entropy = (
-    a[:n] for a in _fwd_call(cfg, _pad_to(logits, np_, vp), _pad_to(ids, np_, vp))
+    a[:n] for a in fwd_call(cfg, pad_to(logits, np_, vp), pad_to(ids, np_, vp))
   )
   return (logp, entropy), (logits, ids, lse_)
 
@@ -257,25 +296,24 @@ def _vjp_bwd(cfg, res, cts):
   ct_logp, _ = cts  # the entropy carries no gradient
   g = ct_logp * (1.0 / cfg.temperature)
   n, v = logits.shape
-  np_, vp = _padded_shape(cfg, n, v)
-  pad = lambda a: _pad_to(a, np_, vp)
-  dlogits = _bwd_call(cfg, pad(logits), pad(ids), pad(lse_), pad(g))
+  np_, vp = padded_shape(cfg, n, v)
+  pad = lambda a: pad_to(a, np_, vp)
+  dlogits = bwd_call(cfg, pad(logits), pad(ids), pad(lse_), pad(g))
   return dlogits[:n, :v], None
 
 
 _token_logps.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def token_logps(
+def make_config(
   logits,  # [N, V] bf16/f32
-  ids,  # [N] int32, 0 at masked positions
   *,
   target: Target,
   blocks: MosaicLossBlocks | None,
   temperature: float,
   reuse_logits_buffer: bool,
-):  # -> (logp [N] f32, entropy [N] f32)
-  """The kernel part of ``kernels.grpo_loss(..., impl="mosaic_gpu")`` after its validation."""
+) -> MosaicLossConfig:
+  """The checked kernel config of ``kernels.grpo_loss(..., impl="mosaic_gpu")``."""
   backend.check_mosaic_gpu_target(target)
   if reuse_logits_buffer:
     raise ValueError(
@@ -287,7 +325,32 @@ def token_logps(
   if not isinstance(blocks, MosaicLossBlocks):
     raise TypeError(f"blocks for impl='mosaic_gpu' must be MosaicLossBlocks, got {type(blocks)}")
   blocks.check(logits.dtype)
-  cfg = MosaicLossConfig(
+  return MosaicLossConfig(
     target=target, blocks=blocks, vocab=logits.shape[1], temperature=temperature
+  )
+
+
+def token_logps_cfg(cfg: MosaicLossConfig, logits, ids):
+  """(logp, entropy) [N] f32 of logits [N, V] and ids [N], differentiable through logp (three passes
+  under differentiation: the statistics kernel, then the backward kernel)."""
+  return _token_logps(cfg, logits, ids)
+
+
+def token_logps(
+  logits,  # [N, V] bf16/f32
+  ids,  # [N] int32, 0 at masked positions
+  *,
+  target: Target,
+  blocks: MosaicLossBlocks | None,
+  temperature: float,
+  reuse_logits_buffer: bool,
+):  # -> (logp [N] f32, entropy [N] f32)
+  """:func:`token_logps_cfg` after :func:`make_config`."""
+  cfg = make_config(
+    logits,
+    target=target,
+    blocks=blocks,
+    temperature=temperature,
+    reuse_logits_buffer=reuse_logits_buffer,
   )
   return _token_logps(cfg, logits, ids)

@@ -1,20 +1,22 @@
-"""Pallas kernels for the GRPO loss over the vocabulary: one forward pass, one backward pass.
+"""Pallas kernels for the GRPO loss over the vocabulary: the statistics forward and the backward.
 
 Forward, per token row: an online max / sum-exp over vocabulary tiles (the tail masked in-kernel, never
 padded in memory), the chosen token's logit and the entropy's running sum, finished in the last tile
 into (log p, entropy) and the saved log-sum-exp.
 Backward: dlogits = g / T * (onehot(id) - softmax(z)) tile by tile from the saved log-sum-exp, where
-g = d loss / d log p arrives through the custom VJP; no f32 [N, V] array is ever built.
+g = d loss / d log p; no f32 [N, V] array is ever built.
 
-The policy objective (ratio, clip, importance weights, KL) is not in the kernels: it is the shared [N]
-math of :mod:`kernels.objective`, differentiated by autodiff into g. Sequence-level options need
-per-sequence sums of log p, which a per-token kernel cannot finish in its one pass; outside, every
-option is defined once for all impls, and the traffic stays one pass over the logits forward and one
-backward (the [B, T] math is O(B * T) against O(B * T * V)).
+These are the three-pass pieces (statistics, then [B, T] objective, then backward): what runs for
+sequence-level specs, for callers that differentiate aux outputs, and for the fused LM-head loss
+(:mod:`kernels.fused_linear.chunked` calls :func:`row_stats` and :func:`softmax_grad`). The training
+path for token-level specs is :mod:`kernels.grpo_loss.train` (one kernel: statistics, the in-kernel
+coefficient, dlogits) under the custom VJP of :mod:`kernels.grpo_loss.vjp`.
 
 Two families:
   tiled   (TPU, CPU interpreter): grid (rows / bn, V / bv), the vocab axis a sequential reduction.
-  rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores.
+  rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores;
+                                  one block-wide max per chunk, per-lane sums reduced once per row
+                                  (launch model: :func:`kernels.grpo_loss.blocks.rowloop_budget`).
 
 All per-token inputs and outputs are flat f32 [N] (rowloop) or [N, 1] (tiled: a (bn, 1) block spans
 the last dim, which satisfies Mosaic's tiling rule) arrays.
@@ -45,7 +47,7 @@ class LossConfig:
   reuse_logits_buffer: bool = False
 
 
-def _finalize(m, l, s, chosen, found):
+def finalize(m, l, s, chosen, found):
   """(logp, entropy, lse_rel, shift): the log-sum-exp is shift + lse_rel."""
   shift = lse.lse_shift(m)
   lse_rel = (m - shift) + jnp.log(l)
@@ -92,7 +94,7 @@ def _tiled_fwd_kernel(
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _finish():
-    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), _finalize(m, l, s, c, f)):
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), finalize(m, l, s, c, f)):
       ref[...] = val
 
 
@@ -150,46 +152,63 @@ def _tiled_bwd(cfg: LossConfig, x, ids, lse, shift, g):
 
 
 # ---------------------------------------------------------------------------------- rowloop family
-def _rowloop_fwd_kernel(x_ref, ids_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg: LossConfig):
-  bv, vocab = cfg.blocks.block_v, cfg.vocab
-  token = ids_ref[...]
+def rowloop_stats(x_ref, token, cfg: LossConfig):
+  """(logp, entropy, lse_rel, shift) of one row: one sweep over its chunks.
+
+  Per chunk one block-wide max; the sum-exp and entropy sums stay per lane until the row ends
+  (:func:`kernels.lse.lane_update`), and the chosen logit is one scalar load, not a masked sum.
+  """
+  bv, vocab, inv_t = cfg.blocks.block_v, cfg.vocab, 1.0 / cfg.temperature
 
   def body(k, carry):
     cols = k * bv + jnp.arange(bv, dtype=jnp.int32)
     valid = cols < vocab
     x = backend.masked_load(x_ref.at[pl.ds(k * bv, bv)], mask=valid, other=0.0).astype(jnp.float32)
-    z = jnp.where(valid, x * (1.0 / cfg.temperature), -jnp.inf)
-    return lse.online_update(z, cols == token, valid, *carry, axis=None)
+    return lse.lane_update(jnp.where(valid, x * inv_t, -jnp.inf), valid, *carry)
 
-  zero = jnp.float32(0.0)
-  m, l, s, c, f = jax.lax.fori_loop(
-    0, pl.cdiv(vocab, bv), body, (jnp.float32(lse.NEG_BIG), zero, zero, zero, zero)
-  )
-  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), _finalize(m, l, s, c, f)):
-    ref[...] = val
+  lanes = jnp.zeros((bv,), jnp.float32)
+  m, l, s = jax.lax.fori_loop(0, pl.cdiv(vocab, bv), body, (jnp.float32(lse.NEG_BIG), lanes, lanes))
+  found = (token >= 0) & (token < vocab)  # an id outside [0, V) poisons (NaN), never hides
+  chosen = x_ref[jnp.where(found, token, 0)].astype(jnp.float32) * inv_t
+  return finalize(m, jnp.sum(l), jnp.sum(s), chosen, found.astype(jnp.float32))
 
 
-def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
+def rowloop_dlogits(x_ref, dx_ref, token, lse_rel, shift, g, cfg: LossConfig, reverse=False):
+  """dx = g * (onehot(token) - softmax(z)) over one row, chunk by chunk (last chunk first when
+  ``reverse``: right after a stats sweep those are the chunks most likely still in L2)."""
   bv, vocab = cfg.blocks.block_v, cfg.vocab
-  token, lse, shift, g = ids_ref[...], lse_ref[...], shift_ref[...], g_ref[...]
+  chunks = pl.cdiv(vocab, bv)
 
-  @pl.loop(0, pl.cdiv(vocab, bv))
-  def _chunk(k):
+  @pl.loop(0, chunks)
+  def _chunk(i):
+    k = chunks - 1 - i if reverse else i
     cols = k * bv + jnp.arange(bv, dtype=jnp.int32)
     valid = cols < vocab
     x = backend.masked_load(x_ref.at[pl.ds(k * bv, bv)], mask=valid, other=0.0).astype(jnp.float32)
-    p = jnp.exp((x * (1.0 / cfg.temperature) - shift) - lse)
+    p = jnp.exp((x * (1.0 / cfg.temperature) - shift) - lse_rel)
     d = jnp.where(g == 0, 0.0, g * ((cols == token).astype(jnp.float32) - p))  # see _tiled_bwd
     backend.masked_store(dx_ref.at[pl.ds(k * bv, bv)], d.astype(dx_ref.dtype), mask=valid)
 
 
-def _rowloop_params(cfg: LossConfig):
+def _rowloop_fwd_kernel(x_ref, ids_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg: LossConfig):
+  stats = rowloop_stats(x_ref, ids_ref[...], cfg)
+  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
+    ref[...] = val
+
+
+def _rowloop_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
+  rowloop_dlogits(x_ref, dx_ref, ids_ref[...], lse_ref[...], shift_ref[...], g_ref[...], cfg)
+
+
+def rowloop_params(cfg: LossConfig):
   return backend.compiler_params(
     cfg.target, num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages
   )
 
 
 def _rowloop_fwd(cfg: LossConfig, x, ids):
+  if cfg.blocks.splits > 1:
+    return _rowloop_split_fwd(cfg, x, ids)
   n, v = x.shape
   scalar = pl.BlockSpec((None,), lambda i: (i,))
   return tuple(
@@ -199,11 +218,55 @@ def _rowloop_fwd(cfg: LossConfig, x, ids):
       in_specs=[pl.BlockSpec((None, v), lambda i: (i, 0)), scalar],
       out_specs=[scalar] * 4,
       out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 4,
-      compiler_params=_rowloop_params(cfg),
+      compiler_params=rowloop_params(cfg),
       interpret=cfg.target.interpret,
       name="grpo_loss_fwd",
     )(x, ids)
   )
+
+
+def _rowloop_split_kernel(x_ref, m_ref, l_ref, s_ref, *, cfg: LossConfig, width: int):
+  """Partial statistics of columns [s * width, (s + 1) * width) of one row (program (row, s))."""
+  bv, vocab, inv_t = cfg.blocks.block_v, cfg.vocab, 1.0 / cfg.temperature
+  start = pl.program_id(1) * width
+  chunks = jnp.clip(pl.cdiv(vocab - start, bv), 0, width // bv)  # no fully out-of-range chunk
+
+  def body(k, carry):
+    cols = start + k * bv + jnp.arange(bv, dtype=jnp.int32)
+    valid = cols < vocab
+    x = backend.masked_load(x_ref.at[pl.ds(start + k * bv, bv)], mask=valid, other=0.0)
+    z = jnp.where(valid, x.astype(jnp.float32) * inv_t, -jnp.inf)
+    return lse.lane_update(z, valid, *carry)
+
+  lanes = jnp.zeros((bv,), jnp.float32)
+  m, l, s = jax.lax.fori_loop(0, chunks, body, (jnp.float32(lse.NEG_BIG), lanes, lanes))
+  m_ref[...], l_ref[...], s_ref[...] = m, jnp.sum(l), jnp.sum(s)
+
+
+def _rowloop_split_fwd(cfg: LossConfig, x, ids):
+  """The statistics kernel with ``splits`` programs per row; partials combined by log-sum-exp."""
+  n, v = x.shape
+  bv, splits = cfg.blocks.block_v, cfg.blocks.splits
+  width = pl.cdiv(pl.cdiv(v, splits), bv) * bv
+  part = pl.BlockSpec((None, None), lambda i, s: (i, s))
+  m, l, s = pl.pallas_call(
+    functools.partial(_rowloop_split_kernel, cfg=cfg, width=width),
+    grid=(n, splits),
+    in_specs=[pl.BlockSpec((None, v), lambda i, s: (i, 0))],
+    out_specs=[part] * 3,
+    out_shape=[jax.ShapeDtypeStruct((n, splits), jnp.float32)] * 3,
+    compiler_params=rowloop_params(cfg),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_fwd_split",
+  )(x)
+  top = jnp.max(m, axis=1, keepdims=True)
+  a = jnp.exp(m - top)  # 0 for an empty split (m = NEG_BIG), whose terms are then dropped
+  l_row = jnp.sum(a * l, axis=1)
+  s_row = jnp.sum(jnp.where(a == 0, 0.0, a * (s + (m - top) * l)), axis=1)
+  found = (ids >= 0) & (ids < v)  # an id outside [0, V) poisons (NaN), never hides
+  picked = jnp.take_along_axis(x, jnp.where(found, ids, 0)[:, None], axis=1)[:, 0]
+  chosen = picked.astype(jnp.float32) * (1.0 / cfg.temperature)
+  return finalize(top[:, 0], l_row, s_row, chosen, found.astype(jnp.float32))
 
 
 def _rowloop_bwd(cfg: LossConfig, x, ids, lse, shift, g):
@@ -217,7 +280,7 @@ def _rowloop_bwd(cfg: LossConfig, x, ids, lse, shift, g):
     out_specs=row,
     out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
     input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
-    compiler_params=_rowloop_params(cfg),
+    compiler_params=rowloop_params(cfg),
     interpret=cfg.target.interpret,
     name="grpo_loss_bwd",
   )(x, ids, lse, shift, g)

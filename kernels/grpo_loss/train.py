@@ -1,0 +1,234 @@
+"""The training-path kernels of the GRPO loss: a forward that also writes dlogits (two passes).
+
+When gradients come only from the loss (the training step), a token's loss weight is a function of
+its own log p (token-level specs), so the forward can finish the job per row: statistics over the
+row, then log p, then the coefficient ``g = d loss / d logp / T`` in-kernel
+(:func:`kernels.objective.token_coefficient`, autodiff of the shared objective), then
+``dlogits = g * (onehot(id) - softmax(z))`` written in the logits' dtype. Forward + backward move
+one read of the logits and one write of dlogits; the backward only applies the loss's cotangent
+(:mod:`kernels.grpo_loss.vjp`).
+
+Two families, as :mod:`kernels.grpo_loss.pallas`:
+  tiled   (TPU, CPU interpreter): grid (rows / bn,); a [bn, V] row block stays in VMEM (a bf16
+          151936-wide block of 8 rows is 2.4 MB), swept twice from VMEM in block_v-wide chunks: the
+          logits leave HBM once.
+  rowloop (GPU / Triton): grid (rows,); the stats sweep, then the dlogits sweep in reverse chunk
+          order, so it starts on the chunks the first sweep read last, the ones still in L2 (a
+          297 KB row; :func:`kernels.grpo_loss.blocks.rowloop_budget` models whether the rows
+          being swept fit in L2, which decides whether the second sweep costs HBM reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
+
+from kernels import backend, lse
+from kernels.grpo_loss import pallas as _pallas
+from kernels.grpo_loss.blocks import tiled_train_rows
+from kernels.grpo_loss.pallas import LossConfig
+from kernels.loss_spec import LossSpec
+from kernels.objective import token_coefficient
+
+# Per-token inputs of the in-kernel coefficient, in this order; old / ref / sampler only when given.
+TOKEN_FIELDS = ("mask", "advantages", "weight", "old_logps", "ref_logps", "sampler_logps")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Static settings of one training-path call: the kernel's and the loss's."""
+
+  loss: LossConfig  # or a mosaic_gpu.MosaicLossConfig (kernels.grpo_loss.mosaic_train)
+  spec: LossSpec  # token-level
+  fields: tuple[str, ...]  # the TOKEN_FIELDS present, in order
+
+
+def coefficient(cfg: TrainConfig, logp, tok: dict):
+  """g = d loss / d z_chosen for rows whose log p is ``logp``; tok maps each field to the same shape.
+
+  Traced once into a jaxpr and replayed primitive by primitive, with ``stop_gradient`` as the identity
+  (nothing differentiates the kernel body; Mosaic GPU has no lowering rule for it) and nested
+  ``jit`` / ``custom_jvp_call`` inlined.
+  """
+  names = ("logp",) + cfg.fields
+
+  def g(*values):
+    v = dict(zip(names, values))
+    logps = {k: v[k] for k in cfg.fields[3:]}
+    return token_coefficient(
+      v["logp"], v["mask"] != 0, v["advantages"], v["weight"], cfg.spec, **logps
+    )
+
+  args = (logp,) + tuple(tok[k] for k in cfg.fields)
+  shapes = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.float32) for a in args]
+  closed = jax.make_jaxpr(g)(*shapes)
+  (out,) = _replay(closed.jaxpr, closed.consts, args)
+  return out * (1.0 / cfg.loss.temperature)
+
+
+_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+_FOLD = {  # scalar arithmetic on constants, computed here (numpy)
+  "neg": np.negative,
+  "convert_element_type": lambda x: x,
+  "add": np.add,
+  "sub": np.subtract,
+  "mul": np.multiply,
+  "div": np.divide,
+  "max": np.maximum,
+  "min": np.minimum,
+}
+
+
+def _replay(jaxpr, consts, args):
+  """Evaluate ``jaxpr`` on ``args`` binding each primitive: stop_gradient dropped, nested calls
+  inlined, reshapes without the mesh sharding that tracing under ``use_target`` attaches."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda var: var.val if isinstance(var, jax_core.Literal) else env[var]
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in ("stop_gradient", "reshard"):  # no autodiff and no sharding inside a kernel
+      outs = ins
+    elif name == "add_any":  # autodiff's cotangent sum: a plain add (Mosaic GPU lowers only that)
+      outs = [jax.lax.add(*ins)]
+    elif name in _INLINED:
+      inner = eqn.params[_INLINED[name]]
+      outs = _replay(inner.jaxpr, inner.consts, ins[len(ins) - len(inner.jaxpr.invars) :])
+    else:
+      params = dict(eqn.params)
+      if name == "reshape":  # traced under an (abstract) mesh: kernel values carry no sharding
+        params["sharding"] = None
+      # Scalar math on constants (-clip bounds, literal casts) is folded here, never left to a
+      # kernel lowering (jax 0.11's Mosaic GPU returns a Python float for neg of a literal).
+      if name in _FOLD and not any(isinstance(x, jax.core.Tracer) for x in ins):
+        dtype = eqn.outvars[0].aval.dtype
+        outs = [np.asarray(_FOLD[name](*(np.asarray(x) for x in ins)), dtype)]
+      else:
+        outs = eqn.primitive.bind(*ins, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+# ------------------------------------------------------------------------------------ tiled family
+def _tiled_sweep(cfg: LossConfig, fold, carry):
+  """fold(start, width, carry) over the row block's full chunks (a loop) and its tail (static)."""
+  bv = cfg.blocks.block_v
+  full, tail = divmod(cfg.vocab, bv)
+  if full:
+    carry = jax.lax.fori_loop(0, full, lambda k, c: fold(pl.multiple_of(k * bv, bv), bv, c), carry)
+  return fold(full * bv, tail, carry) if tail else carry
+
+
+def _tiled_train_kernel(x_ref, ids_ref, tok_ref, *out_refs, cfg: TrainConfig):
+  logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
+  loss, inv_t = cfg.loss, 1.0 / cfg.loss.temperature
+  ids = ids_ref[...]  # [bn, 1]
+
+  def chunk(start, width):
+    x = x_ref[:, pl.ds(start, width)].astype(jnp.float32) * inv_t
+    return x, start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+
+  def stats(start, width, carry):
+    z, col = chunk(start, width)
+    return lse.online_update(z, col == ids, col < loss.vocab, *carry, axis=1)
+
+  col_vec = jnp.zeros(ids.shape, jnp.float32)
+  init = (jnp.full(ids.shape, lse.NEG_BIG, jnp.float32),) + (col_vec,) * 4
+  logp, ent, lse_rel, shift = _pallas.finalize(*_tiled_sweep(loss, stats, init))
+  tok = {k: tok_ref[:, i : i + 1] for i, k in enumerate(cfg.fields)}
+  g = coefficient(cfg, logp, tok)
+
+  def grads(start, width, carry):
+    z, col = chunk(start, width)
+    d = jnp.where(
+      g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp((z - shift) - lse_rel))
+    )
+    dx_ref[:, pl.ds(start, width)] = d.astype(dx_ref.dtype)
+    return carry
+
+  _tiled_sweep(loss, grads, 0)
+  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
+    ref[...] = val
+
+
+def _tiled_train(cfg: TrainConfig, x, ids, tok):
+  n, v = x.shape
+  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target)
+  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  block = pl.BlockSpec((bn, v), lambda i: (i, 0))
+  outs = pl.pallas_call(
+    functools.partial(_tiled_train_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn),),
+    in_specs=[block, row_spec, pl.BlockSpec((bn, tok.shape[1]), lambda i: (i, 0))],
+    out_specs=[row_spec] * 4 + [block],
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4
+    + [jax.ShapeDtypeStruct((n, v), x.dtype)],
+    input_output_aliases={0: 4} if cfg.loss.reuse_logits_buffer else {},
+    compiler_params=backend.compiler_params(
+      cfg.loss.target,
+      dimension_semantics=("parallel",),
+      vmem_limit_bytes=tiled_vmem_bytes(bn, v, x.dtype, cfg.loss.blocks.block_v),
+    ),
+    interpret=cfg.loss.target.interpret,
+    name="grpo_loss_train",
+  )(x, ids.reshape(n, 1), tok)
+  return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)
+
+
+def tiled_vmem_bytes(bn: int, v: int, dtype, bv: int) -> int:
+  """VMEM of one tiled training step: the row block in and dlogits out, each double-buffered, plus
+  f32 chunk temporaries and 4 MiB of headroom (:func:`tiled_train_rows` keeps the blocks <= 48 MiB)."""
+  block = bn * v * jnp.dtype(dtype).itemsize
+  return 4 * block + 8 * bn * bv * 4 + (4 << 20)
+
+
+# ---------------------------------------------------------------------------------- rowloop family
+def _rowloop_train_kernel(x_ref, ids_ref, *refs, cfg: TrainConfig):
+  k = len(cfg.fields)
+  tok = {name: ref[...] for name, ref in zip(cfg.fields, refs[:k])}
+  logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = refs[k:]
+  token = ids_ref[...]
+  logp, ent, lse_rel, shift = _pallas.rowloop_stats(x_ref, token, cfg.loss)
+  g = coefficient(cfg, logp, tok)
+  _pallas.rowloop_dlogits(x_ref, dx_ref, token, lse_rel, shift, g, cfg.loss, reverse=True)
+  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
+    ref[...] = val
+
+
+def _rowloop_train(cfg: TrainConfig, x, ids, tok):
+  n, v = x.shape
+  scalar = pl.BlockSpec((None,), lambda i: (i,))
+  row = pl.BlockSpec((None, v), lambda i: (i, 0))
+  k = tok.shape[1]
+  return tuple(
+    pl.pallas_call(
+      functools.partial(_rowloop_train_kernel, cfg=cfg),
+      grid=(n,),
+      in_specs=[row] + [scalar] * (1 + k),
+      out_specs=[scalar] * 4 + [row],
+      out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 4
+      + [jax.ShapeDtypeStruct((n, v), x.dtype)],
+      input_output_aliases={0: 4} if cfg.loss.reuse_logits_buffer else {},
+      compiler_params=_pallas.rowloop_params(cfg.loss),
+      interpret=cfg.loss.target.interpret,
+      name="grpo_loss_train",
+    )(x, ids, *(tok[:, i] for i in range(k)))
+  )
+
+
+def train_fwd(cfg: TrainConfig, x, ids, tok):
+  """(logp, entropy, lse_rel, shift [N] f32, dlogits [N, V] in x's dtype) for the loss's cotangent 1.
+
+  x: [N, V] logits; ids: [N] int32; tok: [N, len(cfg.fields)] f32, the per-token inputs.
+  """
+  if cfg.loss.target.family == "rowloop":
+    return _rowloop_train(cfg, x, ids, tok)
+  return _tiled_train(cfg, x, ids, tok)
