@@ -192,9 +192,12 @@ def _micro_loss(
       vocab_axis=settings.vocab_axis,
       **kw,
     )
+    loss = loss * scale
   else:
-    loss, aux = kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
-  loss = loss * scale
+    # the scale goes into the kernel's per-token weights (loss_scale): the loss's cotangent stays 1,
+    # so the training path's dlogits, written in the forward, need no rescaling pass over [N, V]
+    logits = model.logits(hidden)
+    loss, aux = kernels.grpo_loss(logits, ids, mask, mb.advantages, loss_scale=scale, **kw)
   sums = {
     "loss": loss,
     "entropy": jnp.sum(aux.entropy),
