@@ -212,14 +212,21 @@ def main(argv=None) -> int:
     if ROLLOUT in suites:
       for size in sizes:
         print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
-        rows, extra = rollout_bench.run(size, cfg.rollout_repeats)
-        rollout_runs.append(dict(size=size, config=rollout_bench.SIZES[size], rows=rows, **extra))
-        for row in rows:
+        # the run's rows grow as they are measured; the report is rewritten after each one
+        entry = dict(size=size, config=rollout_bench.SIZES[size], rows=[])
+        rollout_runs.append(entry)
+
+        def on_row(row, size=size, entry=entry):
+          entry["rows"].append(row)
           print(
             f"[rollout] {size}/{row.workload}/{row.backend}: {row.tokens_per_s:.1f} tokens/s, "
             f"{'ok' if row.ok else 'PARITY FAILED'}",
             flush=True,
           )
+          save()
+
+        rows, extra = rollout_bench.run(size, cfg.rollout_repeats, on_row=on_row)
+        entry.update(rows=rows, **extra)  # the table's order and the greedy agreement
         save(f"rollout/{size}")
     if LOOP in suites:
       print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)

@@ -164,7 +164,7 @@ def write(
   """results.json, then summary.md and (with `plots`) the figures rendered from it (`render`).
 
   ``remaining``: the cases / suites still to run. Given (even empty), the report is marked partial
-  with them: ``python -m bench`` rewrites its report so after every case and every rollout run, and
+  with them: ``python -m bench`` rewrites its report so after every case and every rollout row, and
   only the final write (``remaining=None``) is complete.
   """
   out_dir.mkdir(parents=True, exist_ok=True)

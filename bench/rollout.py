@@ -35,6 +35,7 @@ import pathlib
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -232,6 +233,7 @@ def run(
   backends=BACKENDS,
   warmup: int = 2,
   profile: pathlib.Path | None = None,
+  on_row: Callable[[RolloutBenchRow], None] | None = None,
 ) -> tuple[list[RolloutBenchRow], dict]:
   """(one row per workload x backend, {"greedy_agreement": {workload: fraction vs backends[-1]}}).
 
@@ -241,6 +243,8 @@ def run(
   `close()` until the process exits, and would slow every engine timed after it.
   `profile`: after the timed runs, one more generate per backend and workload is traced into
   `profile/<backend>-<workload>/` (read it with `python -m bench.trace`); the timings are untouched.
+  `on_row`: called with each row as soon as it is measured (python -m bench saves its report there, so
+  a run stopped mid-suite keeps the rows it has).
   """
   size = SIZES[size_name]
   model = bench_model(size_name)
@@ -282,6 +286,8 @@ def run(
           *((acct.ideal, acct.accessed, acct.ratio) if acct is not None else (float("nan"),) * 3),
           1e3 * st.decode_s / max(st.decode_steps, 1),
         )
+        if on_row is not None:
+          on_row(found[kind, name])
         if profile is not None:
           with (
             trace.capture(str(profile / f"{name}-{kind}")),

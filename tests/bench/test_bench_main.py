@@ -218,6 +218,31 @@ def test_a_run_stopped_after_two_cases_keeps_them_and_says_what_is_left(tmp_path
   assert "PARTIAL report" in (out / "summary.md").read_text()
 
 
+def test_a_rollout_suite_stopped_mid_way_keeps_its_measured_rows(tmp_path, monkeypatch):
+  """The rollout suite ran ~160 s on the H100: a report written once per suite would lose every row
+  of a suite its step's limit cut short. Each row is saved as it is measured: stopped after the first
+  row, results.json holds that row and still names the suite as left to run."""
+  from bench import rollout as rollout_bench
+
+  row = rollout_bench.RolloutBenchRow(
+    "paged", "fixed", 1.0, 64, 64.0, 0.1, 0.9, 8, 0, 0.1, 1e-3, True
+  )
+
+  def stop_after_one_row(size, repeats, on_row=None, **kw):
+    on_row(row)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(bench_main.rollout_bench, "run", stop_after_one_row)
+  out = tmp_path / "r"
+  with pytest.raises(KeyboardInterrupt):
+    bench_main.main(["--size", "tiny", "--suite", "rollout", "--out", str(out), "--no-plots"])
+  payload = json.loads((out / "results.json").read_text())
+  (run_,) = payload["rollout"]
+  assert [(r["workload"], r["backend"]) for r in run_["rows"]] == [("fixed", "paged")]
+  assert payload["partial"]["remaining"] == ["rollout/tiny"]
+  assert "| fixed | paged |" in (out / "summary.md").read_text()
+
+
 def test_a_finished_run_is_not_marked_partial(tiny_report):
   _, out = tiny_report
   payload = json.loads((out / "r" / "results.json").read_text())
