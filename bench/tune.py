@@ -31,6 +31,7 @@ from bench.cases import optim as optim_cases
 from bench.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
+from kernels.fused_linear import mosaic_gpu as linear_mosaic
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
@@ -211,9 +212,8 @@ def optim_candidates(problem: autotune.Problem, platform: str) -> list[autotune.
   which = problem.shape["rule"]
   fn = lambda impl, blocks: functools.partial(_optim_step, which, impl, platform, blocks)
   cands = [autotune.Candidate("xla", None, fn("xla", None))]
-  if platform == "gpu":  # one Triton program per block_cols elements (powers of two)
-    for cols, warps in itertools.product((1024, 2048, 4096, 8192), (4, 8)):
-      blocks = optim.ElementwiseBlocks(1, cols, warps)
+  if platform == "gpu":  # the multi-tensor launch's grid (kernels.optim.multi), heuristic first
+    for blocks in optim.candidate_blocks(*optim_cases.ARRAYS[which]):
       cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
   else:  # TPU Mosaic / CPU interpreter: the heuristic blocks only
     cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
@@ -265,6 +265,9 @@ def linear_candidates(problem: autotune.Problem, platform: str) -> list[autotune
       cands.append(autotune.Candidate("chunked", blocks, fn("chunked", blocks)))
   if platform != "gpu":  # the fully fused kernels need grid-axis accumulation (TPU / interpreter)
     cands.append(autotune.Candidate("pallas", None, fn("pallas", None)))
+  if platform == "gpu":  # the Mosaic GPU fused kernels (what "pallas" means there for bf16 / f16)
+    for blocks in linear_mosaic.candidate_blocks(s, platform):
+      cands.append(autotune.Candidate("mosaic_gpu", blocks, fn("mosaic_gpu", blocks)))
   return cands
 
 

@@ -104,15 +104,19 @@ class ChunkBlocks:
 
 def _blocks_types():
   from kernels.fused_linear.blocks import LinearBlocks
+  from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
   from kernels.grpo_loss.blocks import LossBlocks
   from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
+  from kernels.optim.multi import MultiTensorBlocks
   from kernels.optim.pallas import ElementwiseBlocks
   from kernels.paged_attention.blocks import PagedBlocks
   from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
 
   return {
-    ("optim", "pallas"): ElementwiseBlocks,
+    # TPU tiles (ElementwiseBlocks) or the GPU multi-tensor launch (MultiTensorBlocks)
+    ("optim", "pallas"): (ElementwiseBlocks, MultiTensorBlocks),
     ("fused_linear", "pallas"): LinearBlocks,
+    ("fused_linear", "mosaic_gpu"): MosaicLinearBlocks,
     ("fused_linear", "chunked"): ChunkBlocks,
     ("grpo_loss", "pallas"): LossBlocks,
     ("grpo_loss", "mosaic_gpu"): MosaicLossBlocks,
@@ -128,7 +132,10 @@ def blocks_to_json(blocks) -> dict | None:
 def blocks_from_json(op: str, impl: str, data: dict | None):
   if data is None:
     return None
-  return _blocks_types()[(op, impl)](**data)
+  types = _blocks_types()[(op, impl)]
+  if isinstance(types, tuple):  # one impl, per-backend blocks: the class whose fields the data has
+    types = next(c for c in types if set(data) == {f.name for f in dataclasses.fields(c)})
+  return types(**data)
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -13,7 +13,8 @@ import pytest
 import kernels
 from bench import tune as bench_tune
 from bench.cases import Check
-from kernels import autotune, backend
+from kernels import autotune, backend, optim
+from kernels.fused_linear import mosaic_gpu as linear_mosaic
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 
 SHAPE = dict(dtype="float32", tokens=64, vocab=512)
@@ -228,13 +229,21 @@ def test_every_op_has_problems_candidates_and_blocks_that_round_trip():
     assert problems and all(p.heuristic is not None for p in problems), op
     for p in problems:
       autotune.bucket(op, p.shape)
-      for c in candidates_of(p, "cpu"):
+      for c in candidates_of(p, "cpu") + candidates_of(p, "gpu"):  # GPU grids round-trip too
         data = autotune.blocks_to_json(c.blocks)
         assert autotune.blocks_from_json(op, c.impl, data) == c.blocks
   with pytest.raises(ValueError, match="chunk_size must be a positive int"):
     autotune.ChunkBlocks(0)
+  # on GPU the optimizer's candidates are the multi-tensor launch's grid (one launch per tree), not
+  # the per-leaf tiles: a stale grid would time blocks the GPU path never runs
   gpu = bench_tune.optim_candidates(bench_tune.optim_problems("tiny", "cpu")[0], "gpu")
-  assert len([c for c in gpu if c.impl == "pallas"]) == 8
+  pallas = [c.blocks for c in gpu if c.impl == "pallas"]
+  assert pallas == optim.candidate_blocks(4, 3) and isinstance(pallas[0], optim.MultiTensorBlocks)
+  # the fused LM-head loss's Mosaic GPU grid is offered for bf16 on GPU
+  shape = dict(dtype="bfloat16", tokens=8192, hidden=2048, vocab=151936)
+  problem = dataclasses.replace(bench_tune.linear_problems("tiny", "cpu")[0], shape=shape)
+  mosaic = [c for c in bench_tune.linear_candidates(problem, "gpu") if c.impl == "mosaic_gpu"]
+  assert mosaic and mosaic[0].blocks == linear_mosaic.candidate_blocks(shape, "gpu")[0]
 
 
 def test_bench_tune_tiny_new_ops_end_to_end(tmp_path):
