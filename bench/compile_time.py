@@ -25,11 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl import configlib
+from rl import check, configlib
 from rl.config import GRPOConfig
 from rl.model import abstract_model, preset
 from rl.rollout import steps
-from rl.rollout.paged_cache import PagedKVCache
 from rl.rollout.sampling import sample_base_keys
 from rl.update import (
   Batch,
@@ -107,18 +106,8 @@ def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
   # as the engines pass them: the weights cast once to the compute dtype per weight sync
   state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
   ecfg = cfg.rollout
-  cache_dtype = jnp.dtype(ecfg.cache_dtype or model_cfg.dtype)
-  cache = jax.eval_shape(
-    lambda: PagedKVCache.create(
-      model_cfg.num_layers,
-      ecfg.pool_pages,
-      ecfg.page_size,
-      model_cfg.num_kv_heads,
-      model_cfg.dim_per_head,
-      cache_dtype,
-      ecfg.attn_impl,
-    ).with_table(jnp.zeros((ecfg.max_slots, ecfg.pages_per_seq), jnp.int32))
-  )
+  table = jax.ShapeDtypeStruct((ecfg.max_slots, ecfg.pages_per_seq), jnp.int32)
+  cache = check.abstract_cache(cfg, model_cfg).with_table(table)
   s = ecfg.max_slots
   slot = lambda dtype: jax.ShapeDtypeStruct((s,), dtype)
   keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))

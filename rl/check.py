@@ -141,7 +141,7 @@ def memory_estimate(cfg: GRPOConfig, model_cfg, prompt_width: int) -> dict[str, 
     "gradients": grads // shards,
     "optimizer": _bytes(jax.eval_shape(optimizer.init, params)) // shards,
     "reference": (weights if tcfg.beta > 0 else 0) // shards,
-    "kv_pool": _bytes(_abstract_cache(cfg, model_cfg)),
+    "kv_pool": _bytes(abstract_cache(cfg, model_cfg)),
     "logits": 0
     if tcfg.fused_lm_head
     else 2 * 4 * tcfg.micro_batch_size * cfg.sampling.max_new_tokens * model_cfg.vocab_size,
@@ -150,7 +150,8 @@ def memory_estimate(cfg: GRPOConfig, model_cfg, prompt_width: int) -> dict[str, 
   return out
 
 
-def _abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
+def abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
+  """The paged engine's KV pool at the config's shapes, as ShapeDtypeStructs (nothing allocated)."""
   ecfg = cfg.rollout
   dtype = ecfg.cache_dtype or model_cfg.dtype
   return jax.eval_shape(
@@ -213,7 +214,7 @@ def lower_steps(
     # as the engines pass them: the weights cast once to the compute dtype per weight sync
     state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
     s, ecfg = cfg.rollout.max_slots, cfg.rollout
-    cache = _abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
+    cache = abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
     i32 = sds((s,), jnp.int32)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), s))
     steps.decode_chunk.trace(
