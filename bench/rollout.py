@@ -319,15 +319,19 @@ def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
   ]
   dense = {r.workload: r.tokens_per_s for r in rows if r.backend == "dense"}
   agree = (extra or {}).get("greedy_agreement", {})
+  # a result from before a column existed has NaN there: shown as "-"; its step time is derived from
+  # the measured decode time and steps
+  num = lambda x, fmt, unit="": "-" if x != x else f"{x:{fmt}}{unit}"
   for r in rows:
     speed = f"{r.tokens_per_s / dense[r.workload]:.2f}x" if dense.get(r.workload) else "-"
     same = agree.get(r.workload, {}).get(r.backend)
+    step_ms = r.step_ms if r.step_ms == r.step_ms else 1e3 * r.decode_s / max(r.decode_steps, 1)
     lines.append(
       f"| {r.workload} | {r.backend} | {r.median_s:.3f} | {r.tokens} | {r.tokens_per_s:.1f} | "
       f"{r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | {speed} | {r.logprob_parity:.2g} ({r.logprob_max_abs_diff:.2g}; {r.logprob_floor:.2g}) | "
-      f"{'-' if same is None else f'{100 * same:.0f}%'} | {r.step_ms:.2f} | "
-      f"{r.bytes_ideal / 1e9:.3g} | {r.bytes_accessed / 1e9:.3g} | {r.bytes_ratio:.2f}x | "
-      f"{'yes' if r.ok else 'NO'} |"
+      f"{'-' if same is None else f'{100 * same:.0f}%'} | {step_ms:.2f} | "
+      f"{num(r.bytes_ideal / 1e9, '.3g')} | {num(r.bytes_accessed / 1e9, '.3g')} | "
+      f"{num(r.bytes_ratio, '.2f', 'x')} | {'yes' if r.ok else 'NO'} |"
     )
   return "\n".join(lines)
 

@@ -15,6 +15,7 @@ import pytest
 from rl import train
 from rl.configlib import ConfigError
 from rl.metrics import read_metrics
+from rl.rollout import paged
 from rl.rollout.engine import bucket
 from tests.compiles import compile_events, compiled_functions
 
@@ -309,7 +310,8 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   first step the update, the log-prob passes and the metrics never compile again; the rollout's
   prefill compiles only in a step whose prompt width brings a new power-of-two bucket (the engine's
   declared set, rl.rollout.engine.bucket), plus one known recompile of prefill in step 2 (the
-  rollout's KV cache gains its mesh layout after the first decode). Catches a per-step width (the
+  rollout's KV cache gains its mesh layout after the first decode); the decode chunk compiles only
+  shapes of its declared set (power-of-two rows and page-table widths). Catches a per-step width (the
   PROMPT_BUCKET rounding that recompiled the 0.5B update every few steps on an H100) and any other
   per-step shape. The SFT warm-up compiles its step once too. Also: compiling steps are left out of
   step_avg and report compiles / compile_s."""
@@ -331,6 +333,14 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   longest = max(len(trainer.encode(e.question)) for e in trainer.train_data)
   assert trainer.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
   seen, rows, widths = set(), [], []
+  # the decode chunk's declared shapes: rows and page-table width are powers of two chosen by the
+  # engine (rl.rollout.paged.decode_rows / decode_width), so a run compiles it at most that many times
+  ecfg = cfg.rollout
+  decode_rows_set = {paged.decode_rows(n, ecfg.max_slots) for n in range(1, ecfg.max_slots + 1)}
+  decode_widths = {
+    paged.decode_width(p, ecfg.pages_per_seq) for p in range(1, ecfg.pages_per_seq + 1)
+  }
+  decode_compiles = 0
   try:
     with compiled_functions() as names:  # the SFT warm-up's batches span the prompt lengths too
       trainer.sft(4, progress=False)
@@ -341,6 +351,8 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
       width = bucket(max(len(trainer.encode(e.question)) for e in trainer.step_examples(step)))
       widths.append(width)
       assert rows[-1]["time/train/compiles"] == len(names), (step, names)
+      decode_compiles += names.count("jit(decode_chunk)")
+      names = [n for n in names if n != "jit(decode_chunk)"]
       if step == 0:
         assert {"jit(train_step)", "jit(batch_token_logps)"} <= set(names)
       elif width not in seen:  # a new prefill bucket: prefill and its position / staging ops
@@ -348,6 +360,7 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
       else:
         assert names == (["jit(prefill)"] if step == 1 else []), (step, names)
       seen.add(width)
+    assert 1 <= decode_compiles <= len(decode_rows_set) * len(decode_widths), decode_compiles
   finally:
     trainer.close()
   assert len(set(widths)) > 1  # the data did bring several prefill buckets
