@@ -18,25 +18,13 @@ import argparse
 import json
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from rl import check, configlib
 from rl.config import GRPOConfig
-from rl.model import abstract_model, preset
-from rl.rollout import steps
-from rl.rollout.sampling import sample_base_keys
-from rl.update import (
-  Batch,
-  LossSettings,
-  compile_train_step,
-  make_optimizer,
-  warmup_schedule,
-)
+from rl.model import preset
 
 DEFAULT_CONFIG = "configs/gpu-qwen2.5-0.5b.yaml"
 
@@ -62,74 +50,15 @@ def aot_seconds(jitted, *args) -> dict[str, float]:
   }
 
 
-def train_step_program(cfg: GRPOConfig, prompt_width: int) -> tuple[Callable, tuple]:
-  """The loop's jitted GRPO train step and abstract (params, opt_state, batch) at the config's shapes."""
-  model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-  train = cfg.train
-  decay = train.steps if train.lr_schedule == "cosine" else 0
-  optimizer = make_optimizer(
-    train.optimizer,
-    warmup_schedule(train.learning_rate, train.lr_warmup_steps, decay),
-    train.weight_decay,
-    train.max_grad_norm,
-    train.fused_optimizer,
-  )
-  opt_state = jax.eval_shape(optimizer.init, params)
-  completion = cfg.sampling.max_new_tokens
-  settings = LossSettings(
-    completion_len=completion,
-    spec=cfg.loss_spec,
-    impl=train.policy_loss_impl,
-    fused_lm_head=train.fused_lm_head,
-  )
-  k, m = cfg.grad_accum_steps, cfg.global_micro_batch
-  width = prompt_width + completion
-  batch = Batch(
-    tokens=jax.ShapeDtypeStruct((k, m, width), jnp.int32),
-    attention_mask=jax.ShapeDtypeStruct((k, m, width), jnp.bool_),
-    advantages=jax.ShapeDtypeStruct((k, m), jnp.float32),
-    old_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32)
-    if train.ppo_epochs > 1
-    else None,
-    ref_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32) if train.beta > 0 else None,
-    sampler_logps=jax.ShapeDtypeStruct((k, m, completion), jnp.float32),
-  )
-  step = compile_train_step(graphdef, optimizer, settings, "grpo")
-  return step, (params, opt_state, batch)
-
-
-def decode_chunk_program(cfg: GRPOConfig) -> tuple[Callable, tuple]:
-  """The paged engine's decode chunk and its abstract arguments (steps_per_sync steps, max_slots)."""
-  model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-  graphdef, state = nnx.split(abstract_model(model_cfg))
-  # as the engines pass them: the weights cast once to the compute dtype per weight sync
-  state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
-  ecfg = cfg.rollout
-  table = jax.ShapeDtypeStruct((ecfg.max_slots, ecfg.pages_per_seq), jnp.int32)
-  cache = check.abstract_cache(cfg, model_cfg).with_table(table)
-  s = ecfg.max_slots
-  slot = lambda dtype: jax.ShapeDtypeStruct((s,), dtype)
-  keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
-  args = dict(
-    tokens=slot(jnp.int32),
-    positions=slot(jnp.int32),
-    generated=slot(jnp.int32),
-    budget=slot(jnp.int32),
-    stop_ids=jax.ShapeDtypeStruct((s, 1), jnp.int32),
-    base_keys=keys,
-    temperature=slot(jnp.float32),
-    top_k=slot(jnp.int32),
-    top_p=slot(jnp.float32),
-  )
-  # filtered=False: the plain sampler (no row uses top-k / top-p), as the GRPO configs sample
-  return steps.decode_chunk, (graphdef, state, cache, ecfg.steps_per_sync, False, *args.values())
-
-
 def measure(cfg: GRPOConfig, prompt_width: int, only: Sequence[str] = ()) -> dict:
+  model_cfg = preset(cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  impl = cfg.train.policy_loss_impl
+  # the programs --check lowers, at the global micro-batch (one host's share on one device)
   programs = {
-    "train_step": lambda: train_step_program(cfg, prompt_width),
-    "decode_chunk": lambda: decode_chunk_program(cfg),
+    "train_step": lambda: check.train_step_program(
+      cfg, model_cfg, prompt_width, impl, cfg.global_micro_batch
+    ),
+    "decode_chunk": lambda: check.decode_chunk_program(cfg, model_cfg),
   }
   results = {}
   for name, build in programs.items():

@@ -22,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels.backend import Platform, make_target, use_target
@@ -33,6 +34,7 @@ from rl.model import abstract_model, preset
 from rl.prompts import TEMPLATES
 from rl.rollout import steps
 from rl.rollout.paged_cache import PagedKVCache
+from rl.rollout.sampling import sample_base_keys
 from rl.update import Batch, LossSettings, compile_train_step, make_optimizer
 
 GIB = 2**30
@@ -167,6 +169,63 @@ def abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
   )
 
 
+def train_step_program(cfg: GRPOConfig, model_cfg, prompt_width: int, impl: str, micro_batch: int):
+  """The loop's GRPO train step (jitted, the config's optimizer and schedule) and its abstract
+  (params, opt_state, batch) at [K, micro_batch, P + C]: what --check lowers and bench.compile_time
+  compiles. Nothing is allocated."""
+  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
+  tcfg, c = cfg.train, cfg.sampling.max_new_tokens
+  settings = LossSettings(
+    completion_len=c, spec=cfg.loss_spec, impl=impl, fused_lm_head=tcfg.fused_lm_head
+  )
+  optimizer = _optimizer(cfg)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  step = compile_train_step(graphdef, optimizer, settings, "grpo")
+  return step, (params, opt_state, _abstract_batch(cfg, prompt_width, micro_batch))
+
+
+def decode_chunk_program(cfg: GRPOConfig, model_cfg):
+  """The paged engine's decode chunk and its abstract arguments as the engine passes them: weights
+  cast once to the compute dtype, the KV pool, [max_slots] slots, the plain sampler (filtered=False:
+  no row uses top-k / top-p, as the GRPO configs sample)."""
+  sds = jax.ShapeDtypeStruct
+  graph, state = nnx.split(abstract_model(model_cfg))
+  state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
+  s, ecfg = cfg.rollout.max_slots, cfg.rollout
+  cache = abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
+  i32, f32 = sds((s,), jnp.int32), sds((s,), jnp.float32)
+  keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
+  slots = (i32, i32, i32, i32, sds((s, 1), jnp.int32), keys, f32, i32, f32)
+  return steps.decode_chunk, (graph, state, cache, ecfg.steps_per_sync, False, *slots)
+
+
+def _optimizer(cfg: GRPOConfig):
+  tcfg = cfg.train
+  return make_optimizer(
+    tcfg.optimizer,
+    setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps),
+    tcfg.weight_decay,
+    tcfg.max_grad_norm,
+    tcfg.fused_optimizer,
+  )
+
+
+def _abstract_batch(cfg: GRPOConfig, prompt_width: int, micro_batch: int) -> Batch:
+  """[K, micro_batch, P + C] tokens and mask, [K, M] advantages, [K, M, C] log-probs (old / ref only
+  where the config uses them)."""
+  sds = jax.ShapeDtypeStruct
+  k, c, tcfg = cfg.grad_accum_steps, cfg.sampling.max_new_tokens, cfg.train
+  f32 = lambda *shape: sds(shape, jnp.float32)
+  return Batch(
+    sds((k, micro_batch, prompt_width + c), jnp.int32),
+    sds((k, micro_batch, prompt_width + c), jnp.bool_),
+    f32(k, micro_batch),
+    old_logps=f32(k, micro_batch, c) if tcfg.ppo_epochs > 1 else None,
+    ref_logps=f32(k, micro_batch, c) if tcfg.beta > 0 else None,
+    sampler_logps=f32(k, micro_batch, c),
+  )
+
+
 def lower_steps(
   cfg: GRPOConfig,
   model_cfg,
@@ -179,48 +238,22 @@ def lower_steps(
   [K, M, P + C] batch (rl.train: the GRPO train step; rl.agent: its policy + critic update at
   P + C = rollout.max_seq_len) and the paged decode chunk at [max_slots] slots; seconds of each."""
   target = make_target(platform, interpret=platform == "cpu")
-  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-  tcfg, c = cfg.train, cfg.sampling.max_new_tokens
-  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
-  settings = LossSettings(
-    completion_len=c, spec=cfg.loss_spec, impl=impl, fused_lm_head=tcfg.fused_lm_head
-  )
-  optimizer = make_optimizer(
-    tcfg.optimizer, tcfg.learning_rate, tcfg.weight_decay, tcfg.max_grad_norm, tcfg.fused_optimizer
-  )
-  sds = jax.ShapeDtypeStruct
-  f32 = lambda *shape: sds(shape, jnp.float32)
-  batch = Batch(
-    sds((k, m, prompt_width + c), jnp.int32),
-    sds((k, m, prompt_width + c), jnp.bool_),
-    f32(k, m),
-    old_logps=f32(k, m, c) if tcfg.ppo_epochs > 1 else None,
-    ref_logps=f32(k, m, c) if tcfg.beta > 0 else None,
-    sampler_logps=f32(k, m, c),
-  )
   seconds = {}
   platforms_arg = (target.lowering_platform,)
   with use_target(platform, target.interpret):
     t = time.perf_counter()
     if entry == "rl.agent":
-      _lower_agent_update(cfg, model_cfg, graphdef, params, optimizer, impl, platforms_arg)
+      graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
+      _lower_agent_update(cfg, model_cfg, graphdef, params, _optimizer(cfg), impl, platforms_arg)
     else:
-      opt_state = jax.eval_shape(optimizer.init, params)
-      step = compile_train_step(graphdef, optimizer, settings, "grpo")
-      step.trace(params, opt_state, batch).lower(lowering_platforms=platforms_arg)
+      step, args = train_step_program(
+        cfg, model_cfg, prompt_width, impl, cfg.train.micro_batch_size
+      )
+      step.trace(*args).lower(lowering_platforms=platforms_arg)
     seconds["train_step"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
-    graph, state = nnx.split(abstract_model(model_cfg))
-    # as the engines pass them: the weights cast once to the compute dtype per weight sync
-    state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
-    s, ecfg = cfg.rollout.max_slots, cfg.rollout
-    cache = abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
-    i32 = sds((s,), jnp.int32)
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), s))
-    steps.decode_chunk.trace(
-      graph, state, cache, ecfg.steps_per_sync, False, i32, i32, i32, i32, sds((s, 1), jnp.int32),
-      keys, f32(s), i32, f32(s),
-    ).lower(lowering_platforms=platforms_arg)  # fmt: skip
+    chunk, args = decode_chunk_program(cfg, model_cfg)
+    chunk.trace(*args).lower(lowering_platforms=platforms_arg)
     seconds["decode_chunk"] = round(time.perf_counter() - t, 2)
   return seconds
 
