@@ -58,14 +58,13 @@ from rl.setup import (
   reading,
   round_up,
 )
-from rl.step import dataset_sft_pair
+from rl.step import dataset_sft_pair, dataset_sft_widths
 from rl.tokenizer import IM_END, chatml
 from rl.update import batch_token_logps, init_optimizer_state, make_optimizer
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 # Grid warm-up layouts come from seeds above the steps' (< 2**31) and eval's (2**31 + i).
 GRID_WARMUP_SEEDS = 2**32
-WIDTH_BUCKET = 32  # the warm-up's packed widths are rounded up to this, per batch
 
 EnvFactory = Callable[[], Environment]
 
@@ -221,6 +220,7 @@ class AgentStep:
     self.head_opt_state = init_optimizer_state(self.head_opt, self.head_params, setup.mesh)
     self._updates: dict[int, Callable] = {}
     self.widths = episode_widths(self)  # (P, C) of every step's rows
+    self._sft_widths: tuple[int, int] | None = None  # the warm-up's, on first use
 
   def _critic(self) -> ValueHead | CriticModel:
     """The value head on the policy's states, or (train.critic=model) a separate model: a copy of
@@ -368,11 +368,20 @@ class AgentStep:
       prompt += tok.encode(move) + end + observation_tokens(tok, step.observation, closed=True)
     return prompt, tok.encode(env.best_move()) + end
 
-  def sft_widths(self, prompts, answers) -> tuple[int, int]:
-    """An episode's warm-up prompt is an environment history, not a dataset question: its widths are
-    rounded per batch (the same on every process)."""
-    widths = sharding.allgather(np.array([[max(map(len, prompts)), max(map(len, answers))]])).max(0)
-    return tuple(round_up(int(w), WIDTH_BUCKET) for w in widths)
+  def sft_widths(self) -> tuple[int, int]:
+    """The warm-up batch's (prompt, answer) widths, fixed on first use so that the SFT step compiles
+    once: the grid's, the longest over every expert example the warm-up draws (a function of the
+    index alone, the same on every process); other environments', rl.train's (the train split's
+    longest worked solution)."""
+    if self._sft_widths is None:
+      cfg = self.setup.cfg
+      if cfg.env.name == "grid":
+        pairs = [self.sft_pair(i) for i in range(cfg.train.warmup_sft_steps * cfg.sft_sequences)]
+        longest = (max(len(p) for p, _ in pairs), max(len(a) for _, a in pairs))
+        self._sft_widths = tuple(round_up(w, WIDTH_ALIGN) for w in longest)
+      else:
+        self._sft_widths = dataset_sft_widths(self.setup)
+    return self._sft_widths
 
   # ---------------------------------------------------------------------------------------- checkpoint
   def state(self) -> dict:  # checkpointed beside the policy's: the critic and its optimizer state

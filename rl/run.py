@@ -36,7 +36,7 @@ class Program(Protocol):
 
   def sft_pair(self, index: int) -> tuple[list[int], list[int]]: ...  # (prompt, answer) tokens
 
-  def sft_widths(self, prompts, answers) -> tuple[int, int]: ...  # the SFT batch's (P, C)
+  def sft_widths(self) -> tuple[int, int]: ...  # the SFT batches' (P, C), fixed for the run
 
   def state(self) -> dict: ...  # what the program adds to a checkpoint ({} for none)
 
@@ -75,7 +75,7 @@ class Run:
     for i in bar:
       pairs = [self.program.sft_pair(i * n + j) for j in range(n)][process_slice(n)]
       prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-      pw, cw = self.program.sft_widths(prompts, answers)
+      pw, cw = self.program.sft_widths()
       if cw not in self._sft_steps:
         self._sft_steps[cw] = compile_train_step(
           s.graphdef, s.sft_optimizer, LossSettings(completion_len=cw), "sft", policy.shardings

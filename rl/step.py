@@ -229,7 +229,7 @@ class GRPOStep:
   def sft_pair(self, index: int) -> tuple[list[int], list[int]]:
     return dataset_sft_pair(self.setup, index)
 
-  def sft_widths(self, prompts, answers) -> tuple[int, int]:
+  def sft_widths(self) -> tuple[int, int]:
     if self._sft_widths is None:  # fixed on first use: the warm-up's pairs are the train split's
       self._sft_widths = dataset_sft_widths(self.setup)
     return self._sft_widths

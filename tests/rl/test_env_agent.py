@@ -247,12 +247,14 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
   """The grid's SFT examples are expert episodes cut at a turn, in the agent's chat format: replaying
   the history's replies on a fresh environment of the same seed must reproduce the last board shown,
   and the answer must be the expert's move from there (a history out of step with its boards, or a
-  label one turn late, fails). Several examples are cut mid-episode; a warm-up of a few steps runs."""
+  label one turn late, fails). Several examples are cut mid-episode; a warm-up of a few steps runs
+  and compiles its step once (its widths were once rounded per batch)."""
   cfg = _cfg(
     tmp_path,
     "env.name=grid",
     "rollout.max_seq_len=256",
-    "train.warmup_sft_steps=2",
+    "train.warmup_sft_steps=4",
+    "train.sft_batch_size=2",  # small batches: their longest histories differ (checked below)
     "train.steps=1",
   )
   trainer = agent.make_run(cfg)
@@ -274,11 +276,18 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
       assert decode(answer).replace("<|im_end|>", "").strip() == env.best_move()
       later += bool(replies)
     assert 0 < later < 20
-    trainer.sft(2, progress=False)
+    # widths fixed over the warm-up's examples: one compile, where widths rounded per batch differ
+    per_batch = {
+      -(-max(len(trainer.program.sft_pair(2 * b + j)[0]) for j in (0, 1)) // 32) for b in range(4)
+    }
+    assert len(per_batch) > 1, per_batch
+    with compiled_functions() as names:
+      trainer.sft(4, progress=False)
+    assert names.count("jit(train_step)") == 1, names
   finally:
     trainer.close()
   rows = [r for r in read_metrics(str(tmp_path)) if "sft/loss" in r]
-  assert len(rows) == 2 and all(np.isfinite(r["sft/loss"]) for r in rows)
+  assert len(rows) == 4 and all(np.isfinite(r["sft/loss"]) for r in rows)
 
 
 def test_resume_restores_the_value_head(tmp_path):
