@@ -224,7 +224,7 @@ class Setup:
     self.engine.close()
 
 
-def global_rows(mesh, k: int, x: np.ndarray) -> jax.Array:
+def global_rows(mesh, k: int, x: np.ndarray) -> jax.Array:  # x: [N_local, ...] -> [K, M, ...]
   """This process's rows [N_local, ...] -> the global [K, M, ...] array on the mesh."""
   return sharding.global_batch(mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
 

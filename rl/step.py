@@ -115,7 +115,16 @@ def optimize(s: Setup, policy: Policy, train_step, batch: Batch) -> list[dict]:
   return jax.device_get(epochs)
 
 
-def step_metrics(s: Setup, result, scores, totals, adv, losses, times, step_s) -> dict[str, float]:
+def step_metrics(
+  s: Setup,
+  result: RolloutResult,
+  scores: list[dict[str, float]],  # per local completion
+  totals: np.ndarray,  # [N_local] f32 total rewards
+  adv: np.ndarray,  # [N_local] f32 advantages
+  losses: list[dict],  # per PPO epoch
+  times: dict[str, float],  # the step's phase seconds
+  step_s: float,
+) -> dict[str, float]:
   """The step's row over every process's completions: rewards, advantages, lengths, the update's
   means over the PPO epochs, rollout throughput and the step's times."""
   names = sorted(scores[0])
