@@ -264,7 +264,7 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
   episode's model turns and observations after its first prompt)."""
   import optax
 
-  from rl import agent  # rl.agent imports rl.train, which imports this module's command line
+  from rl import agent  # rl.agent imports rl.cli, which imports this module
   from rl.critic import CriticModel, ValueHead
   from rl.model import Qwen
 

@@ -87,7 +87,7 @@ def accuracy_change(before: float, after: float, n: float) -> tuple[float, float
 
 
 def before_after_table(before: Mapping[str, float], after: Mapping[str, float]) -> str:
-  """eval_full before and after GRPO side by side (the rows `Trainer.eval_full` returns)."""
+  """eval_full before and after GRPO side by side (the rows `rl.step.eval_full` returns)."""
   n = after["eval_full/examples"]
   diff, z = accuracy_change(before["eval_full/accuracy"], after["eval_full/accuracy"], n)
   rows = [

@@ -15,6 +15,8 @@ An episode cut by max_seq_len is treated as ended there (no bootstrap).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,7 +45,13 @@ def gae(
     if not 0.0 <= v <= 1.0:
       raise ValueError(f"{name} must be in [0, 1], got {v}")
   rewards, values = jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32)
-  mask = jnp.asarray(mask, bool)
+  return _gae(rewards, values, jnp.asarray(mask, bool), float(gamma), float(lam))
+
+
+# Jitted with the scalars static: an eager lax.scan traces a new body function on every call, so
+# rl.agent's step compiled a `scan` every step (a compile per step that no step-time figure excludes).
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _gae(rewards, values, mask, gamma: float, lam: float):  # [B, T] x3 -> ([B, T], [B, T])
   rewards, values = jnp.where(mask, rewards, 0.0), jnp.where(mask, values, 0.0)
 
   def back(carry, x):  # one position, right to left; skipped positions pass the carry through

@@ -1,24 +1,45 @@
-"""What a run sets up once, before its first step: the data, the tokenizer, the model, the mesh and the
-optimizers, with the up-front checks that stop a bad config before anything compiles (prompt room,
-process counts) and the packed widths fixed from the data. `rl.train.Trainer`, `rl.agent` and
-`rl.check` (--check) build from these functions, so a check and a run agree.
+"""What a run sets up once, before its first step: the data, the tokenizer, the model, the mesh, the
+rollout engine, the optimizers, the metric sinks and the checkpointer, with the up-front checks that
+stop a bad config before anything compiles (prompt room, process counts) and the packed widths fixed
+from the data. `build` gathers them into one frozen `Setup`; `Policy` holds what moves (the weights,
+their optimizer state, the frozen reference). `rl.train`, `rl.agent` and `rl.check` (--check) build
+from these functions, so a check and a run agree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import os
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
+from kernels.backend import host_platform
 from kernels.optim import partition_specs_of
-from rl import sharding
+from rl import configlib, platform, sharding
+from rl.checkpointing import Checkpointer
 from rl.config import GRPOConfig, TrainSection
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
+from rl.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
 from rl.model import init_model, load_checkpoint, preset, shard_model
+from rl.prompts import TEMPLATES
+from rl.rollout import make_engine
 from rl.tokenizer import load_tokenizer
-from rl.update import make_optimizer, warmup_schedule
+from rl.update import (
+  Batch,
+  Optimizer,
+  init_optimizer_state,
+  make_optimizer,
+  shardings_of,
+  warmup_schedule,
+)
 
 # Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
 # longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /
@@ -137,3 +158,176 @@ def optimizer_for(cfg: GRPOConfig, mesh, params, learning_rate: float, steps: in
     mesh if specs is not None else None,
     specs,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Clock:
+  """A run's step clock: phase timers, the steady step average and the compile counter."""
+
+  timer: StepTimer = dataclasses.field(default_factory=StepTimer)
+  step_avg: StepAverage = dataclasses.field(default_factory=lambda: StepAverage(10))
+  compiles: CompileWatch = dataclasses.field(default_factory=CompileWatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything a run builds once (`build`), read by its step, its evals and its run loop."""
+
+  cfg: GRPOConfig  # with a concrete mesh
+  mesh: Any  # jax.sharding.Mesh
+  tokenizer: Any
+  template: Any  # rl.prompts' template of data.template
+  train_data: list[Example]
+  test_data: list[Example]
+  model: nnx.Module  # the live policy (its weights follow Policy.params)
+  graphdef: Any  # the policy's nnx graph
+  rollout_model: nnx.Module  # the model the engine reads: the policy, or a local replica
+  engine: Any  # rl.rollout's engine
+  loss_impl: str  # the loss impl this host's platform has (rl.platform.loss_impl)
+  optimizer: Optimizer  # the RL phase's
+  sft_optimizer: Optimizer  # the SFT warm-up's
+  prompt_width: int | None  # the single-turn update's prompt width (None: rl.agent's episodes)
+  writer: MetricsWriter
+  checkpointer: Checkpointer
+  clock: Clock
+  encoded: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def is_main(self) -> bool:
+    return jax.process_index() == 0
+
+  def encode(self, question: str) -> list[int]:
+    """The question's prompt tokens under data.template (cached: the prompt-room check encodes
+    every question once)."""
+    if question not in self.encoded:
+      self.encoded[question] = self.template.encode(question, self.tokenizer)
+    return self.encoded[question]
+
+  def to_batch(
+    self,
+    tokens: np.ndarray,  # [N_local, T]
+    mask: np.ndarray,  # [N_local, T]
+    advantages: np.ndarray,  # [N_local]
+    sampler_logps: np.ndarray | None = None,  # [N_local, C] the engine's, 0 on padding
+    accum_steps: int | None = None,  # K; None: the GRPO step's grad_accum_steps
+  ) -> Batch:
+    """This process's rows -> the global [K, M, ...] batch."""
+    k = accum_steps or self.cfg.grad_accum_steps
+    put = lambda x: global_rows(self.mesh, k, x)
+    sampler = None if sampler_logps is None else put(sampler_logps.astype(np.float32))
+    return Batch(put(tokens), put(mask), put(advantages.astype(np.float32)), sampler_logps=sampler)
+
+  def close(self) -> None:
+    self.clock.compiles.close()
+    self.writer.close()
+    self.checkpointer.close()
+    self.engine.close()
+
+
+def global_rows(mesh, k: int, x: np.ndarray) -> jax.Array:  # x: [N_local, ...] -> [K, M, ...]
+  """This process's rows [N_local, ...] -> the global [K, M, ...] array on the mesh."""
+  return sharding.global_batch(mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
+
+
+def build(cfg: GRPOConfig, prompt_room: bool = True) -> Setup:
+  """The run's set-up, every config error first (before anything compiles). `prompt_room`: check
+  the dataset's prompts against rollout.max_seq_len and fix the update's prompt width (rl.train;
+  rl.agent's prompts are environment observations, its widths are its own)."""
+  cfg, mesh = resolve_mesh(cfg)
+  tcfg = cfg.train
+  # the loss impl this host's platform has: a ConfigError now, not a minute into compiling
+  impl = platform.loss_impl(host_platform(), tcfg.fused_lm_head, tcfg.policy_loss_impl)
+  tokenizer = tokenizer_of(cfg)
+  template = TEMPLATES[cfg.data.template]  # the config checked the name
+  train_data, test_data = load_data(cfg)
+  encoded: dict[str, list[int]] = {}  # Setup.encode's cache, filled by the prompt-room check
+
+  def encode(question: str) -> list[int]:
+    if question not in encoded:
+      encoded[question] = template.encode(question, tokenizer)
+    return encoded[question]
+
+  width = check_prompt_room(cfg, encode, train_data, test_data) if prompt_room else None
+  model = build_model(cfg, mesh)
+  if tokenizer.vocab_size > model.cfg.vocab_size:
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.checkpoint"
+    raise ConfigError(
+      f"{key}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+      f"{model.cfg.vocab_size}"
+    )
+  graphdef, params = nnx.split(model, nnx.Param)
+  # Several processes: each rolls out its own prompts on a local replica of the weights.
+  rollout_model = model if jax.process_count() == 1 else nnx.merge(graphdef, local_params(params))
+  engine = make_engine(rollout_model, cfg.rollout, tokenizer)
+  optimizer_with = functools.partial(optimizer_for, cfg, mesh, params)
+  sft_rate = tcfg.sft_learning_rate or tcfg.learning_rate
+  is_main = jax.process_index() == 0
+  writer = MetricsWriter(cfg.run.out_dir, enabled=is_main, tensorboard=cfg.run.tensorboard)
+  checkpointer = Checkpointer(
+    os.path.join(cfg.run.out_dir, "checkpoints"), cfg.run.checkpoint_every
+  )
+  if is_main:
+    configlib.dump(cfg, os.path.join(cfg.run.out_dir, "config.yaml"))
+  return Setup(
+    cfg, mesh, tokenizer, template, train_data, test_data, model, graphdef, rollout_model, engine,
+    impl, optimizer_with(tcfg.learning_rate, tcfg.steps),
+    optimizer_with(sft_rate, tcfg.warmup_sft_steps), width, writer, checkpointer, Clock(), encoded,
+  )  # fmt: skip
+
+
+def local_params(params):
+  """The full weights on this process's first device (the multi-process rollout replica)."""
+  return jax.device_put(sharding.allgather(params), jax.local_devices()[0])
+
+
+class Policy:
+  """What moves during a run: the policy's weights (the model and the rollout's replica follow
+  them), their optimizer state and the frozen reference of the KL term (train.beta > 0)."""
+
+  def __init__(self, setup: Setup):
+    self.setup = setup
+    self.params = nnx.split(setup.model, nnx.Param)[1]
+    self.opt_state = init_optimizer_state(setup.optimizer, self.params, setup.mesh)
+    self.shardings = (shardings_of(self.params), shardings_of(self.opt_state))
+    # The reference policy: a frozen copy of the weights GRPO starts from (taken again after the SFT
+    # warm-up, checkpointed with the run), kept only when the KL term is on.
+    self.ref_params = self.frozen_copy() if setup.cfg.train.beta > 0 else None
+
+  def frozen_copy(self):
+    return jax.tree.map(jnp.copy, self.params)
+
+  def set_params(self, params) -> None:
+    self.params = params
+    nnx.update(self.setup.model, params)
+    if self.setup.rollout_model is not self.setup.model:
+      nnx.update(self.setup.rollout_model, local_params(params))
+
+  def state(self) -> dict:
+    """What a checkpoint holds of the policy."""
+    state = {"params": self.params, "opt_state": self.opt_state}
+    if self.ref_params is not None:
+      state["ref_params"] = self.ref_params
+    return state
+
+  def restore(self, state: dict) -> None:
+    """Takes back what `state()` saved."""
+    self.opt_state = state["opt_state"]
+    self.set_params(state["params"])
+    self.ref_params = state.get("ref_params", self.ref_params)
+
+
+# ---------------------------------------------------------------------------------------- data order
+def example_at(cfg: GRPOConfig, data: list[Example], pos: int, stream: int) -> Example:
+  """The example at position `pos` of the infinite sequence of seeded permutations of `data`
+  (stream 0: the GRPO steps' prompts, 1: the SFT warm-up's solutions)."""
+  return data[permuted_index(cfg, len(data), pos, stream)]
+
+
+def permuted_index(cfg: GRPOConfig, n: int, pos: int, stream: int) -> int:
+  epoch, i = divmod(pos, n)
+  return int(np.random.default_rng([cfg.train.seed, stream, epoch]).permutation(n)[i])
+
+
+def prompt_seed(cfg: GRPOConfig, step: int, index: int) -> int:
+  """The sampling seed of global prompt `index` of step `step`."""
+  return (cfg.train.seed * 1_000_003 + step * 65_537 + index) % (2**31)

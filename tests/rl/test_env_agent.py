@@ -15,6 +15,7 @@ from rl import agent, train
 from rl.configlib import ConfigError
 from rl.env.base import StepResult
 from rl.metrics import read_metrics
+from tests.compiles import compiled_functions
 from tests.rl.test_train import _free_port
 
 
@@ -66,7 +67,7 @@ def test_ppo_learns_a_trivial_environment(tmp_path):
   Measured: first four steps ~0.80, last four ~1.20. A flipped advantage sign, a loss mask that
   misses the model tokens or a broken GAE leaves it flat or lowers it."""
   steps = 15
-  trainer = agent.AgentTrainer(
+  trainer = agent.make_run(
     _cfg(tmp_path, "train.algorithm=ppo", f"train.steps={steps}"), AsciiEnv, "Be brief."
   )
   rewards = [trainer.step(s)["env/reward_mean"] for s in range(steps)]
@@ -77,28 +78,15 @@ def test_update_does_not_depend_on_the_accumulation_split(tmp_path, loss_type="g
   """Same batch, K = 1 micro-batch of 16 vs K = 4 of 4: the loss and the gradient norm agree (each
   micro-batch's loss is scaled to its share of the global loss; grpo's per-sequence mean is the
   reduction a wrong scale would break)."""
-  trainer = agent.AgentTrainer(
+  trainer = agent.make_run(
     _cfg(tmp_path, "train.algorithm=ppo", f"train.loss_type={loss_type}"), AsciiEnv, "Be brief."
   )
-  captured, update = [], trainer._update
-
-  def spy(completion_len):
-    fn = update(completion_len)
-
-    def run(state, batch):
-      captured.append(batch)
-      return fn(state, batch)
-
-    return run
-
-  trainer._update = spy
-  trainer.step(0)
-  batch = captured[0]
-  fn = update(batch.model_mask.shape[-1])
+  batch = _captured_batch(trainer)
+  fn = trainer.program.update_for(batch.model_mask.shape[-1])
   outs = []
   for k in (1, 4):
-    state = (trainer.params, trainer.head_params, trainer.opt_state, trainer.head_opt_state)
-    state = jax.tree.map(jax.numpy.copy, state)  # the update donates it
+    state = jax.tree.map(jax.numpy.copy, trainer.program._state())
+    # (copies: the update donates its state)
     outs.append(fn(state, jax.tree.map(lambda x, k=k: x.reshape(k, -1, *x.shape[2:]), batch))[1])
   for key in ("loss", "policy_loss", "value_loss", "grad_norm", "clip_fraction", "approx_kl"):
     np.testing.assert_allclose(outs[0][key], outs[1][key], rtol=2e-4, atol=1e-7, err_msg=key)
@@ -117,7 +105,7 @@ def test_grid_run_writes_the_metrics(tmp_path, algorithm):
     "eval.full_at_end=true",
     "eval.batch=2",
   )
-  trainer = agent.AgentTrainer(cfg)
+  trainer = agent.make_run(cfg)
   try:
     last = trainer.run()
   finally:
@@ -145,28 +133,25 @@ def test_grid_run_writes_the_metrics(tmp_path, algorithm):
 
 def _captured_batch(trainer):
   """The batch of the trainer's first step (the step runs; the batch is what its update saw)."""
-  captured, update = [], trainer._update
+  captured, program = [], trainer.program
+  update = program.update_for
 
   def spy(completion_len):
     fn = update(completion_len)
     return lambda state, batch: (captured.append(batch), fn(state, batch))[1]
 
-  trainer._update = spy
+  program.update_for = spy
   trainer.step(0)
-  trainer._update = update
+  program.update_for = update
   return captured[0]
 
 
 def _fresh_state(trainer):
   """(params, critic, optimizer states) as copies (the update donates them), with fresh optimizer
   states: the first step's Adam momentum would move every weight by itself."""
-  opt_state = train.init_optimizer_state(trainer.policy_opt, trainer.params, trainer.mesh)
-  state = (
-    trainer.params,
-    trainer.head_params,
-    opt_state,
-    trainer.head_opt.init(trainer.head_params),
-  )
+  program, params = trainer.program, trainer.policy.params
+  opt_state = train.init_optimizer_state(program.policy_opt, params, trainer.setup.mesh)
+  state = (params, program.head_params, opt_state, program.head_opt.init(program.head_params))
   return jax.tree.map(jax.numpy.copy, state)
 
 
@@ -184,14 +169,14 @@ def test_the_value_gradient_reaches_the_policy_only_through_a_shared_head(tmp_pa
     "train.vf_coef=1.0",
     "train.value_clip=null",
   )  # unclipped: the captured old values are a step stale, a clipped loss could have no gradient
-  trainer = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  trainer = agent.make_run(cfg, AsciiEnv, "Be brief.")
   batch = _captured_batch(trainer)
   batch = batch._replace(
     advantages=jax.numpy.zeros_like(batch.advantages), returns=batch.returns + 1.0
   )
   state = _fresh_state(trainer)
   before = jax.tree.map(np.asarray, state[:2])
-  new, metrics = trainer._update(batch.model_mask.shape[-1])(state, batch)
+  new, metrics = trainer.program.update_for(batch.model_mask.shape[-1])(state, batch)
   assert float(metrics["value_loss"]) > 0 and float(metrics["grad_norm"]) > 0
   assert float(metrics["nonfinite"]) == 0
   moved = lambda a, b: any(not np.array_equal(x, np.asarray(y)) for x, y in zip(a, b))
@@ -214,15 +199,15 @@ def test_kl_term_pulls_the_policy_towards_the_reference(tmp_path):
     "train.learning_rate=1e-3",
     "train.ppo_epochs=1",
   )
-  trainer = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
-  assert trainer.ref_params is not None
+  trainer = agent.make_run(cfg, AsciiEnv, "Be brief.")
+  assert trainer.policy.ref_params is not None
   first = trainer.step(0)
   assert 0 <= first["train/kl"] < 1e-5, first["train/kl"]  # before its update: the reference itself
-  trainer.ref_params = jax.tree.map(lambda x: x * 1.5, trainer.ref_params)
+  trainer.policy.ref_params = jax.tree.map(lambda x: x * 1.5, trainer.policy.ref_params)
   batch = _captured_batch(trainer)
   batch = batch._replace(advantages=jax.numpy.zeros_like(batch.advantages))
   state = _fresh_state(trainer)
-  update = trainer._update(batch.model_mask.shape[-1])
+  update = trainer.program.update_for(batch.model_mask.shape[-1])
   kls = []
   for _ in range(3):
     state, metrics = update(state, batch)
@@ -241,18 +226,19 @@ def test_separate_critic_of_another_preset_runs_and_resumes(tmp_path):
     "train.steps=1",
     "run.checkpoint_every=1",
   )
-  first = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  first = agent.make_run(cfg, AsciiEnv, "Be brief.")
   try:
     last = first.run()
   finally:
     first.close()
   assert np.isfinite(last["critic/value_loss"]) and np.isfinite(last["critic/explained_variance"])
-  assert first.head_params["trunk"]["embed_tokens"]["embedding"][...].shape[-1] == 128
+  assert first.program.head_params["trunk"]["embed_tokens"]["embedding"][...].shape[-1] == 128
   cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
-  second = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  second = agent.make_run(cfg, AsciiEnv, "Be brief.")
   try:
-    assert second._resume() == 1
-    jax.tree.map(np.testing.assert_array_equal, first.head_params, second.head_params)
+    assert second.resume() == 1
+    heads = (first.program.head_params, second.program.head_params)
+    jax.tree.map(np.testing.assert_array_equal, *heads)
   finally:
     second.close()
 
@@ -261,25 +247,27 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
   """The grid's SFT examples are expert episodes cut at a turn, in the agent's chat format: replaying
   the history's replies on a fresh environment of the same seed must reproduce the last board shown,
   and the answer must be the expert's move from there (a history out of step with its boards, or a
-  label one turn late, fails). Several examples are cut mid-episode; a warm-up of a few steps runs."""
+  label one turn late, fails). Several examples are cut mid-episode; a warm-up of a few steps runs
+  and compiles its step once (its widths were once rounded per batch)."""
   cfg = _cfg(
     tmp_path,
     "env.name=grid",
     "rollout.max_seq_len=256",
-    "train.warmup_sft_steps=2",
+    "train.warmup_sft_steps=4",
+    "train.sft_batch_size=2",  # small batches: their longest histories differ (checked below)
     "train.steps=1",
   )
-  trainer = agent.AgentTrainer(cfg)
+  trainer = agent.make_run(cfg)
   try:
-    decode = trainer.tokenizer.decode
+    decode = trainer.setup.tokenizer.decode
     later = 0
     for i in range(20):
-      prompt, answer = trainer.sft_pair(i)
+      prompt, answer = trainer.program.sft_pair(i)
       text = decode(prompt)
       assert text.count(agent.GRID_SYSTEM) == 1 and text.endswith("assistant\n")
       turns = text.split("\nuser\n")[1:]  # each: board [+ question], assistant header, reply
       replies = [t.split("assistant\n")[1].strip() for t in turns[:-1]]
-      env = trainer.env_factory()
+      env = trainer.program.env_factory()
       env.reset(agent.GRID_WARMUP_SEEDS + i)
       for move in replies:
         assert move in ("up", "down", "left", "right"), move
@@ -288,29 +276,38 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
       assert decode(answer).replace("<|im_end|>", "").strip() == env.best_move()
       later += bool(replies)
     assert 0 < later < 20
-    trainer.sft(2, progress=False)
+    # widths fixed over the warm-up's examples: one compile, where widths rounded per batch differ
+    per_batch = {
+      -(-max(len(trainer.program.sft_pair(2 * b + j)[0]) for j in (0, 1)) // 32) for b in range(4)
+    }
+    assert len(per_batch) > 1, per_batch
+    with compiled_functions() as names:
+      trainer.sft(4, progress=False)
+    assert names.count("jit(train_step)") == 1, names
   finally:
     trainer.close()
   rows = [r for r in read_metrics(str(tmp_path)) if "sft/loss" in r]
-  assert len(rows) == 2 and all(np.isfinite(r["sft/loss"]) for r in rows)
+  assert len(rows) == 4 and all(np.isfinite(r["sft/loss"]) for r in rows)
 
 
 def test_resume_restores_the_value_head(tmp_path):
   """A checkpoint holds the value head and its optimizer state; --resume takes them back (a run that
   resumed with a fresh, zero value head would train its critic from scratch without a word)."""
   cfg = _cfg(tmp_path, "train.algorithm=ppo", "train.steps=2", "run.checkpoint_every=1")
-  first = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  first = agent.make_run(cfg, AsciiEnv, "Be brief.")
   try:
     first.run()
   finally:
     first.close()
-  assert float(np.abs(first.head_params["proj"]["kernel"][...]).sum()) > 0  # trained away from 0
+  assert (
+    float(np.abs(first.program.head_params["proj"]["kernel"][...]).sum()) > 0
+  )  # trained away from 0
   cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
-  second = agent.AgentTrainer(cfg, AsciiEnv, "Be brief.")
+  second = agent.make_run(cfg, AsciiEnv, "Be brief.")
   try:
-    assert second._resume() == 2
-    saved = (first.head_params, first.head_opt_state, first.params)
-    restored = (second.head_params, second.head_opt_state, second.params)
+    assert second.resume() == 2
+    pick = lambda t: (t.program.head_params, t.program.head_opt_state, t.policy.params)
+    saved, restored = pick(first), pick(second)
     jax.tree.map(np.testing.assert_array_equal, saved, restored)
   finally:
     second.close()
@@ -318,7 +315,7 @@ def test_resume_restores_the_value_head(tmp_path):
 
 def test_refused_configs(tmp_path):
   with pytest.raises(ConfigError, match=r"train\.critic_preset=qwen9"):
-    agent.AgentTrainer(_cfg(tmp_path, "train.critic=model", "train.critic_preset=qwen9"), AsciiEnv)
+    agent.make_run(_cfg(tmp_path, "train.critic=model", "train.critic_preset=qwen9"), AsciiEnv)
 
 
 def test_config_keys_are_checked():
@@ -347,7 +344,7 @@ def test_config_keys_are_checked():
 _RUN_ASCII = (
   "import sys; from rl import agent, train; from tests.rl.test_env_agent import AsciiEnv; "
   "cfg = train.parse_args(sys.argv[1:]); train.start_process(cfg); "
-  "t = agent.AgentTrainer(cfg, AsciiEnv, 'Be brief.'); t.run(); t.close()"
+  "t = agent.make_run(cfg, AsciiEnv, 'Be brief.'); t.run(); t.close()"
 )
 
 
@@ -420,3 +417,68 @@ def test_two_processes_match_one(tmp_path):
       np.testing.assert_allclose(y[key], x[key], rtol=1e-4, atol=1e-6, err_msg=key)
   # the update had a signal to get wrong: a non-zero policy gradient and value loss
   assert b[1]["train/grad_norm"] > 0 and b[1]["critic/value_loss"] > 0
+
+
+class SpreadEnv:
+  """Episodes whose lengths spread widely from step to step: first prompts of 0 to 24 extra
+  characters, 1 to 3 turns, observations as long as 4x the reply. Rounded per step, its packed widths
+  change from step to step (the test checks that they would)."""
+
+  max_turns = 3
+
+  def reset(self, seed):
+    self.turn, self.turns = 0, 1 + seed % 3
+    return "go" + " on" * (seed % 9)
+
+  def step(self, action):
+    self.turn += 1
+    done = self.turn >= self.turns
+    return StepResult("x" * (4 * len(action)), 1.0, done, {"success": True} if done else {})
+
+
+def test_episode_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
+  """Six PPO steps with the KL term on (the pre-update pass, the reference log-probs, GAE, the
+  update) on episodes whose lengths spread over several 32-token buckets: after the first step none
+  of them compiles again. Catches widths rounded per step
+  (rl.agent before issue 31's fix: a long run recompiled the update whenever episodes grew), and any
+  other per-step shape reaching the update."""
+  cfg = _cfg(
+    tmp_path,
+    "train.algorithm=ppo",
+    "train.beta=0.1",
+    "train.steps=6",
+    "sampling.group_size=2",
+    "train.prompts_per_step=2",
+    "train.micro_batch_size=2",
+    "rollout.max_seq_len=160",
+  )
+  run = agent.make_run(cfg, SpreadEnv, "Be brief.")
+  program, episodes_of = run.program, run.program.episodes
+  seen = []  # per step: (longest first prompt, longest rest) of its episodes
+
+  def episodes(*args):
+    eps, stats = episodes_of(*args)
+    seen.append((max(e.prompt_len for e in eps), max(len(e.tokens) - e.prompt_len for e in eps)))
+    return eps, stats
+
+  program.episodes = episodes
+  pw, cw = program.widths
+  assert pw % 32 == 0 and cw % 32 == 0 and pw + cw <= 2 * 160
+  # the update, the pre-update pass, the reference pass and GAE (an eager lax.scan once compiled a
+  # `scan` every step)
+  watched = {"jit(update_step)", "jit(old_logps_and_values)", "jit(batch_token_logps)", "jit(_gae)"}
+  try:
+    for step in range(6):
+      with compiled_functions() as names:
+        row = run.step(step)
+      assert row["time/train/compiles"] == len(names), (step, names)
+      if step == 0:
+        assert watched <= set(names), names
+      else:
+        assert not (watched | {"jit(scan)"}) & set(names), (step, names)
+  finally:
+    run.close()
+  # the episodes did spread: widths rounded per step (the old rule) would have changed
+  per_step = {(-(-p // 32), -(-r // 32)) for p, r in seen}
+  assert len(per_step) > 1, seen
+  assert all(p <= pw and r <= cw for p, r in seen)

@@ -17,6 +17,7 @@ from rl.configlib import ConfigError
 from rl.metrics import read_metrics
 from rl.rollout import paged
 from rl.rollout.engine import bucket
+from rl.step import step_examples
 from tests.compiles import compile_events, compiled_functions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -329,9 +330,10 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
       f"run.out_dir={tmp_path / 'run'}",
     ]
   )
-  trainer = train.Trainer(cfg)
-  longest = max(len(trainer.encode(e.question)) for e in trainer.train_data)
-  assert trainer.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
+  run = train.make_run(cfg)
+  s = run.setup
+  longest = max(len(s.encode(e.question)) for e in s.train_data)
+  assert s.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
   seen, rows, widths = set(), [], []
   # the decode chunk's declared shapes: rows and page-table width are powers of two chosen by the
   # engine (rl.rollout.paged.decode_rows / decode_width), so a run compiles it at most that many times
@@ -343,12 +345,12 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   decode_compiles = 0
   try:
     with compiled_functions() as names:  # the SFT warm-up's batches span the prompt lengths too
-      trainer.sft(4, progress=False)
+      run.sft(4, progress=False)
     assert names.count("jit(train_step)") == 1, names
     for step in range(8):
       with compiled_functions() as names:
-        rows.append(trainer.step(step))
-      width = bucket(max(len(trainer.encode(e.question)) for e in trainer.step_examples(step)))
+        rows.append(run.step(step))
+      width = bucket(max(len(s.encode(e.question)) for e in step_examples(s, step)))
       widths.append(width)
       assert rows[-1]["time/train/compiles"] == len(names), (step, names)
       decode_compiles += names.count("jit(decode_chunk)")
@@ -362,7 +364,7 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
       seen.add(width)
     assert 1 <= decode_compiles <= len(decode_rows_set) * len(decode_widths), decode_compiles
   finally:
-    trainer.close()
+    run.close()
   assert len(set(widths)) > 1  # the data did bring several prefill buckets
   steady = [r for r in rows if r["time/train/compiles"] == 0]
   assert len(steady) >= 3 and rows[0]["time/train/compile_s"] > 0
