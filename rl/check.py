@@ -55,8 +55,8 @@ def check(cfg: GRPOConfig, platform: Platform, entry: str = "rl.train", lower: b
   _check_tp(cfg, model_cfg)
   if entry == "rl.train":
     out["prompt_width"] = _prompt_width(cfg)
-  else:  # episodes: prompts are environment observations, packed per step up to max_seq_len
-    out["prompt_width"] = cfg.rollout.max_seq_len - cfg.sampling.max_new_tokens
+  else:  # episodes: the widest prompt rl.agent_step.episode_widths can fix (see _lower_agent_update)
+    out["prompt_width"] = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
   memory = memory_estimate(cfg, model_cfg, out["prompt_width"])
   out["memory_gib"] = {k: round(v / GIB, 2) for k, v in memory.items()}
   limit = DEVICE_MEMORY_GIB.get(platform)
@@ -260,8 +260,8 @@ def lower_steps(
 
 def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer, impl, platforms):
   """rl.agent's update (policy term + value loss over the critic: a head, or a separate model) at
-  K x M episodes of rollout.max_seq_len tokens, the second half of them the packed completion (an
-  episode's model turns and observations after its first prompt)."""
+  K x M episodes at the widest packed (prompt, completion) widths the run can fix (below); the
+  completion is an episode's model turns and observations after its first prompt."""
   import optax
 
   from rl import agent  # rl.agent imports rl.cli, which imports this module
@@ -281,8 +281,11 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
     )
   head_graphdef, head_params = nnx.split(critic, nnx.Param)
   head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
-  c = -(-cfg.rollout.max_seq_len // 2)
-  p = cfg.rollout.max_seq_len - c
+  # rl.agent_step.episode_widths fixes (P, C) before step 1 from the environment's first prompts:
+  # P <= round_up(longest, 32) and C = round_up(max_seq_len - shortest, 32), each at most
+  # max_seq_len rounded up. The check has no environment to reset, so it lowers (and estimates
+  # memory) at that bound: the widest update the run can compile.
+  p = c = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
   k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
   sds, f32 = jax.ShapeDtypeStruct, lambda: jax.ShapeDtypeStruct((k, m, c), jnp.float32)
   batch = agent.AgentBatch(
