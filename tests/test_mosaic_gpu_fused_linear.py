@@ -22,6 +22,7 @@ from hypothesis import given, settings
 
 import kernels
 from bench.shapes import LINEAR_LOSS_SHAPES
+from bench.tolerances import assert_close
 from kernels import backend
 from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks
 from kernels.fused_linear import mosaic_gpu as mg
@@ -31,6 +32,7 @@ from tests.test_fused_linear import (
   assert_parity,
   make_problem,
   options_problem,
+  scaled_value_and_grads,
   value_and_grads,
 )
 
@@ -78,6 +80,21 @@ def test_parity_ragged_shapes(b, t, hd, v, bv, stages, splits, chunk_tiles, seed
   args, kw = make_problem(b, t, hd, v, jnp.bfloat16, seed=seed, **OPTIONS["off_policy_kl_temp"])
   blocks = MosaicLinearBlocks(64, bv, 64, stages, splits, chunk_tiles * bv)
   assert_parity(args, kw, "mosaic_gpu", "cpu", blocks=blocks)
+
+
+def test_loss_scale_equals_scaled_cotangent():
+  """loss_scale=s through the Mosaic GPU kernels: s rides in g into the dlogits kernel, so dhidden /
+  dlm_head equal those of ``loss * s``. Catches a scale dropped on the way to the kernel's g (or
+  applied twice); the token-level path, where g comes from the one objective gradient."""
+  args, kw = make_problem(2, 35, 64, 200, jnp.bfloat16, seed=3, **OPTIONS["off_policy_kl_temp"])
+  call = dict(impl="mosaic_gpu", platform="cpu", blocks=SMALL)
+  s = jnp.float32(0.375)
+  v_fold, (dh_fold, dw_fold) = scaled_value_and_grads(args, kw, s, True, **call)
+  v_ct, (dh_ct, dw_ct) = scaled_value_and_grads(args, kw, s, False, **call)
+  np.testing.assert_allclose(v_fold, v_ct, rtol=1e-6)
+  assert_close(dh_fold, dh_ct, "grad", jnp.bfloat16, 64 + 200, err_msg="dhidden")
+  assert_close(dw_fold, dw_ct, "grad", jnp.bfloat16, 70 + 64, err_msg="dlm_head")
+  assert float(jnp.max(jnp.abs(dw_fold.astype(jnp.float32)))) > 0
 
 
 def test_nonfinite_masked_rows_and_bad_ids():
