@@ -39,7 +39,7 @@ def evidence(n: int, h: int, v: int, blocks: mg.MosaicLinearBlocks | None = None
   rows, tiles = -(-n // bn), -(-v // bv)
   per_split = -(-tiles // b.splits)
   splits = -(-tiles // per_split)
-  np_, vp = rows * bn, tiles * bv
+  vp = tiles * bv
   chunk = min(b.vocab_chunk, vp)
   tile_flops = 2 * bn * bv * h
   tile_bytes = (bn + bv) * h * itemsize
@@ -54,5 +54,73 @@ def evidence(n: int, h: int, v: int, blocks: mg.MosaicLinearBlocks | None = None
     ring_bytes=b.stages * (bn + bv) * bh * itemsize,
     flops_total=8 * n * h * v,
     flops_credited=6 * n * h * v,
-    temp_bytes=np_ * chunk * itemsize + np_ * h * 4 + h * chunk * 4 + h * chunk * itemsize,
+    temp_bytes=b.temp_bytes(n, h, v, itemsize),
   )
+
+
+# ------------------------------------------------------------------ the backward's options, modelled
+MATMUL_TFS = (622e12, 798e12)  # the H100's measured bf16 matmul ceiling, low and high (2026-11-24)
+COPY_BPS = 3.0e12  # its measured copy rate, bytes / s
+# measured on that H100 (bench fused_linear, commit 46db0ec): XLA reference temp bytes and the
+# chunked path's fwd+bwd time, by token count at H 2048, V 151936, bf16
+XLA_REF_TEMP = {8192: 14244.1 * 2**20, 16384: 28488.3 * 2**20}
+CHUNKED_S = {8192: 34.789e-3, 16384: 68.031e-3}
+
+
+def _phases_time(phases) -> tuple[float, float]:
+  """(best, worst) seconds of kernels run one after another, each (flops, HBM bytes): best at the
+  high matmul ceiling with its bytes hidden under its flops, worst at the low one with none hidden."""
+  best = sum(max(f / MATMUL_TFS[1], b / COPY_BPS) for f, b in phases)
+  worst = sum(f / MATMUL_TFS[0] + b / COPY_BPS for f, b in phases)
+  return best, worst
+
+
+def backward_options(n: int, h: int, v: int, itemsize: int = 2, *, h_slice: int = 256, tile=128):
+  """Each way of forming (loss, dhidden, dlm_head) without [N, V] f32 logits in HBM, as a dict of
+  flops, phases (flops, logits-sized HBM bytes), temp bytes and modelled time at the measured
+  ceilings, with TF/s counted on 6 N·H·V (the issue's metric). ``a``: built (the dlogits chunk
+  plus XLA GEMMs); ``b``: dhidden columns in the dlogits grid (each H-slice recomputes the logits);
+  ``c``: dhidden / dlm_head on chip with TMA reduce-add stores per [tile, tile] logits tile;
+  ``e``: token chunks storing exp(z - m_tile) in bf16 during the statistics pass (no recompute, but
+  an f32 [H, V] dlm_head accumulated once per token chunk), at the largest power-of-two chunk within
+  5 % of the XLA reference's temp memory (128 tokens when none fits: ``temp_vs_xla`` then shows the
+  overrun; ``e_unbounded``: 4096 tokens, the temp target dropped). XLA reference temp and chunked
+  times are the H100 run's, scaled linearly in N between its two token counts."""
+  nhv, s = n * h * v, itemsize
+  logits = n * v * s  # one [N, V] array in the input dtype
+  dw32 = h * v * 4
+  xla_temp = XLA_REF_TEMP.get(n, n / 16384 * XLA_REF_TEMP[16384])  # it scales with N
+  room = 0.05 * xla_temp - dw32  # what the f32 dlm_head accumulator leaves of the 5 % budget
+  e_chunk = 1 << max(int(room // (v * s)).bit_length() - 1, 7) if room >= 128 * v * s else 128
+  a_temp = evidence(n, h, v, itemsize=itemsize)["temp_bytes"]
+
+  def stored(nc):
+    # stats (writes P~), dl = g (onehot - P~ e^(m - lse)) elementwise, dh GEMM, dw GEMM += per chunk
+    return [
+      (2 * nhv, logits),
+      (0, 2 * logits),
+      (2 * nhv, logits),
+      (2 * nhv, logits + n // nc * 2 * dw32),
+    ]
+
+  options = dict(
+    a=([(2 * nhv, 0), (2 * nhv, logits), (2 * nhv, logits), (2 * nhv, logits)], a_temp),
+    b=([(2 * nhv, 0), ((2 * h // h_slice + 2) * nhv, logits), (2 * nhv, logits)], a_temp),
+    c=([(2 * nhv, 0), (6 * nhv, nhv * 4 * 2 // tile)], n * h * 4 + dw32),
+    e=(stored(e_chunk), e_chunk * v * s + dw32),
+    e_unbounded=(stored(4096), 4096 * v * s + dw32),
+  )
+  out = {}
+  for name, (phases, temp) in options.items():
+    best, worst = _phases_time(phases)
+    out[name] = dict(
+      flops=sum(f for f, _ in phases),
+      phases=phases,
+      temp_bytes=temp,
+      temp_vs_xla=temp / xla_temp,
+      time_s=(best, worst),
+      counted_tfs=(6 * nhv / best, 6 * nhv / worst),
+      vs_chunked=(CHUNKED_S[n] / best, CHUNKED_S[n] / worst) if n in CHUNKED_S else None,
+    )
+  out["e"]["chunk_tokens"] = e_chunk
+  return out
