@@ -55,6 +55,25 @@ def test_parity(option):
   assert_parity(args, kw, "mosaic_gpu", "cpu", loss_types=(loss_type,), blocks=SMALL)
 
 
+@pytest.mark.parametrize(
+  "stored,dtype,option",
+  [(128, jnp.bfloat16, "off_policy_kl_temp"), (320, jnp.float16, "on_policy")],
+  ids=["first-2-tiles-bf16", "every-tile-f16"],
+)
+def test_parity_with_stored_columns(stored, dtype, option):
+  """The training path with stored_cols: the statistics kernel stores exp(z - m) and the running
+  row max of its first tiles, whose dl is then elementwise (no recomputed logits), the rest by the
+  dlogits chunks starting after them. N = 70, H = 128, V = 300 in 64-wide tiles over 2 splits:
+  128 columns (split 0's first two of three tiles, chunks 192 + a 64-column tail after them), or
+  every column (both splits, the masked 20-column padding tile, no dlogits chunk at all). Catches
+  a stored tile written at the wrong column or row offset, the row max taken before the tile's fold
+  (m_new), a tile count off by one at a split's end, padding columns' exp leaking into dlm_head,
+  chunks restarting at column 0 (stored columns counted twice)."""
+  args, kw = make_problem(2, 35, 128, 300, dtype, seed=4, **OPTIONS[option])
+  blocks = MosaicLinearBlocks(64, 64, 64, 2, 2, 128, stored_cols=stored)
+  assert_parity(args, kw, "mosaic_gpu", "cpu", blocks=blocks)
+
+
 def test_parity_sequence_level_option():
   """GSPO with sequence importance weights: the statistics pass, then the gradient pass with each
   token's weight from its whole sequence (the path where g reaches the dlogits kernel from XLA)."""

@@ -290,14 +290,19 @@ def _compute(
     tok = (flat(mask), flat(adv), flat(old), flat(ref), flat(sampler), flat(weights))
     (lse, logp, entropy), dh, dw = _sharded(static, _local_one_pass, True, h, w, ids, tok)
   else:
-    (lse, logp, entropy), _, _ = _sharded(static, _local_stats, False, h, w, ids, ())
+    # the training path's Mosaic statistics pass may store exp(z - m) of the first columns for grads
+    store = with_grads and static.impl == "mosaic_gpu" and static.mesh is None
+    store = store and static.fused.blocks.stored_cols > 0
+    local = functools.partial(_local_stats, store=store)
+    (lse, logp, entropy), *stored = _sharded(static, local, False, h, w, ids, ())
   logp = logp.reshape(b, t)
   if with_grads and not one_pass:
     # a token's weight depends on its whole sequence: g = d loss / d logp from the [B, T] objective,
     # then the gradient pass over the vocabulary
     (loss, obj), dlogp = jax.value_and_grad(objective, has_aux=True)(logp)
     g = dlogp.reshape(-1) * (1.0 / spec.temperature)
-    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, (lse, g))
+    extra = (lse, g, *stored) if store else (lse, g)
+    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, extra)
   else:
     loss, obj = objective(logp)
   aux = make_aux(mask, logp, entropy.reshape(b, t), obj)
@@ -341,8 +346,9 @@ def _combine(static: _Spec, lse_s, chosen_s, found_s, ez_s):
   return lse, logp, lse - ez
 
 
-def _local_stats(static: _Spec, h, w, ids):
-  """The statistics pass: ((lse, logp, entropy), -, -); no gradients."""
+def _local_stats(static: _Spec, h, w, ids, store: bool = False):
+  """The statistics pass: ((lse, logp, entropy), -, -), no gradients; with ``store`` (mosaic_gpu,
+  one shard) ((lse, logp, entropy), pt, mt): the stored exp(z - m) for :func:`_local_grads`."""
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
     finish = lambda lse, chosen, found, ez, tok: (
@@ -351,25 +357,29 @@ def _local_stats(static: _Spec, h, w, ids):
       _combine(static, lse, chosen, found, ez),
     )
     stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
+  elif store:
+    partials, (pt, mt) = _mosaic.stats(static.fused, h, w, ids, store=True)
+    return _combine(static, *partials), pt, mt
   else:
     kernel = _mosaic.stats if static.impl == "mosaic_gpu" else _pallas.stats
     stats = _combine(static, *kernel(static.fused, h, w, ids))
-  empty = jnp.zeros(
-    (0,), jnp.float32
-  )  # built per call: a module-level array would start the backend at import
+  empty = jnp.zeros((0,), jnp.float32)  # per call: a module-level array would start the backend
   return stats, empty, empty
 
 
-def _local_grads(static: _Spec, h, w, ids, lse, g):
-  """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw)."""
+def _local_grads(static: _Spec, h, w, ids, lse, g, *stored):
+  """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw);
+  ``stored``: :func:`_local_stats`'s (pt, mt), whose columns' dl needs no recomputed logits."""
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
     dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g)
   else:
     # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
-    kernel = _mosaic.grads if static.impl == "mosaic_gpu" else _pallas.grads
-    dh, dw = kernel(static.fused, h, w, ids, lse, g, dtype, w.dtype)
+    if static.impl == "mosaic_gpu":
+      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype, stored or None)
+    else:
+      dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
   if static.axis is not None:
     dh = jax.lax.psum(dh, static.axis)
   return (), dh, dw

@@ -30,6 +30,10 @@ class MosaicLinearBlocks:
   splits: vocabulary ranges of the statistics kernel (grid (N / block_n, splits)).
   vocab_chunk: vocabulary columns per backward chunk (a multiple of block_v): the dlogits buffer is
     [N, vocab_chunk].
+  stored_cols: on the training path, the statistics kernel also stores exp(z - m) (input dtype) and
+    the running row max m of its tiles of the first ``stored_cols`` vocabulary columns (a multiple
+    of block_v; 0: none), so their dl is an elementwise pass instead of a recomputed logits tile:
+    2 * stored_cols / V of 2 N·H·V flops saved for [N, stored_cols] more temp memory.
   """
 
   block_n: int = 128
@@ -38,12 +42,15 @@ class MosaicLinearBlocks:
   stages: int = 3
   splits: int = 1
   vocab_chunk: int = 8192
+  stored_cols: int = 0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"MosaicLinearBlocks.{f.name} must be a positive int, got {value!r}")
+      low = 0 if f.name == "stored_cols" else 1
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        kind = "a non-negative" if low == 0 else "a positive"
+        raise ValueError(f"MosaicLinearBlocks.{f.name} must be {kind} int, got {value!r}")
     for name, hi in (("block_n", 128), ("block_v", 256), ("block_h", None)):
       value = getattr(self, name)
       if value % 64 or (hi is not None and value > hi):
@@ -56,23 +63,39 @@ class MosaicLinearBlocks:
       )
     if self.stages < 2:
       raise ValueError(f"MosaicLinearBlocks.stages must be >= 2, got {self.stages}")
-    if self.vocab_chunk % self.block_v:
-      raise ValueError(
-        f"MosaicLinearBlocks.vocab_chunk={self.vocab_chunk} must be a multiple of "
-        f"block_v={self.block_v}"
-      )
+    for name in ("vocab_chunk", "stored_cols"):
+      if getattr(self, name) % self.block_v:
+        raise ValueError(
+          f"MosaicLinearBlocks.{name}={getattr(self, name)} must be a multiple of "
+          f"block_v={self.block_v}"
+        )
 
   def smem_bytes(self, itemsize: int = 2) -> int:
-    """Shared memory of the larger (dlogits) kernel: the h / w ring, the dl output tile, row data."""
+    """Shared memory of the larger kernel: the h / w ring, the dl (dlogits) or exp(z - m) (storing
+    statistics) output tile, row data."""
     ring = self.stages * (self.block_n + self.block_v) * self.block_h * itemsize
-    return ring + self.block_n * self.block_v * itemsize + 4 * 4 * self.block_n
+    return ring + self.block_n * self.block_v * itemsize + 5 * 4 * self.block_n
 
   def temp_bytes(self, n: int, h: int, v: int, itemsize: int = 2) -> int:
     """HBM temporaries of the backward: the dl chunk buffer [Np, chunk] (input dtype), dhidden's f32
-    accumulator [Np, H], one chunk's f32 dlm_head GEMM result [H, chunk] and its w slice."""
+    accumulator [Np, H], one chunk's f32 dlm_head GEMM result [H, chunk] and its w slice; the stored
+    exp(z - m) [Np, stored_cols] (input dtype) with its row maxes, and their dl of the same size."""
     np_ = -(-n // self.block_n) * self.block_n
-    chunk = min(self.vocab_chunk, -(-v // self.block_v) * self.block_v)
-    return np_ * chunk * itemsize + np_ * h * 4 + h * chunk * (4 + itemsize)
+    vp = -(-v // self.block_v) * self.block_v
+    chunk, stored = min(self.vocab_chunk, vp), min(self.stored_cols, vp)
+    extra = 2 * np_ * stored * itemsize + np_ * (stored // self.block_v) * 4
+    wide = max(chunk, stored)  # the widest GEMM's dlm_head result and w slice
+    return np_ * chunk * itemsize + np_ * h * 4 + h * wide * (4 + itemsize) + extra
+
+  def max_stored_cols(self, n: int, h: int, v: int, itemsize: int = 2) -> int:
+    """The most stored columns (a block_v multiple, at most V rounded up) within the temp target."""
+    budget = TEMP_PER_LOGIT * n * v
+    lo, hi = 0, -(-v // self.block_v)
+    while lo < hi:  # temp grows with the stored tiles: the largest count under the budget
+      mid = (lo + hi + 1) // 2
+      blocks = dataclasses.replace(self, stored_cols=mid * self.block_v)
+      lo, hi = (mid, hi) if blocks.temp_bytes(n, h, v, itemsize) <= budget else (lo, mid - 1)
+    return lo * self.block_v
 
   def check(self, h: int, dtype) -> None:
     """Raise ValueError unless legal for hidden size ``h`` and ``dtype``."""
@@ -134,6 +157,12 @@ def candidate_blocks(shape, platform: str = "gpu") -> list[MosaicLinearBlocks]:
   for chunk in (base.vocab_chunk // 2, base.vocab_chunk * 2, base.vocab_chunk * 4):
     blocks = dataclasses.replace(base, vocab_chunk=max(base.block_v, chunk))
     if blocks not in out and blocks.temp_bytes(n, h, v) <= TEMP_PER_LOGIT * n * v:
+      out.append(blocks)
+  # the statistics pass storing exp(z - m) for the first columns: all the temp target allows, half
+  most = base.max_stored_cols(n, h, v)
+  for cols in (most, most // 2 // base.block_v * base.block_v):
+    blocks = dataclasses.replace(base, stored_cols=cols)
+    if cols and blocks not in out:
       out.append(blocks)
   for bn, bv, bh, stages in (
     (128, 128, 64, 4),

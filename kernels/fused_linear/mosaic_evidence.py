@@ -103,12 +103,21 @@ def backward_options(n: int, h: int, v: int, itemsize: int = 2, *, h_slice: int 
       (2 * nhv, logits + n // nc * 2 * dw32),
     ]
 
+  # f: (a), but the statistics pass also stores exp(z - m_tile) (bf16) and its row maxes for the first
+  # f_cols vocabulary columns, as many as the temp target leaves; their dl is then elementwise
+  per_col = n * s + n * 4 / tile
+  f_cols = max(0, int((0.05 * xla_temp - a_temp) // per_col) // tile * tile)
+  f_cols = min(f_cols, v)
+  f_frac = f_cols / v
+  f_phases = [(2 * nhv, f_cols * n * s), (0, 2 * f_cols * n * s)]
+  f_phases += [(2 * nhv * (1 - f_frac), (v - f_cols) * n * s), (2 * nhv, logits), (2 * nhv, logits)]
   options = dict(
     a=([(2 * nhv, 0), (2 * nhv, logits), (2 * nhv, logits), (2 * nhv, logits)], a_temp),
     b=([(2 * nhv, 0), ((2 * h // h_slice + 2) * nhv, logits), (2 * nhv, logits)], a_temp),
     c=([(2 * nhv, 0), (6 * nhv, nhv * 4 * 2 // tile)], n * h * 4 + dw32),
     e=(stored(e_chunk), e_chunk * v * s + dw32),
     e_unbounded=(stored(4096), 4096 * v * s + dw32),
+    f=(f_phases, a_temp + f_cols * per_col),
   )
   out = {}
   for name, (phases, temp) in options.items():
@@ -123,4 +132,5 @@ def backward_options(n: int, h: int, v: int, itemsize: int = 2, *, h_slice: int 
       vs_chunked=(CHUNKED_S[n] / best, CHUNKED_S[n] / worst) if n in CHUNKED_S else None,
     )
   out["e"]["chunk_tokens"] = e_chunk
+  out["f"]["stored_columns"] = f_cols
   return out

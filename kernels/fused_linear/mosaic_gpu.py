@@ -94,8 +94,31 @@ def _scaled_tile(h_rows, w_gmem, col0, cfg: MosaicLinearConfig):
   return z, col0 + backend.layout_cast(iota, plgpu.Layout.WGMMA, cfg.target)
 
 
-def _stats_kernel(h_gmem, w_gmem, ids_gmem, out_gmem, ids_s, out_s, bar, *, cfg, per_split):
-  """One (row block, vocabulary split): partial (lse, chosen, found, E[z]) into out_gmem [4, S, Np]."""
+def _store_exp(tile, p, m, rows, stored_refs, *, cfg):
+  """Tile ``tile``'s exp(z - m) [bn, bv] (input dtype) and running row max m [bn] into pt [Np, cols]
+  and mt [tiles, Np] when it is one of the stored tiles (the training path's first columns)."""
+  plgpu = backend.mosaic_gpu_module()
+  pt_gmem, mt_gmem, pt_s, mt_s = stored_refs
+  bv = cfg.blocks.block_v
+
+  @pl.when(tile < pt_gmem.shape[1] // bv)
+  def _():
+    plgpu.wait_smem_to_gmem(0)  # the previous stored tile's copies have read pt_s / mt_s
+    pt_s[...] = p.astype(pt_s.dtype)
+    mt_s[...] = m
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(pt_s, pt_gmem.at[rows, pl.ds(pl.multiple_of(tile * bv, bv), bv)])
+    plgpu.copy_smem_to_gmem(mt_s, mt_gmem.at[tile, rows])
+
+
+def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool):
+  """One (row block, vocabulary split): partial (lse, chosen, found, E[z]) into out_gmem [4, S, Np];
+  with ``stored``, also exp(z - m) and m of the stored tiles (:func:`_store_exp`)."""
+  if stored:
+    out_gmem, pt_gmem, mt_gmem, ids_s, out_s, bar, pt_s, mt_s = refs
+    stored_refs = (pt_gmem, mt_gmem, pt_s, mt_s)
+  else:
+    out_gmem, ids_s, out_s, bar = refs
   plgpu = backend.mosaic_gpu_module()
   wg = plgpu.Layout.WGMMA
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
@@ -117,6 +140,8 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, out_gmem, ids_s, out_s, bar, *, cfg,
     m_new = jnp.maximum(m, z.max(axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(z - bcast(m_new))
+    if stored:
+      _store_exp(first + t, p, m_new, rows, stored_refs, cfg=cfg)
     # 0 * log 0 = 0 (p underflows, or a -inf padding column), as the Pallas kernels' online update
     pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - bcast(m_new), 0.0))
     acc_s = jnp.where(alpha == 0, 0.0, alpha * (acc_s + (m - m_new) * l)) + pz.sum(axis=1)
@@ -165,22 +190,33 @@ def _dlogits_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def _stats_call(cfg: MosaicLinearConfig, h, w, ids):
-  """h [Np, H], w [H, Vp] (tile multiples), ids [Np] int32 -> partials [4, splits, Np] f32."""
+def _stats_call(cfg: MosaicLinearConfig, h, w, ids, stored_cols: int = 0):
+  """h [Np, H], w [H, Vp] (tile multiples), ids [Np] int32 -> partials [4, splits, Np] f32; with
+  stored_cols, also (pt [Np, stored_cols] h's dtype, mt [stored_cols / bv, Np] f32)."""
   plgpu = backend.mosaic_gpu_module()
-  n, bn = h.shape[0], cfg.blocks.block_n
-  tiles = w.shape[1] // cfg.blocks.block_v
+  n, bn, bv = h.shape[0], cfg.blocks.block_n, cfg.blocks.block_v
+  tiles = w.shape[1] // bv
   per_split = -(-tiles // cfg.blocks.splits)
   splits = -(-tiles // per_split)  # every split owns at least one tile
+  out_type = jax.ShapeDtypeStruct((4, splits, n), jnp.float32)
+  scratch = (
+    plgpu.SMEM((bn,), jnp.int32),
+    plgpu.SMEM((4, bn), jnp.float32),
+    plgpu.Barrier(num_arrivals=1),
+  )
+  if stored_cols:
+    out_type = (
+      out_type,
+      jax.ShapeDtypeStruct((n, stored_cols), h.dtype),
+      jax.ShapeDtypeStruct((stored_cols // bv, n), jnp.float32),
+    )
+    tile = backend.smem_transforms(h.dtype, cfg.target)
+    scratch += (plgpu.SMEM((bn, bv), h.dtype, transforms=tile), plgpu.SMEM((bn,), jnp.float32))
   return backend.mosaic_gpu_kernel(
-    functools.partial(_stats_kernel, cfg=cfg, per_split=per_split),
+    functools.partial(_stats_kernel, cfg=cfg, per_split=per_split, stored=bool(stored_cols)),
     target=cfg.target,
-    out_type=jax.ShapeDtypeStruct((4, splits, n), jnp.float32),
-    scratch_types=(
-      plgpu.SMEM((bn,), jnp.int32),
-      plgpu.SMEM((4, bn), jnp.float32),
-      plgpu.Barrier(num_arrivals=1),
-    ),
+    out_type=out_type,
+    scratch_types=scratch,
     # rows last = blockIdx.x, the fastest-varying: the CTAs resident together share w tiles in L2
     grid=(splits, n // bn),
     grid_names=("split", "rows"),
@@ -229,45 +265,77 @@ def combine_splits(partials):
   return lse, chosen_s.sum(axis=0), found_s.sum(axis=0), (jnp.exp(lse_s - lse) * ez_s).sum(axis=0)
 
 
-def stats(cfg: MosaicLinearConfig, h, w, ids):
+def stats(cfg: MosaicLinearConfig, h, w, ids, *, store: bool = False):
   """Per-row (lse, chosen z, found, E[z]) of z = (h @ w) / temperature over this shard's columns, as
-  :func:`kernels.fused_linear.pallas.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N]."""
+  :func:`kernels.fused_linear.pallas.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N].
+
+  store (the training path, blocks.stored_cols > 0): returns (stats, stored), stored = (pt
+  [Np, cols], mt [cols / bv, Np]) for :func:`grads`: exp(z - m) of the first cols columns."""
   n = h.shape[0]
   hp, wp, idsp = _padded(cfg, h, w, ids.astype(jnp.int32))
-  return tuple(a[:n] for a in combine_splits(_stats_call(cfg, hp, wp, idsp)))
+  cols = stored_columns(cfg, wp.shape[1]) if store else 0
+  out = _stats_call(cfg, hp, wp, idsp, cols)
+  partials, stored = (out[0], out[1:]) if cols else (out, None)
+  result = tuple(a[:n] for a in combine_splits(partials))
+  return (result, stored) if store else result
 
 
-def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
+def stored_columns(cfg: MosaicLinearConfig, vp: int) -> int:
+  """Columns whose exp(z - m) the training path's statistics pass stores (block_v multiple, <= Vp)."""
+  return min(cfg.blocks.stored_cols, vp)
+
+
+def _stored_dl(cfg: MosaicLinearConfig, stored, ids, lse, g, dtype):
+  """dl [Np, cols] = g * (onehot(id) - exp(z - m) exp(m - lse)) from the stored tiles (XLA, one
+  elementwise pass); exactly 0 for g == 0 rows and padding columns, as the dlogits kernel."""
+  pt, mt = stored  # [Np, cols], [cols / bv, Np]
+  n, cols = pt.shape
+  bv = cfg.blocks.block_v
+  scale = jnp.exp(mt.T - lse[:, None])[:, :, None]  # [Np, tiles, 1]: m <= lse
+  p = (pt.astype(jnp.float32).reshape(n, cols // bv, bv) * scale).reshape(n, cols)
+  col = lax.broadcasted_iota(jnp.int32, (n, cols), 1)
+  d = g[:, None] * ((col == ids[:, None]).astype(jnp.float32) - p)
+  return jnp.where((g[:, None] == 0) | (col >= cfg.vocab), 0.0, d).astype(dtype)
+
+
+def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored=None):
   """(dh [N, H], dw [H, V]) of sum_n g[n] * (z[n, id_n] - lse[n]), z = (h @ w) / temperature, as
   :func:`kernels.fused_linear.pallas.grads` (g [N] f32 includes 1 / temperature).
 
   Vocabulary chunk by chunk: the dlogits kernel writes dl [Np, chunk] in h's dtype, then
-  dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator)."""
+  dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator). With
+  ``stored`` (:func:`stats`'s), the first columns' dl comes from the stored exp(z - m) instead of a
+  recomputed logits tile, and the chunks start after them."""
   n, hd = h.shape
   v = w.shape[1]
   hp, wp, idsp, lsep, gp = _padded(cfg, h, w, ids.astype(jnp.int32), lse, g)
   vp = wp.shape[1]
-  chunk = min(cfg.blocks.vocab_chunk, vp)
-  full, tail = divmod(vp, chunk)
+  start = 0 if stored is None else stored[0].shape[1]  # columns whose dl comes from `stored`
+  chunk = max(1, min(cfg.blocks.vocab_chunk, vp - start))
+  full, tail = divmod(vp - start, chunk)
 
-  def one(c0: jax.Array, width: int, dh):
-    dl = _dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width)  # [Np, width]
+  def gemms(dl, c0, width: int, dh):  # dl [Np, width] for columns [c0, c0 + width)
     wc = lax.dynamic_slice_in_dim(wp, c0, width, axis=1)
     dh = dh + jnp.dot(dl, wc.T, preferred_element_type=jnp.float32)
-    dwc = jnp.dot(hp.T, dl, preferred_element_type=jnp.float32).astype(dw_dtype)
-    return dh, dwc
+    return dh, jnp.dot(hp.T, dl, preferred_element_type=jnp.float32).astype(dw_dtype)
+
+  def one(c0: jax.Array, width: int, dh):
+    return gemms(_dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width), c0, width, dh)
 
   def body(c, carry):
     dh, dw = carry
-    c0 = (c * chunk).astype(jnp.int32)
+    c0 = (start + c * chunk).astype(jnp.int32)
     dh, dwc = one(c0, chunk, dh)
     return dh, lax.dynamic_update_slice_in_dim(dw, dwc, c0, axis=1)
 
-  carry = (jnp.zeros(hp.shape, jnp.float32), jnp.zeros((hd, vp), dw_dtype))
-  dh, dw = lax.fori_loop(0, full, body, carry)
+  dh, dw = jnp.zeros(hp.shape, jnp.float32), jnp.zeros((hd, vp), dw_dtype)
+  if start:
+    dh, dwc = gemms(_stored_dl(cfg, stored, idsp, lsep, gp, hp.dtype), 0, start, dh)
+    dw = lax.dynamic_update_slice_in_dim(dw, dwc, 0, axis=1)
+  dh, dw = lax.fori_loop(0, full, body, (dh, dw))
   if tail:
-    dh, dwc = one(jnp.int32(full * chunk), tail, dh)
-    dw = lax.dynamic_update_slice_in_dim(dw, dwc, full * chunk, axis=1)
+    dh, dwc = one(jnp.int32(start + full * chunk), tail, dh)
+    dw = lax.dynamic_update_slice_in_dim(dw, dwc, start + full * chunk, axis=1)
   return dh[:n].astype(dh_dtype), dw[:, :v]
 
 
