@@ -163,6 +163,8 @@ def test_bad_settings_raise_before_lowering(blocks, dtype, error, match):
     (dict(stages=0), "positive int"),
     (dict(stages=1), "stages must be >= 2"),
     (dict(splits=True), "positive int"),
+    (dict(stored_cols=-128), "stored_cols must be a non-negative int"),
+    (dict(stored_cols=100), "stored_cols=100 must be a multiple of block_v"),
   ],
 )
 def test_blocks_validate(fields, match):
@@ -226,8 +228,9 @@ def test_backward_options_model():
   """The docstring's verdict, recomputed at N 16384, H 2048, V 151936 (README "fused" section):
   the built decomposition (a) does 8 N·H·V, so even at the top of the measured matmul ceiling with
   every byte hidden it credits < 600 TF/s on 6 N·H·V; (b) and (c) are slower still; the 6 N·H·V
-  stored-exp option (e) beats 600 TF/s only with the temp target dropped. Catches a model edit
-  that silently flips the verdict the README states."""
+  stored-exp option (e) beats 600 TF/s only with the temp target dropped; (f), the built stored
+  columns, passes 600 only at the top of the measured ceiling. Catches a model edit that silently
+  flips the verdict the README states."""
   n, h, v = 16384, 2048, 151936
   o = ev.backward_options(n, h, v)
   nhv = n * h * v
@@ -238,6 +241,13 @@ def test_backward_options_model():
     assert o[k]["time_s"][0] > o["a"]["time_s"][0]
   assert o["e"]["temp_vs_xla"] <= 0.05 and o["e"]["counted_tfs"][0] < 600e12
   assert o["e_unbounded"]["counted_tfs"][0] > 600e12 and o["e_unbounded"]["temp_vs_xla"] > 0.05
+  # f (built: stored columns at the tuner's largest candidate): 600 only at the top of the range
+  f = o["f"]
+  assert 7.7 * nhv < f["flops"] < 7.9 * nhv and f["temp_vs_xla"] <= 0.05
+  assert f["counted_tfs"][0] > 600e12 > f["counted_tfs"][1]
+  assert f["stored_columns"] == max(
+    b.stored_cols for b in mg.candidate_blocks(dict(tokens=n, hidden=h, vocab=v, dtype="bfloat16"))
+  )
 
 
 @pytest.mark.gpu

@@ -29,6 +29,8 @@ At the production shape (N = 8192, H = 2048, V = 151936, bf16) with the heuristi
 
 from __future__ import annotations
 
+import dataclasses
+
 from kernels.fused_linear import mosaic_gpu as mg
 
 
@@ -103,11 +105,12 @@ def backward_options(n: int, h: int, v: int, itemsize: int = 2, *, h_slice: int 
       (2 * nhv, logits + n // nc * 2 * dw32),
     ]
 
-  # f: (a), but the statistics pass also stores exp(z - m_tile) (bf16) and its row maxes for the first
-  # f_cols vocabulary columns, as many as the temp target leaves; their dl is then elementwise
-  per_col = n * s + n * 4 / tile
-  f_cols = max(0, int((0.05 * xla_temp - a_temp) // per_col) // tile * tile)
-  f_cols = min(f_cols, v)
+  # f (built: MosaicLinearBlocks.stored_cols): (a), but the statistics pass also stores exp(z - m)
+  # (input dtype) and its row maxes for the first f_cols columns, as many as the temp target leaves
+  # (the tuner's largest candidate); their dl is then one elementwise pass, no recomputed tile
+  base = mg.default_blocks(n, h, v)
+  f_cols = min(base.max_stored_cols(n, h, v, itemsize), v)
+  f_temp = dataclasses.replace(base, stored_cols=f_cols).temp_bytes(n, h, v, itemsize)
   f_frac = f_cols / v
   f_phases = [(2 * nhv, f_cols * n * s), (0, 2 * f_cols * n * s)]
   f_phases += [(2 * nhv * (1 - f_frac), (v - f_cols) * n * s), (2 * nhv, logits), (2 * nhv, logits)]
@@ -117,7 +120,7 @@ def backward_options(n: int, h: int, v: int, itemsize: int = 2, *, h_slice: int 
     c=([(2 * nhv, 0), (6 * nhv, nhv * 4 * 2 // tile)], n * h * 4 + dw32),
     e=(stored(e_chunk), e_chunk * v * s + dw32),
     e_unbounded=(stored(4096), 4096 * v * s + dw32),
-    f=(f_phases, a_temp + f_cols * per_col),
+    f=(f_phases, f_temp),
   )
   out = {}
   for name, (phases, temp) in options.items():
