@@ -111,24 +111,18 @@ def fused_linear_grpo_loss(
       ``"chunked"``: XLA matmuls per token chunk + grpo_loss's Pallas softmax kernels (every backend;
       one f32 [chunk, V] buffer, 6 N·H·V flops; 8 with a sequence-level option, whose token weights
       need a whole first pass). ``"xla"``: the reference, materialising the logits.
-      ``"auto"``: the autotuner's winner for this device and shape bucket when its cache has one
-      (with its tiles; :mod:`kernels.fused_linear.tuned`: given ``blocks`` / ``chunk_size`` keep
-      the heuristic's impl, a corrupt or illegal entry is ignored), else ``xla`` on CPU (the
-      interpreter is a correctness tool), ``chunked`` on GPU (not yet timed against
-      ``mosaic_gpu``) and on TPU (fewer flops; ``pallas`` when memory matters more — neither has
-      been timed on a TPU yet). An explicit impl without tiles gets its fastest tuned tiles.
+      ``"auto"``: the tuned cache's winner for this device and shape (:mod:`.tuned`), else ``xla``
+      on CPU (the interpreter is a correctness tool), ``chunked`` on GPU and TPU (fewer flops;
+      ``pallas`` when memory matters more). An explicit impl without tiles gets its tuned tiles.
     blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
       (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
     mesh, vocab_axis: tensor parallelism. ``lm_head`` is split over its vocabulary on mesh axis
       ``vocab_axis`` (``shard_map``): each shard computes its partial max / sum-exp / chosen logit,
       combined across the axis before the loss, and its own slice of the LM-head gradient. The other
       arguments are replicated.
-    loss_scale: multiplies the loss (e.g. a micro-batch's share of the global loss), as in
-      :func:`kernels.grpo_loss`. Passed here rather than multiplied afterwards, it is folded into
-      each token's loss weight before the gradients are formed in the forward pass, so the backward
-      sees cotangent 1 and its ``ct * dlm_head`` pass over [H, V] (and over [N, H]) folds away; a
-      ``loss * s`` cotangent instead costs an elementwise pass over both gradients. aux is not
-      scaled; no gradient flows into ``loss_scale``.
+    loss_scale: multiplies the loss (a micro-batch's share), as in :func:`kernels.grpo_loss`:
+      folded into each token's weight before the in-forward gradients, so the backward's cotangent
+      is 1 and its pass over [H, V] folds away (``loss * s`` costs one). aux is not scaled.
 
   Raises:
     ValueError: everything ``grpo_loss`` rejects (:func:`kernels.grpo_loss.validate_loss_args`), and

@@ -21,7 +21,17 @@ At the production shape (N = 8192, H = 2048, V = 151936, bf16) with the heuristi
   dh += dl w^T) = 8 N·H·V. Counting the 6 N·H·V the benchmark credits, 600 TF/s would need 800 TF/s
   of real work, above the 622-798 TF/s bf16 ceiling measured on the H100: the issue's speed target
   is out of reach for any decomposition that never stores logits (Cut Cross-Entropy does 8 as well);
-  the chunked path (6 N·H·V, f32 logits chunk in HBM) has the better flop count.
+  the chunked path (6 N·H·V, f32 logits chunk in HBM) has the better flop count. The stored
+  columns (``MosaicLinearBlocks.stored_cols``) cut the 8 to 7.82-7.92 within the temp target.
+* the backward's options (a-f in :func:`backward_options`), at N = 16384 (N = 8192 in brackets),
+  TF/s counted on 6 N·H·V, best (798 TF/s, bytes hidden) - worst (622 TF/s, bytes exposed), temp as
+  a share of the XLA reference's measured 28488 MiB (14244), against chunked's measured 68.0 ms:
+  a  dl chunk + XLA GEMMs (built)       8 N·H·V      598-434 TF/s  1.7 % (3.6 %)  1.33-0.96x
+  b  dh H-slices in the dlogits grid   22 N·H·V      218-167 TF/s  1.7 %          0.48-0.37x
+  c  on-chip GEMMs, TMA reduce-add      8 N·H·V      257-178 TF/s  4.6 % (8.8 %)  0.57-0.40x
+  e  token chunks, stored bf16 exp      6 N·H·V      536-364 TF/s  4.7 % (8.6 %)  1.19-0.81x
+     the same, 4096-token chunks        6 N·H·V      734-503 TF/s  8.3 % (16.7 %) 1.63-1.12x
+  f  (a) + stored first columns (built) 7.82 N·H·V   609-441 TF/s  5.0 % (5.0 %)  1.35-0.98x
 * temporaries: the dl buffer [N, vocab_chunk] bf16 (256 MiB), dh's f32 accumulator [N, H] (64 MiB),
   one chunk's f32 dw GEMM result [H, vocab_chunk] (128 MiB) and its w slice (64 MiB): ~512 MiB, 3.6 %
   of the XLA reference's measured 14244 MiB (1.8 % at N = 16384), against 11 % for ``chunked``.

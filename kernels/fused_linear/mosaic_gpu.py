@@ -14,14 +14,30 @@ multiples by the wrapper; ids [Np] shard-local), each CTA one warpgroup, token r
            tile recomputed on chip, dl = g * (onehot(id) - exp(z - lse)) from the global lse, written
            (input dtype) by TMA into a [Np, vocab_chunk] buffer. XLA GEMMs then give the chunk's
            final dw[:, chunk] = h^T dl and add dl w_chunk^T to an f32 dh.
+  stored   (training path, ``blocks.stored_cols`` > 0): the statistics kernel also TMA-stores, for
+           its tiles of the first stored_cols columns, exp(z - m) (input dtype, m the row max after
+           the tile's fold) and m; their dl = g (onehot - exp(z - m) e^(m - lse)) is one XLA
+           elementwise pass, so those columns' logits are formed once for forward and backward, and
+           the dlogits chunks start after them.
 
-Not the TPU kernel's decomposition (dh, dw accumulated in the kernel): its [block_n, H] and
-[H, block_v] f32 accumulators (256 KiB-1 MiB at H = 2048) exceed an SM's 256 KiB of registers and
-227 KiB of shared memory, and cross-CTA accumulation would need TMA reduce-add stores, which the
-Mosaic GPU interpreter cannot run. So logits never reach HBM; their gradient does, a chunk at a time.
-Flops: 2 N·H·V (stats) + 2 (recompute) + 4 (GEMMs) = 8 N·H·V, against 6 for ``chunked``, which keeps
-f32 logits chunks (figures: :mod:`kernels.fused_linear.mosaic_evidence`). bf16 / f16 only: wgmma on
-f32 operands is tf32, which would not meet the f32 tolerance.
+The backward at the H100's limit (registers 256 KiB / SM, shared memory 227 KiB, wgmma M >= 64; the
+arithmetic and modelled times are :func:`kernels.fused_linear.mosaic_evidence.backward_options`):
+dh needs a [64, H] f32 accumulator per CTA and dw an [H, block_v] one: 512 KiB each at H = 2048,
+more than an SM holds, so neither GEMM can finish on chip without either (b) slicing H in the grid
+(each H-slice recomputes the logits: 22 N·H·V flops at 256-column slices) or (c) reduce-adding
+f32 partials to HBM with TMA (``copy_smem_to_gmem(reduction_op="add")``: N·V·H·8 / 128 = 318 GB at
+N = 16384 with 128 x 128 tiles, ~2.3x slower than (a); the Mosaic GPU interpreter of jax 0.10 and
+0.11 raises NotImplementedError on it, so it could not be verified here). (a), built: dl per
+vocabulary chunk in HBM + XLA GEMMs, 8 N·H·V, is the least work that never stores logits; its best
+case (every byte hidden, 798 TF/s) credits 598 TF/s on 6 N·H·V. (d) overlapping a chunk's GEMMs
+with the next dlogits kernel gains nothing in that model (both compute-bound; XLA issues them on one
+stream). Sharing the forward's pass with the backward's recompute needs per-logit state: all of it
+(e: bf16 exp tiles per token chunk, 6 N·H·V) costs an f32 [H, V] dw accumulated per token chunk and
+beats (a) only above the 5 % temp target; the first columns of it (the ``stored`` path above) fit
+the target: 7.82 N·H·V at N = 16384 (13824 columns), 609 TF/s best case, 441 at 622 TF/s with no
+overlap. So none of these options reaches the issue's 600 TF/s within the temp target except at the
+top of the measured ceiling with every byte hidden (modelled; nothing here was timed). bf16 / f16 only: wgmma on f32 operands is tf32, which would
+not meet the f32 tolerance.
 """
 
 from __future__ import annotations
