@@ -224,6 +224,21 @@ def test_candidates_stay_within_the_temp_target(name):
   assert len(chunks) >= 2 and (s.tokens < 16384 or max(chunks) == 16384)
 
 
+def test_bench_times_the_stored_columns_beside_the_plain_path():
+  """A GPU bench run measures the stored-columns path (fwd+bwd, production shapes) next to the plain
+  mosaic_gpu and chunked rows, with the tuner's largest stored candidate: catches the built option
+  never being timed when a GPU is lent. Off GPU there is no such row (the interpreter is no bench)."""
+  from bench.cases import fused_linear as linear_cases
+
+  rows = [c for c in linear_cases.cases("large", "gpu") if c.op.endswith("-stored")]
+  assert [c.shape_name for c in rows] == ["qwen2.5-3b-8k", "qwen2.5-3b-16k"]
+  for c in rows:
+    s = LINEAR_LOSS_SHAPES[c.shape_name]
+    most = max(b.stored_cols for b in mg.candidate_blocks(s, "gpu"))
+    assert c.params["stored_cols"] == most > 0 and c.mode == "fwd+bwd"
+  assert not [c for c in linear_cases.cases("large", "cpu") if c.op.endswith("-stored")]
+
+
 def test_backward_options_model():
   """The docstring's verdict, recomputed at N 16384, H 2048, V 151936 (README "fused" section):
   the built decomposition (a) does 8 N·H·V, so even at the top of the measured matmul ceiling with
