@@ -92,13 +92,18 @@ def test_parity_sequence_level_option():
   stages=st.integers(2, 4),
   splits=st.integers(1, 4),
   chunk_tiles=st.integers(1, 3),
+  stored_tiles=st.integers(0, 7),
+  dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
   seed=st.integers(0, 2**31),
 )
-def test_parity_ragged_shapes(b, t, hd, v, bv, stages, splits, chunk_tiles, seed):
+def test_parity_ragged_shapes(
+  b, t, hd, v, bv, stages, splits, chunk_tiles, stored_tiles, dtype, seed
+):
   """Ragged N and V (a vocabulary smaller than one tile, more splits than tiles, a ring deeper than
-  the hidden tiles), every differentiable output."""
-  args, kw = make_problem(b, t, hd, v, jnp.bfloat16, seed=seed, **OPTIONS["off_policy_kl_temp"])
-  blocks = MosaicLinearBlocks(64, bv, 64, stages, splits, chunk_tiles * bv)
+  the hidden tiles), stored columns from none to more than the vocabulary, every differentiable
+  output."""
+  args, kw = make_problem(b, t, hd, v, dtype, seed=seed, **OPTIONS["off_policy_kl_temp"])
+  blocks = MosaicLinearBlocks(64, bv, 64, stages, splits, chunk_tiles * bv, stored_tiles * bv)
   assert_parity(args, kw, "mosaic_gpu", "cpu", blocks=blocks)
 
 
