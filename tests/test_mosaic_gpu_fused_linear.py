@@ -276,5 +276,8 @@ def test_parity_on_gpu():
   """On hardware: register layouts, swizzled TMA tiles, barriers (untested by the interpreter), at a
   problem with several splits, chunks and a ragged vocabulary."""
   args, kw = make_problem(4, 100, 512, 5000, jnp.bfloat16, seed=0, **OPTIONS["off_policy_kl_temp"])
-  for blocks in (None, MosaicLinearBlocks(128, 128, 64, 3, 4, 1024)):
+  stored = MosaicLinearBlocks(
+    128, 128, 64, 3, 4, 1024, stored_cols=1280
+  )  # TMA stores under pl.when
+  for blocks in (None, MosaicLinearBlocks(128, 128, 64, 3, 4, 1024), stored):
     assert_parity(args, kw, "mosaic_gpu", "gpu", interpret=False, blocks=blocks)

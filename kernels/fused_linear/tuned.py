@@ -65,33 +65,25 @@ def _legal(choice: Choice, target: Target, shape: dict) -> None:
     raise TypeError(f"{choice.impl} takes no blocks, got {b!r}")
 
 
+def _choice(impl: str, blocks, chunk_size) -> Choice:
+  """ChunkBlocks are the chunked path's chunk_size; other tiles are blocks."""
+  if isinstance(blocks, autotune.ChunkBlocks):
+    return Choice(impl, None, blocks.chunk_size)
+  return Choice(impl, blocks, chunk_size)
+
+
 def from_entry(impl: str, blocks, chunk_size, entry: dict | None, target: Target, shape: dict):
-  """:func:`kernels.autotune.apply_entry` for this op -> :class:`Choice`. The caller's ``chunk_size``
-  is its ``ChunkBlocks`` (given tiles stay given). A malformed or illegal entry: the caller's
-  arguments, with a warning naming the problem."""
-  given = Choice(impl, blocks, chunk_size)
-  if entry is None:
-    return given
+  """:func:`kernels.autotune.apply_checked` for this op -> :class:`Choice`. The caller's
+  ``chunk_size`` is its ``ChunkBlocks`` (given tiles stay given). A malformed or illegal entry:
+  the caller's arguments, with a warning naming the problem."""
   tiles = blocks
   if tiles is None and chunk_size is not None:
     tiles = autotune.ChunkBlocks(chunk_size)
-  try:
-    t_impl, t_blocks = autotune.apply_entry(OP, impl, tiles, entry)
-    if (t_impl, t_blocks) == (impl, tiles):  # nothing tuned applies: the caller's own arguments
-      return given
-    if isinstance(t_blocks, autotune.ChunkBlocks):  # the chunked path's tiles (or the caller's)
-      choice = Choice(t_impl, None, t_blocks.chunk_size)
-    else:
-      choice = Choice(t_impl, t_blocks, chunk_size)
-    _legal(choice, target, shape)
-  except (ValueError, TypeError, KeyError, AttributeError, StopIteration) as e:
-    warnings.warn(
-      f"ignoring the tuned {OP} entry for {shape} (the heuristic runs instead): "
-      f"{type(e).__name__}: {e}",
-      stacklevel=3,
-    )
-    return given
-  return choice
+  legal = lambda i, b: _legal(_choice(i, b, chunk_size), target, shape)
+  t_impl, t_blocks = autotune.apply_checked(OP, impl, tiles, entry, legal)
+  if (t_impl, t_blocks) == (impl, tiles):  # nothing tuned applies: the caller's own arguments
+    return Choice(impl, blocks, chunk_size)
+  return _choice(t_impl, t_blocks, chunk_size)
 
 
 def choose(impl: str, blocks, chunk_size, target: Target, shape: dict) -> Choice:
