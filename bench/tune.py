@@ -5,8 +5,9 @@ the fused LM-head loss fwd+bwd), so the tuner checks parity with exactly the inp
 tolerances the bench uses. Per problem the op as it runs today (``impl="auto"``, default blocks) is
 timed first, then the candidates: the XLA reference, the Triton kernel (``pallas``), the Mosaic GPU
 kernel (``mosaic_gpu``) over a small grid of legal blocks (on TPU: xla and the Mosaic TPU kernel);
-optim: the Pallas pass over element-wise blocks; fused_linear: ``chunked`` over chunk sizes (and the
-fused ``pallas`` kernels off GPU). Each op stops trying candidates when its ``--budget-s`` is spent; a
+optim: the Pallas pass over element-wise blocks; fused_linear: ``chunked`` over chunk sizes, the
+fused ``pallas`` kernels off GPU, and on GPU ``mosaic_gpu`` over ``candidate_blocks`` (tiles, vocab
+chunks and stored columns within the 5 % temp target); ``impl="auto"`` then reads the winner. Each op stops trying candidates when its ``--budget-s`` is spent; a
 line per candidate is printed as it is timed, and the cache is rewritten after every problem. On CPU
 everything runs in the interpreters: that exercises the plumbing (``--size tiny``), not performance.
 

@@ -26,6 +26,7 @@ import math
 import re
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -208,6 +209,42 @@ def apply_entry(op: str, impl: str, blocks, entry: dict | None):
       best = min(ok, key=lambda c: c["time_s"])
       blocks = blocks_from_json(op, impl, best["blocks"])
   return impl, blocks
+
+
+def apply_checked(op: str, impl: str, blocks, entry: dict | None, legal=None):
+  """:func:`apply_entry`, but an entry that cannot be applied (a stale or hand-edited cache: fields
+  or impls that no longer exist) or tuned ``(impl, blocks)`` that ``legal(impl, blocks)`` rejects
+  (ValueError / TypeError) give back the caller's ``(impl, blocks)`` with a warning: a bad cache
+  costs speed, never a failed call or an illegal kernel."""
+  try:
+    tuned = apply_entry(op, impl, blocks, entry)
+    if legal is not None and tuned != (impl, blocks):
+      legal(*tuned)
+    return tuned
+  except (ValueError, TypeError, KeyError, AttributeError, StopIteration) as e:
+    warnings.warn(
+      f"ignoring the tuned {op} entry (the heuristic runs instead): {type(e).__name__}: {e}",
+      stacklevel=2,
+    )
+    return impl, blocks
+
+
+def resolve_checked(op: str, impl: str, blocks, target: backend.Target, shape: dict, legal=None):
+  """:func:`resolve` through :func:`apply_checked`; an unreadable or corrupt cache file is ignored
+  with a warning (the caller's arguments, which the heuristics then fill)."""
+  if target.interpret or target.platform != backend.host_platform():
+    return impl, blocks
+  return from_cache_checked(op, impl, blocks, shape, legal)
+
+
+def from_cache_checked(op: str, impl: str, blocks, shape: dict, legal=None):
+  """:func:`apply_checked` with this host's device's entry at ``shape``, whatever the target."""
+  try:
+    entry = lookup(op, shape)
+  except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+    warnings.warn(f"ignoring the tuning cache ({type(e).__name__}: {e})", stacklevel=2)
+    return impl, blocks
+  return apply_checked(op, impl, blocks, entry, legal)
 
 
 # ------------------------------------------------------------------------------------------- tuning

@@ -2,6 +2,8 @@
 the fused Pallas kernels and the chunked path, tensor parallelism on 8 CPU devices, memory, errors."""
 
 import dataclasses
+import json
+import re
 
 import hypothesis.strategies as st
 import jax
@@ -13,7 +15,8 @@ from hypothesis import given
 import kernels
 from bench.shapes import LINEAR_LOSS_SHAPES
 from bench.tolerances import assert_close
-from kernels.fused_linear import LinearBlocks, vocab_stats_reference
+from kernels import autotune, backend
+from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks, tuned, vocab_stats_reference
 from kernels.grpo_loss.reference import LOSS_TYPES
 from rl.sharding import make_mesh
 from tests.problems import epsilon_sensitive_tokens, loss_scale, policy_kwargs
@@ -549,6 +552,163 @@ def test_pallas_temporaries_do_not_scale_with_tokens_times_vocab():
   assert (
     _temp_bytes("chunked", doubled, chunk_size=256) - chunked < shape.tokens * shape.vocab * 4 / 8
   )
+
+
+# ------------------------------------------------------------------------------------- loss_scale
+def scaled_value_and_grads(args, kw, s, fold: bool, **call):
+  """Loss and (dhidden, dlm_head) of ``loss * s``: s passed as loss_scale (fold) or multiplied onto
+  the returned loss (the cotangent). s is traced (jit argument), as a loop's micro-batch share."""
+
+  def f(h, w, s_):
+    loss = kernels.fused_linear_grpo_loss(
+      h, w, *args[2:], **kw, loss_scale=s_ if fold else None, interpret=True, **call
+    )[0]
+    return loss if fold else loss * s_
+
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args[:2], s)
+
+
+@pytest.mark.parametrize("impl,platform", IMPLS)
+@pytest.mark.parametrize("option", ["off_policy_kl_temp", "gspo_sequence_mask"])
+def test_loss_scale_equals_scaled_cotangent(impl, platform, option):
+  """loss_scale=s gives the loss and both gradients of ``loss * s`` (the loop's micro-batch
+  scaling), in every impl, on the one-pass token-level path and the sequence-level two-pass one
+  (g from the [B, T] objective). Catches a scale that reaches the loss but not the in-forward
+  gradients (grads 1/s too large), one applied twice (in the weights and again in the value the
+  cotangent multiplies), or one lost on the path where g is formed outside the chunk loop."""
+  if option in OPTIONS:
+    args, kw = make_problem(2, 5, 32, 300, jnp.bfloat16, seed=5, **OPTIONS[option])
+  else:
+    args, kw = options_problem(2, 5, 32, 300, jnp.bfloat16, option, seed=5)
+  call = dict(impl=impl, platform=platform, chunk_size=4)
+  if impl == "pallas":
+    call["blocks"] = LinearBlocks(8, 128, 16)
+  s = jnp.float32(0.375)
+  v_fold, (dh_fold, dw_fold) = scaled_value_and_grads(args, kw, s, True, **call)
+  v_ct, (dh_ct, dw_ct) = scaled_value_and_grads(args, kw, s, False, **call)
+  np.testing.assert_allclose(v_fold, v_ct, rtol=1e-6, err_msg=f"{impl} value")
+  hd, v, n = 32, 300, 10
+  assert_close(dh_fold, dh_ct, "grad", jnp.bfloat16, hd + v, err_msg=f"{impl} dhidden")
+  assert_close(dw_fold, dw_ct, "grad", jnp.bfloat16, n + hd, err_msg=f"{impl} dlm_head")
+  # the scale is not a no-op here: the unscaled gradient is 1/s times larger
+  _, (dh_one, _) = scaled_value_and_grads(args, kw, jnp.float32(1.0), True, **call)
+  np.testing.assert_allclose(
+    np.asarray(dh_one, np.float32) * 0.375, np.asarray(dh_fold, np.float32), rtol=2e-2, atol=1e-3
+  )
+
+
+def test_loss_scale_leaves_no_pass_over_the_lm_head_gradient():
+  """With loss_scale the backward's cotangent is the constant 1, so XLA folds ``ct * dlm_head`` away:
+  the compiled gradient has no multiply producing a [H, V] array, while ``loss * s`` keeps one. Catches
+  a loss_scale applied in the backward (a traced multiply over [H, V], the pass the fold saves)."""
+  args, kw = make_problem(2, 4, 32, 300, jnp.float32, seed=6)
+
+  def multiplies(fold):
+    def f(h, w, s_):
+      loss = kernels.fused_linear_grpo_loss(
+        h, w, *args[2:], **kw, loss_scale=s_ if fold else None, impl="chunked", chunk_size=4
+      )[0]
+      return loss if fold else loss * s_
+
+    hlo = jax.jit(jax.grad(f, argnums=1)).lower(*args[:2], jnp.float32(0.5)).compile().as_text()
+    return len(re.findall(r"= f32\[32,300\]\S* multiply\(", hlo))
+
+  assert multiplies(False) >= 1  # the check sees the cotangent's pass when it is there
+  assert multiplies(True) == 0
+
+
+@pytest.mark.parametrize(
+  "value,error",
+  [(jnp.ones(2), TypeError), (float("nan"), ValueError), ("x", TypeError)],
+)
+def test_bad_loss_scale_raises_naming_it(value, error):
+  args, kw = make_problem(1, 2, 16, 100, jnp.float32)
+  with pytest.raises(error, match="loss_scale"):
+    kernels.fused_linear_grpo_loss(*args, **kw, loss_scale=value, impl="chunked")
+
+
+# ------------------------------------------------------------------------------ tuned impl="auto"
+GPU_REAL = backend.make_target("gpu", interpret=False)
+PROD = tuned.shape_key(16384, 2048, 151936, jnp.bfloat16)
+TUNED_MOSAIC = MosaicLinearBlocks(64, 256, 64, 3, 4, 4096)
+
+
+def _entry(winner_impl, winner_blocks, *rows):
+  """A cache entry as bench.tune writes it: the winner and (impl, blocks, time_s, ok) rows."""
+  cands = [dict(impl=i, blocks=autotune.blocks_to_json(b), time_s=t, ok=ok) for i, b, t, ok in rows]
+  winner = dict(impl=winner_impl, blocks=autotune.blocks_to_json(winner_blocks))
+  return dict(shape=PROD, winner=winner, candidates=cands)
+
+
+def test_tuned_entry_changes_the_chosen_impl_and_tiles():
+  """impl="auto" takes the cache's winner with its tiles (Mosaic blocks; the chunked path's chunk
+  size), an explicit impl its fastest passing tiles, given tiles keep the heuristic's impl. Catches
+  a cache that is written by bench.tune but never read by the op (the tuned run would measure the
+  heuristic), or ChunkBlocks passed on as ``blocks`` instead of ``chunk_size``."""
+  rows = (
+    ("chunked", autotune.ChunkBlocks(2048), 0.030, True),
+    ("chunked", autotune.ChunkBlocks(512), 0.020, False),  # fastest, failed parity
+    ("mosaic_gpu", TUNED_MOSAIC, 0.025, True),
+  )
+  mosaic = _entry("mosaic_gpu", TUNED_MOSAIC, *rows)
+  pick = lambda impl, entry, blocks=None, chunk=None: tuned.from_entry(
+    impl, blocks, chunk, entry, GPU_REAL, PROD
+  )
+  assert pick("auto", mosaic) == tuned.Choice("mosaic_gpu", TUNED_MOSAIC, None)
+  assert pick("auto", _entry("chunked", autotune.ChunkBlocks(1024))) == tuned.Choice(
+    "chunked", None, 1024
+  )
+  assert pick("chunked", mosaic) == tuned.Choice("chunked", None, 2048)  # fastest *passing*
+  assert pick("auto", mosaic, chunk=256) == tuned.Choice("auto", None, 256)  # given tiles stay
+  assert pick("auto", None) == tuned.Choice("auto", None, None)  # no entry: the heuristic
+
+
+@pytest.mark.parametrize(
+  "entry,why",
+  [
+    (_entry("mosaic_gpu", MosaicLinearBlocks(128, 128, 128, 4, 1, 8192)), "shared memory"),
+    (_entry("triton", None), "tuned impl must be one of"),
+    (dict(winner=dict(impl="mosaic_gpu", blocks=dict(block_n=64, tile=3))), "TypeError"),
+    (dict(winner=dict(impl="mosaic_gpu", blocks=dict(block_n=96))), "multiple of 64"),
+    (_entry("xla", autotune.ChunkBlocks(64)), "KeyError"),  # xla has no tiles
+    (dict(winner="chunked"), "TypeError"),
+  ],
+)
+def test_malformed_or_illegal_tuned_entry_falls_back_to_the_heuristic(entry, why):
+  """A stale or hand-edited cache (fields that no longer exist, an impl that is gone, tiles over
+  the shared-memory budget) must cost speed, not crash the op or run an illegal kernel: the
+  caller's arguments come back, with a warning naming the problem."""
+  with pytest.warns(UserWarning, match="heuristic runs instead") as record:
+    choice = tuned.from_entry("auto", None, None, entry, GPU_REAL, PROD)
+  assert choice == tuned.Choice("auto", None, None)
+  assert re.search(why, str(record[0].message)), record[0].message
+
+
+def test_tuned_cache_file_is_read_and_a_corrupt_one_ignored(tmp_path):
+  """Through kernels.autotune's per-device cache file: the entry bench.tune wrote for this device
+  kind becomes the call's choice; an interpreted or foreign-platform target never reads it (the CPU
+  host keeps impl="auto" = xla whatever the file says); a corrupt file (truncated JSON) falls back
+  to the heuristic with a warning instead of failing every call."""
+  shape = tuned.shape_key(16, 64, 256, jnp.bfloat16)
+  path = autotune.cache_path(autotune.device_kind(), tmp_path)
+  blocks = MosaicLinearBlocks(64, 128, 64, 2, 1, 256)
+  data = dict(schema=autotune.SCHEMA, entries={"fused_linear": {}})
+  data["entries"]["fused_linear"][autotune.bucket("fused_linear", shape)] = dict(
+    winner=dict(impl="mosaic_gpu", blocks=autotune.blocks_to_json(blocks)), candidates=[]
+  )
+  path.write_text(json.dumps(data))
+  given = tuned.Choice("auto", None, None)
+  with autotune.use_cache_dir(tmp_path):
+    got = tuned.from_cache("auto", None, None, GPU_REAL, shape)
+    assert got == tuned.Choice("mosaic_gpu", blocks, None)
+    interp = backend.make_target("gpu", interpret=True)
+    assert tuned.choose("auto", None, None, interp, shape) == given
+    if backend.host_platform() != "gpu":
+      assert tuned.choose("auto", None, None, GPU_REAL, shape) == given
+  path.write_text(json.dumps(data)[:40])
+  # entering clears the memoised read
+  with autotune.use_cache_dir(tmp_path), pytest.warns(UserWarning, match="ignoring the tuning"):
+    assert tuned.from_cache("auto", None, None, GPU_REAL, shape) == given
 
 
 # ----------------------------------------------------------------------------------------- errors

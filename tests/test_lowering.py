@@ -290,6 +290,21 @@ def test_fused_linear_mosaic_gpu_lowers_at_production_shape(shape_name, grad):
     assert f32.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
 
 
+@pytest.mark.parametrize("shape_name", ["qwen2.5-3b-8k", "qwen2.5-3b-16k"])
+def test_fused_linear_mosaic_gpu_stored_columns_lower_at_production_shape(shape_name):
+  """The tuner's stored-columns candidate (the statistics kernel also TMA-stores exp(z - m) and the
+  row max of its first tiles under a dynamic ``pl.when``; the rest of the vocabulary in dlogits
+  chunks from a non-zero start) lowers for sm_90 at N = 8192 / 16384, H = 2048, V = 151936, with
+  loss_scale on the path as the loop passes it: statistics + dlogits (loop) + dlogits (tail)."""
+  from kernels.fused_linear import mosaic_gpu as mg
+
+  shape = LINEAR_LOSS_SHAPES[shape_name]
+  cands = [b for b in mg.candidate_blocks(shape, "gpu") if b.stored_cols]
+  assert cands, "no stored-columns candidate within the temp target"
+  text = lower_fused_linear("gpu", shape, "mosaic_gpu", grad=True, blocks=cands[0], loss_scale=0.25)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 3
+
+
 def test_fused_linear_mosaic_gpu_spec_options_lower_at_production_shape():
   """Sequence-level options: statistics pass, [B, T] objective in XLA, then the gradient pass."""
   shape = LINEAR_LOSS_SHAPES["qwen2.5-3b-8k"]

@@ -22,8 +22,10 @@ from hypothesis import given, settings
 
 import kernels
 from bench.shapes import LINEAR_LOSS_SHAPES
+from bench.tolerances import assert_close
 from kernels import backend
 from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks
+from kernels.fused_linear import mosaic_evidence as ev
 from kernels.fused_linear import mosaic_gpu as mg
 from kernels.fused_linear.mosaic_evidence import evidence
 from tests.test_fused_linear import (
@@ -31,6 +33,7 @@ from tests.test_fused_linear import (
   assert_parity,
   make_problem,
   options_problem,
+  scaled_value_and_grads,
   value_and_grads,
 )
 
@@ -52,6 +55,25 @@ def test_parity(option):
   assert_parity(args, kw, "mosaic_gpu", "cpu", loss_types=(loss_type,), blocks=SMALL)
 
 
+@pytest.mark.parametrize(
+  "stored,dtype,option",
+  [(128, jnp.bfloat16, "off_policy_kl_temp"), (320, jnp.float16, "on_policy")],
+  ids=["first-2-tiles-bf16", "every-tile-f16"],
+)
+def test_parity_with_stored_columns(stored, dtype, option):
+  """The training path with stored_cols: the statistics kernel stores exp(z - m) and the running
+  row max of its first tiles, whose dl is then elementwise (no recomputed logits), the rest by the
+  dlogits chunks starting after them. N = 70, H = 128, V = 300 in 64-wide tiles over 2 splits:
+  128 columns (split 0's first two of three tiles, chunks 192 + a 64-column tail after them), or
+  every column (both splits, the masked 20-column padding tile, no dlogits chunk at all). Catches
+  a stored tile written at the wrong column or row offset, the row max taken before the tile's fold
+  (m_new), a tile count off by one at a split's end, padding columns' exp leaking into dlm_head,
+  chunks restarting at column 0 (stored columns counted twice)."""
+  args, kw = make_problem(2, 35, 128, 300, dtype, seed=4, **OPTIONS[option])
+  blocks = MosaicLinearBlocks(64, 64, 64, 2, 2, 128, stored_cols=stored)
+  assert_parity(args, kw, "mosaic_gpu", "cpu", blocks=blocks)
+
+
 def test_parity_sequence_level_option():
   """GSPO with sequence importance weights: the statistics pass, then the gradient pass with each
   token's weight from its whole sequence (the path where g reaches the dlogits kernel from XLA)."""
@@ -70,14 +92,34 @@ def test_parity_sequence_level_option():
   stages=st.integers(2, 4),
   splits=st.integers(1, 4),
   chunk_tiles=st.integers(1, 3),
+  stored_tiles=st.integers(0, 7),
+  dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
   seed=st.integers(0, 2**31),
 )
-def test_parity_ragged_shapes(b, t, hd, v, bv, stages, splits, chunk_tiles, seed):
+def test_parity_ragged_shapes(
+  b, t, hd, v, bv, stages, splits, chunk_tiles, stored_tiles, dtype, seed
+):
   """Ragged N and V (a vocabulary smaller than one tile, more splits than tiles, a ring deeper than
-  the hidden tiles), every differentiable output."""
-  args, kw = make_problem(b, t, hd, v, jnp.bfloat16, seed=seed, **OPTIONS["off_policy_kl_temp"])
-  blocks = MosaicLinearBlocks(64, bv, 64, stages, splits, chunk_tiles * bv)
+  the hidden tiles), stored columns from none to more than the vocabulary, every differentiable
+  output."""
+  args, kw = make_problem(b, t, hd, v, dtype, seed=seed, **OPTIONS["off_policy_kl_temp"])
+  blocks = MosaicLinearBlocks(64, bv, 64, stages, splits, chunk_tiles * bv, stored_tiles * bv)
   assert_parity(args, kw, "mosaic_gpu", "cpu", blocks=blocks)
+
+
+def test_loss_scale_equals_scaled_cotangent():
+  """loss_scale=s through the Mosaic GPU kernels: s rides in g into the dlogits kernel, so dhidden /
+  dlm_head equal those of ``loss * s``. Catches a scale dropped on the way to the kernel's g (or
+  applied twice); the token-level path, where g comes from the one objective gradient."""
+  args, kw = make_problem(2, 35, 64, 200, jnp.bfloat16, seed=3, **OPTIONS["off_policy_kl_temp"])
+  call = dict(impl="mosaic_gpu", platform="cpu", blocks=SMALL)
+  s = jnp.float32(0.375)
+  v_fold, (dh_fold, dw_fold) = scaled_value_and_grads(args, kw, s, True, **call)
+  v_ct, (dh_ct, dw_ct) = scaled_value_and_grads(args, kw, s, False, **call)
+  np.testing.assert_allclose(v_fold, v_ct, rtol=1e-6)
+  assert_close(dh_fold, dh_ct, "grad", jnp.bfloat16, 64 + 200, err_msg="dhidden")
+  assert_close(dw_fold, dw_ct, "grad", jnp.bfloat16, 70 + 64, err_msg="dlm_head")
+  assert float(jnp.max(jnp.abs(dw_fold.astype(jnp.float32)))) > 0
 
 
 def test_nonfinite_masked_rows_and_bad_ids():
@@ -126,6 +168,8 @@ def test_bad_settings_raise_before_lowering(blocks, dtype, error, match):
     (dict(stages=0), "positive int"),
     (dict(stages=1), "stages must be >= 2"),
     (dict(splits=True), "positive int"),
+    (dict(stored_cols=-128), "stored_cols must be a non-negative int"),
+    (dict(stored_cols=100), "stored_cols=100 must be a multiple of block_v"),
   ],
 )
 def test_blocks_validate(fields, match):
@@ -171,11 +215,69 @@ def test_evidence_figures():
   assert 60 < e["tile_intensity"] < 200  # flops per byte of h / w tile streamed into shared memory
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-3b-8k", "qwen2.5-3b-16k"])
+def test_candidates_stay_within_the_temp_target(name):
+  """The tuner's vocab_chunk variants (bigger GEMMs for the same flops) never exceed 5 % of the XLA
+  reference's measured temp memory, so a tuned winner cannot trade the memory target for speed;
+  and at least one variant exists at N = 16384 (832 MiB at chunk 16384 < 1424 MiB)."""
+  s = LINEAR_LOSS_SHAPES[name]
+  xla_temp = ev.XLA_REF_TEMP[s.tokens]
+  cands = mg.candidate_blocks(s, "gpu")
+  for blocks in cands:
+    assert blocks.temp_bytes(s.tokens, s.hidden, s.vocab) <= 0.05 * xla_temp, blocks
+  chunks = {b.vocab_chunk for b in cands}
+  assert len(chunks) >= 2 and (s.tokens < 16384 or max(chunks) == 16384)
+
+
+def test_bench_times_the_stored_columns_beside_the_plain_path():
+  """A GPU bench run measures the stored-columns path (fwd+bwd, production shapes) next to the plain
+  mosaic_gpu and chunked rows, with the tuner's largest stored candidate: catches the built option
+  never being timed when a GPU is lent. Off GPU there is no such row (the interpreter is no bench)."""
+  from bench.cases import fused_linear as linear_cases
+
+  rows = [c for c in linear_cases.cases("large", "gpu") if c.op.endswith("-stored")]
+  assert [c.shape_name for c in rows] == ["qwen2.5-3b-8k", "qwen2.5-3b-16k"]
+  for c in rows:
+    s = LINEAR_LOSS_SHAPES[c.shape_name]
+    most = max(b.stored_cols for b in mg.candidate_blocks(s, "gpu"))
+    assert c.params["stored_cols"] == most > 0 and c.mode == "fwd+bwd"
+  assert not [c for c in linear_cases.cases("large", "cpu") if c.op.endswith("-stored")]
+
+
+def test_backward_options_model():
+  """The docstring's verdict, recomputed at N 16384, H 2048, V 151936 (README "fused" section):
+  the built decomposition (a) does 8 N·H·V, so even at the top of the measured matmul ceiling with
+  every byte hidden it credits < 600 TF/s on 6 N·H·V; (b) and (c) are slower still; the 6 N·H·V
+  stored-exp option (e) beats 600 TF/s only with the temp target dropped; (f), the built stored
+  columns, passes 600 only at the top of the measured ceiling. Catches a model edit that silently
+  flips the verdict the README states."""
+  n, h, v = 16384, 2048, 151936
+  o = ev.backward_options(n, h, v)
+  nhv = n * h * v
+  assert [o[k]["flops"] // nhv for k in ("a", "b", "c", "e")] == [8, 22, 8, 6]
+  assert 590e12 < o["a"]["counted_tfs"][0] < 600e12  # 6/8 of 798 TF/s
+  assert o["a"]["temp_vs_xla"] < 0.05 and 1.3 < o["a"]["vs_chunked"][0] < 1.4
+  for k in ("b", "c"):
+    assert o[k]["time_s"][0] > o["a"]["time_s"][0]
+  assert o["e"]["temp_vs_xla"] <= 0.05 and o["e"]["counted_tfs"][0] < 600e12
+  assert o["e_unbounded"]["counted_tfs"][0] > 600e12 and o["e_unbounded"]["temp_vs_xla"] > 0.05
+  # f (built: stored columns at the tuner's largest candidate): 600 only at the top of the range
+  f = o["f"]
+  assert 7.7 * nhv < f["flops"] < 7.9 * nhv and f["temp_vs_xla"] <= 0.05
+  assert f["counted_tfs"][0] > 600e12 > f["counted_tfs"][1]
+  assert f["stored_columns"] == max(
+    b.stored_cols for b in mg.candidate_blocks(dict(tokens=n, hidden=h, vocab=v, dtype="bfloat16"))
+  )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(backend.host_platform() != "gpu", reason="needs an NVIDIA GPU")
 def test_parity_on_gpu():
   """On hardware: register layouts, swizzled TMA tiles, barriers (untested by the interpreter), at a
   problem with several splits, chunks and a ragged vocabulary."""
   args, kw = make_problem(4, 100, 512, 5000, jnp.bfloat16, seed=0, **OPTIONS["off_policy_kl_temp"])
-  for blocks in (None, MosaicLinearBlocks(128, 128, 64, 3, 4, 1024)):
+  stored = MosaicLinearBlocks(
+    128, 128, 64, 3, 4, 1024, stored_cols=1280
+  )  # TMA stores under pl.when
+  for blocks in (None, MosaicLinearBlocks(128, 128, 64, 3, 4, 1024), stored):
     assert_parity(args, kw, "mosaic_gpu", "gpu", interpret=False, blocks=blocks)

@@ -639,3 +639,64 @@ def test_xla_cost_bytes_are_the_documented_ones():
   for got in (ours, theirs):
     assert got >= 28 and round(got) == 40, got
   assert "moves 40 B per parameter for optax AdamW" in " ".join(evidence.__doc__.split())
+
+
+# ------------------------------------------------------------------------------ tuned impl="auto"
+TUNED = MultiTensorBlocks(2048, 8192, 8)
+
+
+def _optim_entry(impl, blocks):
+  from kernels import autotune
+
+  row = dict(impl=impl, blocks=autotune.blocks_to_json(blocks), time_s=1e-3, ok=True)
+  return dict(winner=dict(impl=impl, blocks=row["blocks"]), candidates=[row])
+
+
+def test_tuned_optim_entry_changes_the_blocks_and_a_bad_one_falls_back():
+  """impl="auto" / blocks=None take the cache's multi-tensor launch on the GPU (rowloop) family;
+  tiles of the other family (a tiled target given MultiTensorBlocks), an unknown impl or unknown
+  block fields leave the caller's arguments, with a warning. Catches the optimizer ignoring what
+  bench.tune measured for it, or a stale cache crashing the training step."""
+  from kernels import autotune
+  from kernels.optim.leaf import _check_tuned
+
+  gpu, tpu = backend.make_target("gpu", interpret=False), backend.make_target("tpu", False)
+  legal = lambda target: lambda impl, blocks: _check_tuned(target, impl, blocks)
+  entry = _optim_entry("pallas", TUNED)
+  assert autotune.apply_checked("optim", "auto", None, entry, legal(gpu)) == ("pallas", TUNED)
+  given = kernels.optim.default_blocks()
+  assert autotune.apply_checked("optim", "auto", given, entry, legal(gpu)) == ("auto", given)
+  bad = [
+    (entry, tpu, "not ElementwiseBlocks"),
+    (_optim_entry("triton", None), gpu, "impl must be"),
+    (dict(winner=dict(impl="pallas", blocks=dict(block=1024, lanes=2))), gpu, "StopIteration"),
+  ]
+  for e, target, why in bad:
+    with pytest.warns(UserWarning, match=why):
+      assert autotune.apply_checked("optim", "auto", None, e, legal(target)) == ("auto", None)
+
+
+def test_tuned_optim_cache_is_read_per_device_and_a_corrupt_file_ignored(tmp_path):
+  """Through the cache file for this device kind: the entry is found by the same bucket the tuner
+  writes (rule, dtype, total parameters); the CPU interpreter target never reads it; a truncated
+  file falls back with a warning."""
+  import json
+
+  from kernels import autotune
+  from kernels.optim.leaf import KernelOptions, tuned_options
+
+  params = [jnp.zeros((40, 30)), jnp.zeros((300,))]
+  shape = dict(rule="adamw", dtype="float32", params=1500)
+  data = dict(schema=autotune.SCHEMA, entries={"optim": {}})
+  data["entries"]["optim"][autotune.bucket("optim", shape)] = _optim_entry("pallas", TUNED)
+  path = autotune.cache_path(autotune.device_kind(), tmp_path)
+  path.write_text(json.dumps(data))
+  with autotune.use_cache_dir(tmp_path):
+    assert autotune.from_cache_checked("optim", "auto", None, shape) == ("pallas", TUNED)
+    options = KernelOptions()
+    cpu = backend.make_target("cpu")
+    rules = [kernels.optim.AdamW()] * 2
+    assert tuned_options(options, cpu, rules, params) == options
+  path.write_text(json.dumps(data)[:30])
+  with autotune.use_cache_dir(tmp_path), pytest.warns(UserWarning, match="tuning cache"):
+    assert autotune.from_cache_checked("optim", "auto", None, shape) == ("auto", None)

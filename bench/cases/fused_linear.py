@@ -4,6 +4,7 @@ forward+backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import kernels
 from bench.cases import Case, Check
 from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
+from kernels.fused_linear import mosaic_gpu
 
 SHAPES_BY_SIZE = {
   "tiny": ("tiny",),
@@ -39,9 +41,9 @@ def _fwd(impl, platform, hidden, lm_head, ids, mask, adv):
   return loss, aux.per_token_logps
 
 
-def _fwd_bwd(impl, platform, hidden, lm_head, ids, mask, adv):
+def _fwd_bwd(impl, platform, hidden, lm_head, ids, mask, adv, blocks=None):
   f = lambda h, w: kernels.fused_linear_grpo_loss(
-    h, w, ids, mask, adv, impl=impl, platform=platform
+    h, w, ids, mask, adv, impl=impl, platform=platform, blocks=blocks
   )[0]
   return jax.value_and_grad(f, argnums=(0, 1))(hidden, lm_head)
 
@@ -98,4 +100,26 @@ def cases(size: str, platform: str) -> list[Case]:
           {**params, "impl": impl},
         )
       )
+    if platform == "gpu" and jnp.dtype(s.dtype).name in mosaic_gpu.DTYPES:
+      out.append(_stored_case(name, s, inputs, 2 * io, (value, dh, dw), params))
   return out
+
+
+def _stored_case(name, s: LinearLossShape, inputs, io, checks, params) -> Case:
+  """fwd+bwd of the Mosaic GPU path with the most stored columns the temp target allows (the
+  statistics pass keeps exp(z - m) of the first columns for the backward): beside the plain
+  mosaic_gpu row, what sharing the forward's logits with the backward buys."""
+  base = mosaic_gpu.default_blocks(s.tokens, s.hidden, s.vocab)
+  blocks = dataclasses.replace(base, stored_cols=base.max_stored_cols(s.tokens, s.hidden, s.vocab))
+  return Case(
+    "fused_linear/mosaic_gpu-stored",
+    name,
+    "fwd+bwd",
+    inputs,
+    functools.partial(_fwd_bwd, "mosaic_gpu", "gpu", blocks=blocks),
+    functools.partial(_fwd_bwd, "xla", "gpu"),
+    io,
+    6 * s.tokens * s.hidden * s.vocab,
+    checks,
+    {**params, "impl": "mosaic_gpu", "stored_cols": blocks.stored_cols},
+  )

@@ -15,9 +15,11 @@ from kernels import backend, checks, loss_spec
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas as _pallas
+from kernels.fused_linear import tuned as _tuned
 from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
 from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
+from kernels.fused_linear.scaling import checked_loss_scale
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss import validate_loss_args
 from kernels.grpo_loss.pallas import LossConfig
@@ -74,6 +76,7 @@ def fused_linear_grpo_loss(
   chunk_size: int | None = None,
   mesh: Mesh | None = None,
   vocab_axis: str | None = None,
+  loss_scale=None,  # scalar (may be traced) or None: the returned loss is loss * loss_scale
   # LossSpec fields as keywords (a convenience: they build the spec; with spec= they must agree)
   loss_type: str = UNSET,
   epsilon_low: float = UNSET,
@@ -108,22 +111,26 @@ def fused_linear_grpo_loss(
       ``"chunked"``: XLA matmuls per token chunk + grpo_loss's Pallas softmax kernels (every backend;
       one f32 [chunk, V] buffer, 6 N·H·V flops; 8 with a sequence-level option, whose token weights
       need a whole first pass). ``"xla"``: the reference, materialising the logits.
-      ``"auto"``: ``xla`` on CPU (the interpreter is a correctness tool), ``chunked`` on GPU (no fused
-      Triton variant: see ``kernels/fused_linear/pallas.py``) and on TPU (fewer flops; ``pallas`` when
-      memory matters more — neither has been timed on a TPU yet).
+      ``"auto"``: the tuned cache's winner for this device and shape (:mod:`.tuned`), else ``xla``
+      on CPU (the interpreter is a correctness tool), ``chunked`` on GPU and TPU (fewer flops;
+      ``pallas`` when memory matters more). An explicit impl without tiles gets its tuned tiles.
     blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
       (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
     mesh, vocab_axis: tensor parallelism. ``lm_head`` is split over its vocabulary on mesh axis
       ``vocab_axis`` (``shard_map``): each shard computes its partial max / sum-exp / chosen logit,
       combined across the axis before the loss, and its own slice of the LM-head gradient. The other
       arguments are replicated.
+    loss_scale: multiplies the loss (a micro-batch's share), as in :func:`kernels.grpo_loss`:
+      folded into each token's weight before the in-forward gradients, so the backward's cotangent
+      is 1 and its pass over [H, V] folds away (``loss * s`` costs one). aux is not scaled.
 
   Raises:
     ValueError: everything ``grpo_loss`` rejects (:func:`kernels.grpo_loss.validate_loss_args`), and
       H or dtype mismatches between ``hidden`` and ``lm_head``, a non-floating dtype, an unknown
       ``impl``, ``impl="mosaic_gpu"`` with f32 or on TPU or with illegal ``MosaicLinearBlocks``, a
-      vocabulary the axis does not divide, ``chunk_size`` <= 0.
-    TypeError: ``impl="mosaic_gpu"`` with ``blocks`` that are not ``MosaicLinearBlocks``.
+      vocabulary the axis does not divide, ``chunk_size`` <= 0, a non-finite ``loss_scale``.
+    TypeError: ``impl="mosaic_gpu"`` with ``blocks`` that are not ``MosaicLinearBlocks``; a
+      ``loss_scale`` that is not a numeric scalar.
   """
   checks.choice("impl", impl, IMPLS)
   spec = loss_spec.resolve(spec, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature, max_log_ratio=max_log_ratio, is_mode=is_mode, is_cap=is_cap, importance_sampling_level=importance_sampling_level, epsilon_c=epsilon_c, max_completion_length=max_completion_length)  # fmt: skip
@@ -164,7 +171,11 @@ def fused_linear_grpo_loss(
     if v % tp:
       raise ValueError(f"V={v} is not divisible by the {tp} shards of mesh axis {vocab_axis!r}")
 
+  scale = checked_loss_scale(loss_scale)
   target = backend.resolve(platform, interpret)
+  shape = _tuned.shape_key(b * t, hd, v // tp, hidden.dtype)
+  choice = _tuned.choose(impl, blocks, chunk_size, target, shape)
+  impl, blocks, chunk_size = choice.impl, choice.blocks, choice.chunk_size
   mask, ids = args.mask, args.ids
   logps = dict(old_logps=args.old_logps, ref_logps=args.ref_logps, sampler_logps=args.sampler_logps)
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
@@ -182,7 +193,7 @@ def fused_linear_grpo_loss(
       num_items_in_batch=num_items_in_batch,
       **logps,
     )
-    return loss, jax.tree.map(jax.lax.stop_gradient, aux)
+    return loss * scale, jax.tree.map(jax.lax.stop_gradient, aux)
   if impl == "pallas" and target.platform == "gpu":
     # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
     # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
@@ -210,25 +221,30 @@ def fused_linear_grpo_loss(
     args.advantages,
     *(placeholder if a is None else a for a in logps.values()),
     num_items_in_batch,
+    scale,
   )
   return loss, jax.tree.map(jax.lax.stop_gradient, aux)
 
 
 # ------------------------------------------------------------------------------ the custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(static, h, w, ids, mask, adv, old, ref, sampler, num_items):
-  return _compute(static, h, w, ids, mask, adv, old, ref, sampler, num_items, with_grads=False)[0]
+def _loss(static, h, w, ids, mask, adv, old, ref, sampler, num_items, scale):
+  args = (h, w, ids, mask, adv, old, ref, sampler, num_items, scale)
+  return _compute(static, *args, with_grads=False)[0]
 
 
-def _loss_fwd(static, h, w, ids, mask, adv, old, ref, sampler, num_items):
-  return _compute(static, h, w, ids, mask, adv, old, ref, sampler, num_items, with_grads=True)
+def _loss_fwd(static, h, w, ids, mask, adv, old, ref, sampler, num_items, scale):
+  args = (h, w, ids, mask, adv, old, ref, sampler, num_items, scale)
+  return _compute(static, *args, with_grads=True)
 
 
 def _loss_bwd(static, res, cts):
   dh, dw = res
   ct = cts[0]  # aux is data (the public op stop-gradients it)
-  scale = lambda d: (ct * d.astype(jnp.float32)).astype(d.dtype)
-  return scale(dh), scale(dw), None, None, None, None, None, None, None
+  # ct is the constant 1 under jax.grad of the loss (loss_scale already rode in the weights): XLA
+  # folds the multiply and the converts away, so there is no pass over dh / dw
+  apply = lambda d: (ct * d.astype(jnp.float32)).astype(d.dtype)
+  return apply(dh), apply(dw), None, None, None, None, None, None, None, None
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
@@ -239,16 +255,21 @@ def _given(static: _Spec, old, ref, sampler) -> dict:
   return {k: a if p else None for k, a, p in zip(names, (old, ref, sampler), static.present)}
 
 
-def _compute(static: _Spec, h, w, ids, mask, adv, old, ref, sampler, num_items, *, with_grads):
+def _compute(
+  static: _Spec, h, w, ids, mask, adv, old, ref, sampler, num_items, scale, *, with_grads
+):
   spec = static.loss
   b, t = static.batch, static.seq
-  reduce = functools.partial(
-    reduce_loss,
-    mask=mask,
-    loss_type=spec.loss_type,
-    max_completion_length=spec.max_completion_length,
-    num_items_in_batch=num_items,
-  )
+
+  def reduce(per_token):  # [B, T] -> the scaled loss; linear in per_token
+    loss = reduce_loss(
+      per_token,
+      mask=mask,
+      loss_type=spec.loss_type,
+      max_completion_length=spec.max_completion_length,
+      num_items_in_batch=num_items,
+    )
+    return loss * scale  # loss_scale folded into every token's weight (and g) before the gradients
 
   def objective(logp):  # [B, T] -> (loss, Objective)
     obj = policy_objective(logp, mask, adv, spec, **_given(static, old, ref, sampler))
@@ -263,14 +284,19 @@ def _compute(static: _Spec, h, w, ids, mask, adv, old, ref, sampler, num_items, 
     tok = (flat(mask), flat(adv), flat(old), flat(ref), flat(sampler), flat(weights))
     (lse, logp, entropy), dh, dw = _sharded(static, _local_one_pass, True, h, w, ids, tok)
   else:
-    (lse, logp, entropy), _, _ = _sharded(static, _local_stats, False, h, w, ids, ())
+    # the training path's Mosaic statistics pass may store exp(z - m) of the first columns for grads
+    store = with_grads and static.impl == "mosaic_gpu" and static.mesh is None
+    store = store and static.fused.blocks.stored_cols > 0
+    local = functools.partial(_local_stats, store=store)
+    (lse, logp, entropy), *stored = _sharded(static, local, False, h, w, ids, ())
   logp = logp.reshape(b, t)
   if with_grads and not one_pass:
     # a token's weight depends on its whole sequence: g = d loss / d logp from the [B, T] objective,
     # then the gradient pass over the vocabulary
     (loss, obj), dlogp = jax.value_and_grad(objective, has_aux=True)(logp)
     g = dlogp.reshape(-1) * (1.0 / spec.temperature)
-    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, (lse, g))
+    extra = (lse, g, *stored) if store else (lse, g)
+    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, extra)
   else:
     loss, obj = objective(logp)
   aux = make_aux(mask, logp, entropy.reshape(b, t), obj)
@@ -314,8 +340,9 @@ def _combine(static: _Spec, lse_s, chosen_s, found_s, ez_s):
   return lse, logp, lse - ez
 
 
-def _local_stats(static: _Spec, h, w, ids):
-  """The statistics pass: ((lse, logp, entropy), -, -); no gradients."""
+def _local_stats(static: _Spec, h, w, ids, store: bool = False):
+  """The statistics pass: ((lse, logp, entropy), -, -), no gradients; with ``store`` (mosaic_gpu,
+  one shard) ((lse, logp, entropy), pt, mt): the stored exp(z - m) for :func:`_local_grads`."""
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
     finish = lambda lse, chosen, found, ez, tok: (
@@ -324,25 +351,29 @@ def _local_stats(static: _Spec, h, w, ids):
       _combine(static, lse, chosen, found, ez),
     )
     stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
+  elif store:
+    partials, (pt, mt) = _mosaic.stats(static.fused, h, w, ids, store=True)
+    return _combine(static, *partials), pt, mt
   else:
     kernel = _mosaic.stats if static.impl == "mosaic_gpu" else _pallas.stats
     stats = _combine(static, *kernel(static.fused, h, w, ids))
-  empty = jnp.zeros(
-    (0,), jnp.float32
-  )  # built per call: a module-level array would start the backend at import
+  empty = jnp.zeros((0,), jnp.float32)  # per call: a module-level array would start the backend
   return stats, empty, empty
 
 
-def _local_grads(static: _Spec, h, w, ids, lse, g):
-  """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw)."""
+def _local_grads(static: _Spec, h, w, ids, lse, g, *stored):
+  """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw);
+  ``stored``: :func:`_local_stats`'s (pt, mt), whose columns' dl needs no recomputed logits."""
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
     dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g)
   else:
     # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
-    kernel = _mosaic.grads if static.impl == "mosaic_gpu" else _pallas.grads
-    dh, dw = kernel(static.fused, h, w, ids, lse, g, dtype, w.dtype)
+    if static.impl == "mosaic_gpu":
+      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype, stored or None)
+    else:
+      dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
   if static.axis is not None:
     dh = jax.lax.psum(dh, static.axis)
   return (), dh, dw

@@ -14,14 +14,30 @@ multiples by the wrapper; ids [Np] shard-local), each CTA one warpgroup, token r
            tile recomputed on chip, dl = g * (onehot(id) - exp(z - lse)) from the global lse, written
            (input dtype) by TMA into a [Np, vocab_chunk] buffer. XLA GEMMs then give the chunk's
            final dw[:, chunk] = h^T dl and add dl w_chunk^T to an f32 dh.
+  stored   (training path, ``blocks.stored_cols`` > 0): the statistics kernel also TMA-stores, for
+           its tiles of the first stored_cols columns, exp(z - m) (input dtype, m the row max after
+           the tile's fold) and m; their dl = g (onehot - exp(z - m) e^(m - lse)) is one XLA
+           elementwise pass, so those columns' logits are formed once for forward and backward, and
+           the dlogits chunks start after them.
 
-Not the TPU kernel's decomposition (dh, dw accumulated in the kernel): its [block_n, H] and
-[H, block_v] f32 accumulators (256 KiB-1 MiB at H = 2048) exceed an SM's 256 KiB of registers and
-227 KiB of shared memory, and cross-CTA accumulation would need TMA reduce-add stores, which the
-Mosaic GPU interpreter cannot run. So logits never reach HBM; their gradient does, a chunk at a time.
-Flops: 2 N·H·V (stats) + 2 (recompute) + 4 (GEMMs) = 8 N·H·V, against 6 for ``chunked``, which keeps
-f32 logits chunks (figures: :mod:`kernels.fused_linear.mosaic_evidence`). bf16 / f16 only: wgmma on
-f32 operands is tf32, which would not meet the f32 tolerance.
+The backward at the H100's limit (registers 256 KiB / SM, shared memory 227 KiB, wgmma M >= 64; the
+arithmetic and modelled times are :func:`kernels.fused_linear.mosaic_evidence.backward_options`):
+dh needs a [64, H] f32 accumulator per CTA and dw an [H, block_v] one: 512 KiB each at H = 2048,
+more than an SM holds, so neither GEMM can finish on chip without either (b) slicing H in the grid
+(each H-slice recomputes the logits: 22 N·H·V flops at 256-column slices) or (c) reduce-adding
+f32 partials to HBM with TMA (``copy_smem_to_gmem(reduction_op="add")``: N·V·H·8 / 128 = 318 GB at
+N = 16384 with 128 x 128 tiles, ~2.3x slower than (a); the Mosaic GPU interpreter of jax 0.10 and
+0.11 raises NotImplementedError on it, so it could not be verified here). (a), built: dl per
+vocabulary chunk in HBM + XLA GEMMs, 8 N·H·V, is the least work that never stores logits; its best
+case (every byte hidden, 798 TF/s) credits 598 TF/s on 6 N·H·V. (d) overlapping a chunk's GEMMs
+with the next dlogits kernel gains nothing in that model (both compute-bound; XLA issues them on one
+stream). Sharing the forward's pass with the backward's recompute needs per-logit state: all of it
+(e: bf16 exp tiles per token chunk, 6 N·H·V) costs an f32 [H, V] dw accumulated per token chunk and
+beats (a) only above the 5 % temp target; the first columns of it (the ``stored`` path above) fit
+the target: 7.82 N·H·V at N = 16384 (13824 columns), 609 TF/s best case, 441 at 622 TF/s with no
+overlap. So none of these options reaches the issue's 600 TF/s within the temp target except at the
+top of the measured ceiling with every byte hidden (modelled; nothing here was timed). bf16 / f16 only: wgmma on f32 operands is tf32, which would
+not meet the f32 tolerance.
 """
 
 from __future__ import annotations
@@ -36,137 +52,18 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
+from kernels.fused_linear.mosaic_blocks import (  # noqa: F401 (re-exported: the kernels' tiles)
+  DL_CHUNK_BYTES,
+  DTYPES,
+  NUM_SMS,
+  SMEM_BUDGET,
+  TEMP_PER_LOGIT,
+  MosaicLinearBlocks,
+  _waves,
+  candidate_blocks,
+  default_blocks,
+)
 from kernels.lse import NEG_BIG
-
-SMEM_BUDGET = 200 * 1024  # bytes of the H100's 227 KiB of shared memory a CTA may use
-NUM_SMS = 132  # H100 SXM
-DL_CHUNK_BYTES = 256 << 20  # the dlogits chunk buffer's budget
-DTYPES = ("bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicLinearBlocks:
-  """Tiles of the Mosaic GPU fused LM-head kernels.
-
-  block_n: token rows per CTA, a multiple of 64 (the wgmma M tile), at most 128 (the f32 logits
-    tile lives in one warpgroup's registers: block_n * block_v / 128 registers per thread).
-  block_v: vocabulary columns per logits tile, a multiple of 64 (128 bytes of bf16: the swizzle),
-    at most 256 (the wgmma N extent); block_n * block_v <= 128 * 128.
-  block_h: hidden columns per pipelined h / w tile (the wgmma K chunk), a multiple of 64; divides H.
-  stages: depth of the TMA ring, at least 2 (one slot's release is delayed a step so that
-    consecutive wgmmas overlap).
-  splits: vocabulary ranges of the statistics kernel (grid (N / block_n, splits)).
-  vocab_chunk: vocabulary columns per backward chunk (a multiple of block_v): the dlogits buffer is
-    [N, vocab_chunk].
-  """
-
-  block_n: int = 128
-  block_v: int = 128
-  block_h: int = 64
-  stages: int = 3
-  splits: int = 1
-  vocab_chunk: int = 8192
-
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      value = getattr(self, f.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"MosaicLinearBlocks.{f.name} must be a positive int, got {value!r}")
-    for name, hi in (("block_n", 128), ("block_v", 256), ("block_h", None)):
-      value = getattr(self, name)
-      if value % 64 or (hi is not None and value > hi):
-        top = f" and at most {hi}" if hi else ""
-        raise ValueError(f"MosaicLinearBlocks.{name} must be a multiple of 64{top}, got {value}")
-    if self.block_n * self.block_v > 128 * 128:
-      raise ValueError(
-        f"MosaicLinearBlocks: block_n * block_v must be <= {128 * 128} (one warpgroup's f32 "
-        f"registers), got {self.block_n} * {self.block_v}"
-      )
-    if self.stages < 2:
-      raise ValueError(f"MosaicLinearBlocks.stages must be >= 2, got {self.stages}")
-    if self.vocab_chunk % self.block_v:
-      raise ValueError(
-        f"MosaicLinearBlocks.vocab_chunk={self.vocab_chunk} must be a multiple of "
-        f"block_v={self.block_v}"
-      )
-
-  def smem_bytes(self, itemsize: int = 2) -> int:
-    """Shared memory of the larger (dlogits) kernel: the h / w ring, the dl output tile, row data."""
-    ring = self.stages * (self.block_n + self.block_v) * self.block_h * itemsize
-    return ring + self.block_n * self.block_v * itemsize + 4 * 4 * self.block_n
-
-  def check(self, h: int, dtype) -> None:
-    """Raise ValueError unless legal for hidden size ``h`` and ``dtype``."""
-    if jnp.dtype(dtype).name not in DTYPES:
-      raise ValueError(
-        f"impl='mosaic_gpu' needs bfloat16 / float16 hidden and lm_head (wgmma on f32 is tf32), "
-        f"got {jnp.dtype(dtype).name}; use impl='chunked'"
-      )
-    if h % self.block_h:
-      raise ValueError(f"MosaicLinearBlocks.block_h={self.block_h} must divide H={h}")
-    smem = self.smem_bytes(jnp.dtype(dtype).itemsize)
-    if smem > SMEM_BUDGET:
-      raise ValueError(
-        f"MosaicLinearBlocks use {smem} bytes of shared memory (stages={self.stages}); at most "
-        f"{SMEM_BUDGET}"
-      )
-
-
-def _waves(programs: int, sms: int = NUM_SMS) -> float:
-  """Fraction of SM-slots busy when ``programs`` CTAs (one per SM at a time) run in waves."""
-  return programs / (-(-programs // sms) * sms)
-
-
-def default_blocks(n: int, h: int, v: int) -> MosaicLinearBlocks:
-  """128 x 128 logits tiles (64 rows when N is small), 64-column h / w tiles (128 bytes: the
-  swizzle), a 3-deep ring (96 KiB) plus the 32 KiB dl tile; splits (1-16) chosen for the best wave
-  efficiency on 132 SMs with at least ~2 waves; the largest vocab_chunk whose bf16 [N, chunk]
-  dlogits buffer stays under 256 MiB. Not tuned on hardware (none was available)."""
-  bn = 128 if n > 64 else 64
-  bv = 128
-  bh = next((b for b in (64, 128, 192, 256) if h % b == 0), 64)
-  rows, tiles = -(-n // bn), -(-v // bv)
-  best = max(
-    range(1, min(16, tiles) + 1),
-    key=lambda s: (min(rows * s, 2 * NUM_SMS) >= min(2 * NUM_SMS, rows * tiles), _waves(rows * s)),
-  )
-  np_ = rows * bn
-  chunk = max(bv, min(tiles * bv, (DL_CHUNK_BYTES // (np_ * 2)) // bv * bv))
-  return MosaicLinearBlocks(bn, bv, bh, 3, best, chunk)
-
-
-def candidate_blocks(shape, platform: str = "gpu") -> list[MosaicLinearBlocks]:
-  """Legal blocks for the autotuner, the heuristic first.
-
-  shape: tokens N, hidden H, vocab V (one shard) and dtype, as attributes (bench.shapes.
-  LinearLossShape) or mapping keys (an autotune Problem's ``shape`` dict). platform: "gpu" gives the
-  grid below; "cpu" (the interpreter) only the heuristic, to exercise the plumbing; anything else,
-  or a dtype other than bf16 / f16, none."""
-  get = shape.get if isinstance(shape, dict) else lambda k: getattr(shape, k)
-  n, h, v = get("tokens"), get("hidden"), get("vocab")
-  if platform not in ("gpu", "cpu") or jnp.dtype(get("dtype")).name not in DTYPES:
-    return []
-  if platform == "cpu":
-    return [default_blocks(n, h, v)]
-  base = default_blocks(n, h, v)
-  out = [base]
-  for bn, bv, bh, stages in (
-    (128, 128, 64, 4),
-    (128, 128, 128, 2),
-    (64, 256, 64, 3),
-    (64, 128, 64, 4),
-    (128, 64, 64, 4),
-  ):
-    for splits in sorted({base.splits, max(1, base.splits // 2), base.splits * 2}):
-      chunk = max(bv, base.vocab_chunk // bv * bv)
-      try:
-        blocks = MosaicLinearBlocks(bn, bv, bh, stages, splits, chunk)
-        blocks.check(h, jnp.bfloat16)
-      except ValueError:
-        continue
-      if blocks not in out:
-        out.append(blocks)
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +110,31 @@ def _scaled_tile(h_rows, w_gmem, col0, cfg: MosaicLinearConfig):
   return z, col0 + backend.layout_cast(iota, plgpu.Layout.WGMMA, cfg.target)
 
 
-def _stats_kernel(h_gmem, w_gmem, ids_gmem, out_gmem, ids_s, out_s, bar, *, cfg, per_split):
-  """One (row block, vocabulary split): partial (lse, chosen, found, E[z]) into out_gmem [4, S, Np]."""
+def _store_exp(tile, p, m, rows, stored_refs, *, cfg):
+  """Tile ``tile``'s exp(z - m) [bn, bv] (input dtype) and running row max m [bn] into pt [Np, cols]
+  and mt [tiles, Np] when it is one of the stored tiles (the training path's first columns)."""
+  plgpu = backend.mosaic_gpu_module()
+  pt_gmem, mt_gmem, pt_s, mt_s = stored_refs
+  bv = cfg.blocks.block_v
+
+  @pl.when(tile < pt_gmem.shape[1] // bv)
+  def _():
+    plgpu.wait_smem_to_gmem(0)  # the previous stored tile's copies have read pt_s / mt_s
+    pt_s[...] = p.astype(pt_s.dtype)
+    mt_s[...] = m
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(pt_s, pt_gmem.at[rows, pl.ds(pl.multiple_of(tile * bv, bv), bv)])
+    plgpu.copy_smem_to_gmem(mt_s, mt_gmem.at[tile, rows])
+
+
+def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool):
+  """One (row block, vocabulary split): partial (lse, chosen, found, E[z]) into out_gmem [4, S, Np];
+  with ``stored``, also exp(z - m) and m of the stored tiles (:func:`_store_exp`)."""
+  if stored:
+    out_gmem, pt_gmem, mt_gmem, ids_s, out_s, bar, pt_s, mt_s = refs
+    stored_refs = (pt_gmem, mt_gmem, pt_s, mt_s)
+  else:
+    out_gmem, ids_s, out_s, bar = refs
   plgpu = backend.mosaic_gpu_module()
   wg = plgpu.Layout.WGMMA
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
@@ -236,6 +156,8 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, out_gmem, ids_s, out_s, bar, *, cfg,
     m_new = jnp.maximum(m, z.max(axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(z - bcast(m_new))
+    if stored:
+      _store_exp(first + t, p, m_new, rows, stored_refs, cfg=cfg)
     # 0 * log 0 = 0 (p underflows, or a -inf padding column), as the Pallas kernels' online update
     pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - bcast(m_new), 0.0))
     acc_s = jnp.where(alpha == 0, 0.0, alpha * (acc_s + (m - m_new) * l)) + pz.sum(axis=1)
@@ -284,22 +206,33 @@ def _dlogits_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def _stats_call(cfg: MosaicLinearConfig, h, w, ids):
-  """h [Np, H], w [H, Vp] (tile multiples), ids [Np] int32 -> partials [4, splits, Np] f32."""
+def _stats_call(cfg: MosaicLinearConfig, h, w, ids, stored_cols: int = 0):
+  """h [Np, H], w [H, Vp] (tile multiples), ids [Np] int32 -> partials [4, splits, Np] f32; with
+  stored_cols, also (pt [Np, stored_cols] h's dtype, mt [stored_cols / bv, Np] f32)."""
   plgpu = backend.mosaic_gpu_module()
-  n, bn = h.shape[0], cfg.blocks.block_n
-  tiles = w.shape[1] // cfg.blocks.block_v
+  n, bn, bv = h.shape[0], cfg.blocks.block_n, cfg.blocks.block_v
+  tiles = w.shape[1] // bv
   per_split = -(-tiles // cfg.blocks.splits)
   splits = -(-tiles // per_split)  # every split owns at least one tile
+  out_type = jax.ShapeDtypeStruct((4, splits, n), jnp.float32)
+  scratch = (
+    plgpu.SMEM((bn,), jnp.int32),
+    plgpu.SMEM((4, bn), jnp.float32),
+    plgpu.Barrier(num_arrivals=1),
+  )
+  if stored_cols:
+    out_type = (
+      out_type,
+      jax.ShapeDtypeStruct((n, stored_cols), h.dtype),
+      jax.ShapeDtypeStruct((stored_cols // bv, n), jnp.float32),
+    )
+    tile = backend.smem_transforms(h.dtype, cfg.target)
+    scratch += (plgpu.SMEM((bn, bv), h.dtype, transforms=tile), plgpu.SMEM((bn,), jnp.float32))
   return backend.mosaic_gpu_kernel(
-    functools.partial(_stats_kernel, cfg=cfg, per_split=per_split),
+    functools.partial(_stats_kernel, cfg=cfg, per_split=per_split, stored=bool(stored_cols)),
     target=cfg.target,
-    out_type=jax.ShapeDtypeStruct((4, splits, n), jnp.float32),
-    scratch_types=(
-      plgpu.SMEM((bn,), jnp.int32),
-      plgpu.SMEM((4, bn), jnp.float32),
-      plgpu.Barrier(num_arrivals=1),
-    ),
+    out_type=out_type,
+    scratch_types=scratch,
     # rows last = blockIdx.x, the fastest-varying: the CTAs resident together share w tiles in L2
     grid=(splits, n // bn),
     grid_names=("split", "rows"),
@@ -348,45 +281,77 @@ def combine_splits(partials):
   return lse, chosen_s.sum(axis=0), found_s.sum(axis=0), (jnp.exp(lse_s - lse) * ez_s).sum(axis=0)
 
 
-def stats(cfg: MosaicLinearConfig, h, w, ids):
+def stats(cfg: MosaicLinearConfig, h, w, ids, *, store: bool = False):
   """Per-row (lse, chosen z, found, E[z]) of z = (h @ w) / temperature over this shard's columns, as
-  :func:`kernels.fused_linear.pallas.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N]."""
+  :func:`kernels.fused_linear.pallas.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N].
+
+  store (the training path, blocks.stored_cols > 0): returns (stats, stored), stored = (pt
+  [Np, cols], mt [cols / bv, Np]) for :func:`grads`: exp(z - m) of the first cols columns."""
   n = h.shape[0]
   hp, wp, idsp = _padded(cfg, h, w, ids.astype(jnp.int32))
-  return tuple(a[:n] for a in combine_splits(_stats_call(cfg, hp, wp, idsp)))
+  cols = stored_columns(cfg, wp.shape[1]) if store else 0
+  out = _stats_call(cfg, hp, wp, idsp, cols)
+  partials, stored = (out[0], out[1:]) if cols else (out, None)
+  result = tuple(a[:n] for a in combine_splits(partials))
+  return (result, stored) if store else result
 
 
-def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
+def stored_columns(cfg: MosaicLinearConfig, vp: int) -> int:
+  """Columns whose exp(z - m) the training path's statistics pass stores (block_v multiple, <= Vp)."""
+  return min(cfg.blocks.stored_cols, vp)
+
+
+def _stored_dl(cfg: MosaicLinearConfig, stored, ids, lse, g, dtype):
+  """dl [Np, cols] = g * (onehot(id) - exp(z - m) exp(m - lse)) from the stored tiles (XLA, one
+  elementwise pass); exactly 0 for g == 0 rows and padding columns, as the dlogits kernel."""
+  pt, mt = stored  # [Np, cols], [cols / bv, Np]
+  n, cols = pt.shape
+  bv = cfg.blocks.block_v
+  scale = jnp.exp(mt.T - lse[:, None])[:, :, None]  # [Np, tiles, 1]: m <= lse
+  p = (pt.astype(jnp.float32).reshape(n, cols // bv, bv) * scale).reshape(n, cols)
+  col = lax.broadcasted_iota(jnp.int32, (n, cols), 1)
+  d = g[:, None] * ((col == ids[:, None]).astype(jnp.float32) - p)
+  return jnp.where((g[:, None] == 0) | (col >= cfg.vocab), 0.0, d).astype(dtype)
+
+
+def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored=None):
   """(dh [N, H], dw [H, V]) of sum_n g[n] * (z[n, id_n] - lse[n]), z = (h @ w) / temperature, as
   :func:`kernels.fused_linear.pallas.grads` (g [N] f32 includes 1 / temperature).
 
   Vocabulary chunk by chunk: the dlogits kernel writes dl [Np, chunk] in h's dtype, then
-  dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator)."""
+  dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator). With
+  ``stored`` (:func:`stats`'s), the first columns' dl comes from the stored exp(z - m) instead of a
+  recomputed logits tile, and the chunks start after them."""
   n, hd = h.shape
   v = w.shape[1]
   hp, wp, idsp, lsep, gp = _padded(cfg, h, w, ids.astype(jnp.int32), lse, g)
   vp = wp.shape[1]
-  chunk = min(cfg.blocks.vocab_chunk, vp)
-  full, tail = divmod(vp, chunk)
+  start = 0 if stored is None else stored[0].shape[1]  # columns whose dl comes from `stored`
+  chunk = max(1, min(cfg.blocks.vocab_chunk, vp - start))
+  full, tail = divmod(vp - start, chunk)
 
-  def one(c0: jax.Array, width: int, dh):
-    dl = _dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width)  # [Np, width]
+  def gemms(dl, c0, width: int, dh):  # dl [Np, width] for columns [c0, c0 + width)
     wc = lax.dynamic_slice_in_dim(wp, c0, width, axis=1)
     dh = dh + jnp.dot(dl, wc.T, preferred_element_type=jnp.float32)
-    dwc = jnp.dot(hp.T, dl, preferred_element_type=jnp.float32).astype(dw_dtype)
-    return dh, dwc
+    return dh, jnp.dot(hp.T, dl, preferred_element_type=jnp.float32).astype(dw_dtype)
+
+  def one(c0: jax.Array, width: int, dh):
+    return gemms(_dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width), c0, width, dh)
 
   def body(c, carry):
     dh, dw = carry
-    c0 = (c * chunk).astype(jnp.int32)
+    c0 = (start + c * chunk).astype(jnp.int32)
     dh, dwc = one(c0, chunk, dh)
     return dh, lax.dynamic_update_slice_in_dim(dw, dwc, c0, axis=1)
 
-  carry = (jnp.zeros(hp.shape, jnp.float32), jnp.zeros((hd, vp), dw_dtype))
-  dh, dw = lax.fori_loop(0, full, body, carry)
+  dh, dw = jnp.zeros(hp.shape, jnp.float32), jnp.zeros((hd, vp), dw_dtype)
+  if start:
+    dh, dwc = gemms(_stored_dl(cfg, stored, idsp, lsep, gp, hp.dtype), 0, start, dh)
+    dw = lax.dynamic_update_slice_in_dim(dw, dwc, 0, axis=1)
+  dh, dw = lax.fori_loop(0, full, body, (dh, dw))
   if tail:
-    dh, dwc = one(jnp.int32(full * chunk), tail, dh)
-    dw = lax.dynamic_update_slice_in_dim(dw, dwc, full * chunk, axis=1)
+    dh, dwc = one(jnp.int32(start + full * chunk), tail, dh)
+    dw = lax.dynamic_update_slice_in_dim(dw, dwc, start + full * chunk, axis=1)
   return dh[:n].astype(dh_dtype), dw[:, :v]
 
 

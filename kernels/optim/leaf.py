@@ -10,7 +10,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import backend
+from kernels import autotune, backend
 from kernels.optim.multi import LeafWork, MultiTensorBlocks, multi_tensor_call
 from kernels.optim.pallas import ElementwiseBlocks, elementwise_call
 from kernels.optim.reference import elementwise_reference
@@ -104,6 +104,7 @@ def update_leaves(
     works.append(work)
     leads.append(lead)
   target = backend.resolve(options.platform, options.interpret)
+  options = tuned_options(options, target, rules, params)
   kernel = options.use_kernel(target)
   stacked = jnp.stack(scalars).astype(jnp.float32) if scalars else jnp.zeros([1], jnp.float32)
   name = f"{type(rules[0]).__name__.lower()}_update" if rules else "update"
@@ -122,6 +123,33 @@ def update_leaves(
     RuleUpdate(o[lead], tuple(o[k] for k in rule.slots), o.get("master"))
     for o, lead, rule in zip(outs, leads, rules)
   ]
+
+
+def tuned_options(options: KernelOptions, target, rules: Sequence[Rule], params) -> KernelOptions:
+  """``options`` with ``impl="auto"`` / ``blocks=None`` filled from the autotuner's cache (op
+  "optim", bucket: rule, param dtype, total parameters; bench.tune writes it) on the host's own
+  uninterpreted platform; tiles of the other kernel family, a malformed entry or an unreadable
+  cache leave the heuristics (:func:`kernels.autotune.resolve_checked`)."""
+  if not rules:
+    return options
+  shape = dict(
+    rule=type(rules[0]).__name__.lower(),
+    dtype=jnp.result_type(params[0]).name,
+    params=sum(math.prod(jnp.shape(p)) for p in params),
+  )
+  legal = lambda impl, blocks: _check_tuned(target, impl, blocks)
+  impl, blocks = autotune.resolve_checked(
+    "optim", options.impl, options.blocks, target, shape, legal
+  )
+  return dataclasses.replace(options, impl=impl, blocks=blocks)
+
+
+def _check_tuned(target, impl: str, blocks) -> None:
+  """TypeError / ValueError unless a tuned (impl, blocks) can run on ``target``."""
+  KernelOptions(impl)  # the impl check
+  want = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
+  if blocks is not None and not isinstance(blocks, want):
+    raise TypeError(f"tuned blocks {blocks!r} are not {want.__name__} ({target.family} target)")
 
 
 def _one(work: LeafWork, stacked, scalars, target, kernel: bool, write: Write, options, name):
