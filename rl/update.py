@@ -180,6 +180,8 @@ def _micro_loss(
     num_items_in_batch=items,
     impl=settings.impl,
   )
+  # the scale goes into the kernels' per-token weights (loss_scale): the loss's cotangent stays 1, so
+  # the gradients written in the forward need no rescaling pass over [N, V] (or [H, V])
   if settings.fused_lm_head:
     weight = model.lm_head_weight()
     loss, aux = kernels.fused_linear_grpo_loss(
@@ -190,12 +192,10 @@ def _micro_loss(
       mb.advantages,
       mesh=settings.mesh,
       vocab_axis=settings.vocab_axis,
+      loss_scale=scale,
       **kw,
     )
-    loss = loss * scale
   else:
-    # the scale goes into the kernel's per-token weights (loss_scale): the loss's cotangent stays 1,
-    # so the training path's dlogits, written in the forward, need no rescaling pass over [N, V]
     logits = model.logits(hidden)
     loss, aux = kernels.grpo_loss(logits, ids, mask, mb.advantages, loss_scale=scale, **kw)
   sums = {
