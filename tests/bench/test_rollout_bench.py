@@ -25,9 +25,12 @@ def test_rollout_bench_reports_both_backends(tmp_path):
     assert by["paged", w].tokens_per_s > 0
     assert 0.0 <= extra["greedy_agreement"][w]["paged"] <= 1.0
   assert by["paged", "fixed"].tokens == 2 * 2 * 8
-  assert all(r.ok and r.logprob_parity <= 1.0 for r in rows)
-  assert "speedup vs dense" in rollout.markdown(rows, extra)
-  assert rollout.main(["--size", "tiny", "--repeats", "1", "--out", str(tmp_path)]) == 0
+  # the gate (f32 + highest run) decides ok; the bf16 run's divergence is reported beside it
+  assert all(r.ok and r.gate_parity <= 1.0 and r.rounding_ulps < 4.0 for r in rows)
+  table = rollout.markdown(rows, extra)
+  assert "time vs dense (measured)" in table and "bytes vs dense (compiled)" in table
+  argv = ["--size", "tiny", "--repeats", "1", "--warmup", "0", "--backend", "paged"]
+  assert rollout.main([*argv, "--out", str(tmp_path)]) == 0  # the CLI, one backend: cheap
   assert (tmp_path / "results.json").exists() and (tmp_path / "summary.md").exists()
 
 
