@@ -9,6 +9,7 @@ import pytest
 from bench import rollout
 from bench.tolerances import FLOOR_FACTOR, parity_error
 from rl.model import init_model, preset, scale_weights
+from rl.model.cache import DenseKVCache
 from rl.rollout import EngineConfig, make_engine
 
 
@@ -69,6 +70,14 @@ def test_teacher_forced_check_catches_wrong_logprobs():
   assert rollout.greedy_agreement(a, b) == 0.75
 
 
+class _ValueCache(DenseKVCache):
+  """The dense cache as it was before it stored bits: bf16 values, a bf16 scatter per token."""
+
+  @classmethod
+  def create(cls, *args, **kwargs):
+    return DenseKVCache.create(*args, bits=False, **kwargs)
+
+
 @pytest.mark.slow  # four compiles, ~50 s on the shared 2-core host
 def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   """The decode step's byte account (XLA cost analysis of the compiled chunk, compile only) at a
@@ -76,16 +85,16 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   the two classic wastes: the f32 master weights cast to bf16 in every call (the engines used to
   pass the raw parameters; at this shape XLA:CPU upcasts bf16 dot operands anyway, so the cast
   shows as a small excess, the engine-side check is in tests/rl/test_rollout.py) and a per-step copy
-  of the cache (rl.model.cache.DenseKVCache's bf16 scatter, which XLA:CPU runs as an f32 round trip
-  of the whole cache: at least one whole cache more per step than the engines' in-place scatter)."""
+  of the cache (`_ValueCache`: the dense cache holding bf16 values, whose scatter XLA:CPU runs as an
+  f32 round trip of the whole cache: at least one whole cache more per step than the engines'
+  in-place integer scatter)."""
   from bench import byte_account
-  from rl.model.cache import DenseKVCache
 
   cfg = preset("tiny")
   held = byte_account.account(cfg, "paged", batch=8, context=64, page_size=16, steps_per_sync=1)
   cast = byte_account.account(cfg, "paged", 8, 64, 16, 1, weights_dtype=None)
   dense = byte_account.account(cfg, "dense", 8, 64, 16, 1)
-  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=DenseKVCache)
+  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=_ValueCache)
   assert held.weights == cast.weights > 0 and held.ideal == held.weights + held.kv + held.logits
   assert cast.accessed > held.accessed  # the per-call cast shows
   assert copying.accessed >= dense.accessed + dense.cache_bytes  # the per-step cache copy shows
