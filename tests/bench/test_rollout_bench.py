@@ -3,13 +3,15 @@ its engines' log-probs against a teacher-forced forward (a check that catches a 
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bench import rollout
 from bench.tolerances import FLOOR_FACTOR, parity_error
 from rl.model import init_model, preset, scale_weights
-from rl.model.cache import DenseKVCache
+from rl.model.cache import DenseKVCache, attention
 from rl.rollout import EngineConfig, make_engine
 
 
@@ -70,12 +72,33 @@ def test_teacher_forced_check_catches_wrong_logprobs():
   assert rollout.greedy_agreement(a, b) == 0.75
 
 
-class _ValueCache(DenseKVCache):
-  """The dense cache as it was before it stored bits: bf16 values, a bf16 scatter per token."""
+@dataclasses.dataclass(frozen=True)
+class _CopyingCache(DenseKVCache):
+  """The dense cache written with a masked rewrite instead of a scatter (`where(slot == position,
+  new, old)` over the whole cache): every layer of every step reads and writes the whole cache.
+  (The bf16-values cache that XLA:CPU used to round-trip through f32 is in place on jax 0.11.)"""
 
   @classmethod
   def create(cls, *args, **kwargs):
-    return DenseKVCache.create(*args, bits=False, **kwargs)
+    c = DenseKVCache.create(*args, **kwargs)
+    return cls(c.k, c.v, c.value_dtype, c.decode)
+
+  def attend(self, layer, q, k, v, positions):  # decode only: positions [B, 1]
+    num_layers, _, max_len = self.k.shape[:3]
+    hit = (jnp.arange(num_layers)[:, None, None] == layer) & (
+      jnp.arange(max_len)[None, None, :] == positions[None, :, :1]
+    )  # [L, B, S]
+    write = lambda old, new: jnp.where(hit[..., None, None], self._stored(new)[None], old)
+    new_k, new_v = write(self.k, k), write(self.v, v)
+    visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    kd, vd = self.values(new_k[layer]), self.values(new_v[layer])
+    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible)
+    return out, dataclasses.replace(self, k=new_k, v=new_v)
+
+
+jax.tree_util.register_dataclass(
+  _CopyingCache, data_fields=["k", "v"], meta_fields=["value_dtype", "decode"]
+)
 
 
 @pytest.mark.slow  # four compiles, ~50 s on the shared 2-core host
@@ -85,16 +108,15 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   the two classic wastes: the f32 master weights cast to bf16 in every call (the engines used to
   pass the raw parameters; at this shape XLA:CPU upcasts bf16 dot operands anyway, so the cast
   shows as a small excess, the engine-side check is in tests/rl/test_rollout.py) and a per-step copy
-  of the cache (`_ValueCache`: the dense cache holding bf16 values, whose scatter XLA:CPU runs as an
-  f32 round trip of the whole cache: at least one whole cache more per step than the engines'
-  in-place integer scatter)."""
+  of the cache (`_CopyingCache`, a masked rewrite of the whole cache instead of a scatter: at least
+  one whole cache more per step than the engines' in-place scatter)."""
   from bench import byte_account
 
   cfg = preset("tiny")
   held = byte_account.account(cfg, "paged", batch=8, context=64, page_size=16, steps_per_sync=1)
   cast = byte_account.account(cfg, "paged", 8, 64, 16, 1, weights_dtype=None)
   dense = byte_account.account(cfg, "dense", 8, 64, 16, 1)
-  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=_ValueCache)
+  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=_CopyingCache)
   assert held.weights == cast.weights > 0 and held.ideal == held.weights + held.kv + held.logits
   assert cast.accessed > held.accessed  # the per-call cast shows
   assert copying.accessed >= dense.accessed + dense.cache_bytes  # the per-step cache copy shows
