@@ -39,7 +39,6 @@ from rl.model import qwen
 from rl.model.cache import DenseKVCache
 from rl.model.config import ModelConfig
 from rl.rollout import steps
-from rl.rollout.dense import decode_attention_kind
 from rl.rollout.paged_cache import PagedKVCache
 
 _DTYPE_BYTES = dict(
@@ -203,13 +202,7 @@ def _abstract_cache(
 ):
   if engine == "dense":
     make = lambda: dense_cache.create(
-      cfg.num_layers,
-      batch,
-      context,
-      cfg.num_kv_heads,
-      cfg.dim_per_head,
-      dtype,
-      decode=decode_attention_kind(),  # what the dense engine runs on this backend
+      cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.dim_per_head, dtype
     )
   else:
     pages = context // page_size

@@ -61,33 +61,6 @@ def attention(
   return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def decode_attention(
-  q: Array,  # [B, 1, Hq, D]
-  k: Array,  # [B, S, Hkv, D]
-  v: Array,  # [B, S, Hkv, D]
-  visible: Array,  # [B, 1, S] bool
-) -> Array:  # [B, 1, Hq, D]
-  """`attention` for one query per row (a decode step), as products and sums instead of dots.
-
-  The same arithmetic: bf16 products are exact in f32, both sum in f32 (only the order differs),
-  the probabilities are rounded to v's dtype before the PV sum and the output to q's. Why: XLA:CPU
-  has no bf16 x bf16 -> f32 batched dot, so a dot's context operand is copied to f32 (and
-  transposed to put its batch dims first) for every layer of every step. The dense cache's decode
-  step reads ~1.5 GB less per step this way at the 0.5B shape (bench.byte_account: 9.63 -> 8.13 GB).
-  CPU only (DenseKVCache.decode): a GPU runs bf16 dots without the copies, and the dense engine is
-  the GPU baseline, not to be changed unmeasured. Not used by the paged XLA path: there XLA:CPU
-  materialises the gathered pages in f32 before a reduce (11.8 GB vs 10.8 with the dots)."""
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
-  f32 = jnp.float32
-  qg = q.reshape(b, 1, hkv, hq // hkv, d).astype(f32)  # [B, 1, Hkv, G, D]
-  scores = jnp.sum(qg * k[:, :, :, None].astype(f32), axis=-1) * (d**-0.5)  # [B, S, Hkv, G]
-  scores = jnp.where(visible[:, 0, :, None, None], scores, MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
-  out = jnp.sum(probs[..., None].astype(f32) * v[:, :, :, None].astype(f32), axis=1)
-  return out.reshape(b, t, hq, d).astype(q.dtype)  # [B, Hkv, G, D] -> [B, 1, Hq, D]
-
-
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
   """A contiguous cache: slot s of sequence b holds the token at position s.
@@ -105,9 +78,6 @@ class DenseKVCache:
   k: Array  # [L, B, S, Hkv, D] the values, or their bits
   v: Array  # [L, B, S, Hkv, D]
   value_dtype: str | None = None
-  # a decode step's attention: "dots" (`attention`) or "sums" (`decode_attention`, which reads the
-  # context once on XLA:CPU; the dense engine picks it on CPU only, see there)
-  decode: str = "dots"
 
   @classmethod
   def create(
@@ -120,15 +90,12 @@ class DenseKVCache:
     dtype=jnp.bfloat16,
     bits: bool = True,
     sharding: jax.sharding.Sharding | None = None,  # of k / v; None: the default device
-    decode: str = "dots",
   ) -> DenseKVCache:
-    if decode not in ("dots", "sums"):
-      raise ValueError(f"DenseKVCache decode must be 'dots' or 'sums', got {decode!r}")
     dtype = jnp.dtype(dtype)
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     storage = jnp.dtype(f"uint{8 * dtype.itemsize}") if bits else dtype
     zeros = lambda: jnp.zeros(shape, storage, device=sharding)
-    return cls(zeros(), zeros(), dtype.name if bits else None, decode)
+    return cls(zeros(), zeros(), dtype.name if bits else None)
 
   @property
   def max_len(self) -> int:
@@ -154,12 +121,9 @@ class DenseKVCache:
     new_k = self.k.at[layer, rows, positions].set(self._stored(k), mode="drop")
     new_v = self.v.at[layer, rows, positions].set(self._stored(v), mode="drop")
     visible = jnp.arange(self.max_len)[None, None, :] <= positions[:, :, None]
-    kd, vd = self.values(new_k[layer]).astype(q.dtype), self.values(new_v[layer]).astype(q.dtype)
-    attend = decode_attention if q.shape[1] == 1 and self.decode == "sums" else attention
-    out = attend(q, kd, vd, visible)
+    kd, vd = self.values(new_k[layer]), self.values(new_v[layer])
+    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible)
     return out, dataclasses.replace(self, k=new_k, v=new_v)
 
 
-jax.tree_util.register_dataclass(
-  DenseKVCache, data_fields=["k", "v"], meta_fields=["value_dtype", "decode"]
-)
+jax.tree_util.register_dataclass(DenseKVCache, data_fields=["k", "v"], meta_fields=["value_dtype"])

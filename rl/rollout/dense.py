@@ -14,18 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import backend
 from rl.model.cache import DenseKVCache
 from rl.rollout import steps
 from rl.rollout.engine import RolloutEngine, Seq, bucket
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
-
-
-def decode_attention_kind() -> str:
-  """The dense cache's decode attention: "sums" on CPU (XLA:CPU upcasts and transposes a batched
-  dot's bf16 context every layer of every step; products and sums read it once: bench.byte_account
-  9.63 -> 8.13 GB per step at the 0.5B shape), the dots elsewhere."""
-  return "sums" if backend.resolve().platform == "cpu" else "dots"
 
 
 class DenseEngine(RolloutEngine):
@@ -57,7 +49,6 @@ class DenseEngine(RolloutEngine):
       cfg.dim_per_head,
       self.cache_dtype,
       sharding=self._kv_sharding(rank=5, heads_axis=3),
-      decode=decode_attention_kind(),
     )
     tokens = np.zeros((n, width), np.int32)
     for i, s in enumerate(seqs):

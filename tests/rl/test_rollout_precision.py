@@ -11,7 +11,7 @@ import pytest
 
 from bench.tolerances import assert_close
 from rl.model import init_model, preset, scale_weights
-from rl.model.cache import DenseKVCache, attention, decode_attention
+from rl.model.cache import attention
 from rl.rollout import EngineConfig, SamplingParams, make_engine
 from rl.rollout.paged_cache import PagedKVCache
 from rl.update import pack, token_logps
@@ -180,37 +180,3 @@ def test_the_parity_gate_needs_engine_and_check_at_one_precision():
     completions=[dataclasses.replace(c, logprobs=np.roll(c.logprobs, 1)) for c in res.completions],
   )
   assert rollout.teacher_forced_error(model, shifted, 8, 8, precision="highest")[0] > 1.0
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dense_decode_step_is_the_models_attention(dtype):
-  """The dense cache's decode step (`decode_attention`: products and sums, not dots) gives the model's
-  attention on the same context, within the attention budget, for every kv head's group of q heads
-  (Hq 8 over Hkv 2). Catches a q head matched to the wrong kv head (a reshape in the other order), a
-  softmax over the wrong axis, a key visible past its row's length, and logits large enough to
-  overflow an unstabilised exp (q x4, so scores reach ~100)."""
-  rng = np.random.default_rng(3)
-  b, s, hkv, hq, d, layers = 4, 12, 2, 8, 16, 2
-  lengths = np.array([1, 5, 12, 8])
-  normal = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, dtype)
-  cache = DenseKVCache.create(layers, b, s, hkv, d, dtype, decode="sums")
-  ctx_k, ctx_v = normal(b, s, hkv, d), normal(b, s, hkv, d)
-  rows = jnp.arange(b)[:, None]
-  # the context written at every slot (as earlier steps would), then one decode step at lengths - 1
-  cache = dataclasses.replace(
-    cache,
-    k=cache.k.at[1].set(cache._stored(ctx_k)),
-    v=cache.v.at[1].set(cache._stored(ctx_v)),
-  )
-  q = normal(b, 1, hq, d, scale=4.0)
-  positions = jnp.asarray(lengths - 1, jnp.int32)[:, None]
-  k_new, v_new = ctx_k[rows, positions], ctx_v[rows, positions]
-  out, _ = jax.jit(lambda c, layer: c.attend(layer, q, k_new, v_new, positions))(
-    cache, jnp.int32(1)
-  )
-  visible = jnp.arange(s)[None, None, :] < jnp.asarray(lengths)[:, None, None]
-  expected = jax.jit(attention)(q, ctx_k, ctx_v, visible)
-  assert out.dtype == q.dtype and bool(jnp.isfinite(out).all())
-  assert_close(out, expected, "attention", dtype, s)
-  direct = jax.jit(decode_attention)(q, ctx_k, ctx_v, visible)
-  assert_close(direct, expected, "attention", dtype, s)
