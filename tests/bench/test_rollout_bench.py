@@ -81,7 +81,7 @@ class _CopyingCache(DenseKVCache):
   @classmethod
   def create(cls, *args, **kwargs):
     c = DenseKVCache.create(*args, **kwargs)
-    return cls(c.k, c.v, c.value_dtype, c.decode)
+    return cls(c.k, c.v, c.value_dtype)
 
   def attend(self, layer, q, k, v, positions):  # decode only: positions [B, 1]
     num_layers, _, max_len = self.k.shape[:3]
@@ -96,9 +96,7 @@ class _CopyingCache(DenseKVCache):
     return out, dataclasses.replace(self, k=new_k, v=new_v)
 
 
-jax.tree_util.register_dataclass(
-  _CopyingCache, data_fields=["k", "v"], meta_fields=["value_dtype", "decode"]
-)
+jax.tree_util.register_dataclass(_CopyingCache, data_fields=["k", "v"], meta_fields=["value_dtype"])
 
 
 @pytest.mark.slow  # four compiles, ~50 s on the shared 2-core host
