@@ -36,9 +36,9 @@ import numpy as np
 from flax import nnx
 
 from rl.model import qwen
+from rl.model.cache import DenseKVCache
 from rl.model.config import ModelConfig
 from rl.rollout import steps
-from rl.rollout.dense_cache import DenseBitsCache
 from rl.rollout.paged_cache import PagedKVCache
 
 _DTYPE_BYTES = dict(
@@ -220,12 +220,12 @@ def account(
   page_size: int = 16,
   steps_per_sync: int = 16,
   weights_dtype: str | None = "compute",
-  dense_cache=DenseBitsCache,
+  dense_cache=DenseKVCache,
 ) -> StepAccount:
   """Compile (never run) the engine's decode chunk for `batch` slots of `context` tokens and account
   one step. `weights_dtype`: "compute" (what the engines pass), None (the raw parameters: the per-step
   cast the engines used to run) or a dtype name. `dense_cache`: the dense engine's cache class
-  (DenseBitsCache; rl.model.cache.DenseKVCache to account the model's own)."""
+  (rl.model.cache.DenseKVCache; a test passes a variant to account another)."""
   if engine not in ("paged", "dense"):
     raise ValueError(f"engine must be 'paged' or 'dense', got {engine!r}")
   if context % page_size:

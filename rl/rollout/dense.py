@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl.model.cache import DenseKVCache
 from rl.rollout import steps
-from rl.rollout.dense_cache import DenseBitsCache
 from rl.rollout.engine import RolloutEngine, Seq, bucket
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
@@ -41,8 +41,14 @@ class DenseEngine(RolloutEngine):
     n = len(seqs)
     width = bucket(max(len(s.prompt) for s in seqs))
     max_len = max(width, max(len(s.prompt) + s.limit for s in seqs))
-    cache = DenseBitsCache.create(
-      cfg.num_layers, n, max_len, cfg.num_kv_heads, cfg.dim_per_head, self.cache_dtype
+    cache = DenseKVCache.create(
+      cfg.num_layers,
+      n,
+      max_len,
+      cfg.num_kv_heads,
+      cfg.dim_per_head,
+      self.cache_dtype,
+      sharding=self._kv_sharding(rank=5, heads_axis=3),
     )
     tokens = np.zeros((n, width), np.int32)
     for i, s in enumerate(seqs):

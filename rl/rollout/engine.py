@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rl.rollout import steps
 from rl.rollout.config import EngineConfig
@@ -88,6 +90,22 @@ class RolloutEngine:
     sync, instead of one inside every decode step."""
     graphdef, state = nnx.split(self.model)
     return graphdef, steps.rollout_weights(state, self.model.cfg.compute_dtype)
+
+  def _kv_sharding(self, rank: int, heads_axis: int):
+    """Where the KV cache lives: None for a model on one device; with a model on a mesh, the mesh's
+    NamedSharding that the jitted steps give the cache anyway (KV heads over "tp" where it divides
+    them, as the k / v projections' outputs are, replicated otherwise). A cache created elsewhere (one
+    device) takes that sharding after its first decode, so the next prefill, whose cache argument's
+    sharding is part of jit's key, would compile again (issue 31)."""
+    leaf = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0]
+    if not isinstance(leaf.sharding, NamedSharding):
+      return None
+    mesh = leaf.sharding.mesh
+    tp = mesh.shape.get("tp", 1)
+    spec = [None] * rank
+    if tp > 1 and self.model.cfg.num_kv_heads % tp == 0:
+      spec[heads_axis] = "tp"
+    return NamedSharding(mesh, P(*spec))
 
   def _precision(self):
     """The matmul precision every jitted step of this engine is traced under (EngineConfig)."""

@@ -49,6 +49,7 @@ class PagedEngine(RolloutEngine):
       cfg.dim_per_head,
       self.cache_dtype,
       ecfg.attn_impl,
+      self._kv_sharding(rank=4, heads_axis=0),
     )
 
   def generate(

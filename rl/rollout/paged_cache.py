@@ -61,6 +61,7 @@ class PagedKVCache:
     head_dim: int,
     dtype,
     attn_impl: str = "auto",
+    sharding: jax.sharding.Sharding | None = None,  # of k / v; None: the default device
   ) -> PagedKVCache:
     shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)
     dtype = jnp.dtype(dtype)
@@ -69,8 +70,8 @@ class PagedKVCache:
     bits = _uses_model_attention(attn_impl)
     storage = _bits_dtype(dtype) if bits else dtype
     return cls(
-      jnp.zeros(shape, storage),
-      jnp.zeros(shape, storage),
+      jnp.zeros(shape, storage, device=sharding),
+      jnp.zeros(shape, storage, device=sharding),
       jnp.zeros((1, 1), jnp.int32),
       attn_impl,
       num_layers,

@@ -3,12 +3,15 @@ its engines' log-probs against a teacher-forced forward (a check that catches a 
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bench import rollout
 from bench.tolerances import FLOOR_FACTOR, parity_error
 from rl.model import init_model, preset, scale_weights
+from rl.model.cache import DenseKVCache, attention
 from rl.rollout import EngineConfig, make_engine
 
 
@@ -25,9 +28,12 @@ def test_rollout_bench_reports_both_backends(tmp_path):
     assert by["paged", w].tokens_per_s > 0
     assert 0.0 <= extra["greedy_agreement"][w]["paged"] <= 1.0
   assert by["paged", "fixed"].tokens == 2 * 2 * 8
-  assert all(r.ok and r.logprob_parity <= 1.0 for r in rows)
-  assert "speedup vs dense" in rollout.markdown(rows, extra)
-  assert rollout.main(["--size", "tiny", "--repeats", "1", "--out", str(tmp_path)]) == 0
+  # the gate (f32 + highest run) decides ok; the bf16 run's divergence is reported beside it
+  assert all(r.ok and r.gate_parity <= 1.0 and r.rounding_ulps < 4.0 for r in rows)
+  table = rollout.markdown(rows, extra)
+  assert "time vs dense (measured)" in table and "bytes vs dense (compiled)" in table
+  argv = ["--size", "tiny", "--repeats", "1", "--warmup", "0", "--backend", "paged"]
+  assert rollout.main([*argv, "--out", str(tmp_path)]) == 0  # the CLI, one backend: cheap
   assert (tmp_path / "results.json").exists() and (tmp_path / "summary.md").exists()
 
 
@@ -66,6 +72,33 @@ def test_teacher_forced_check_catches_wrong_logprobs():
   assert rollout.greedy_agreement(a, b) == 0.75
 
 
+@dataclasses.dataclass(frozen=True)
+class _CopyingCache(DenseKVCache):
+  """The dense cache written with a masked rewrite instead of a scatter (`where(slot == position,
+  new, old)` over the whole cache): every layer of every step reads and writes the whole cache.
+  (The bf16-values cache that XLA:CPU used to round-trip through f32 is in place on jax 0.11.)"""
+
+  @classmethod
+  def create(cls, *args, **kwargs):
+    c = DenseKVCache.create(*args, **kwargs)
+    return cls(c.k, c.v, c.value_dtype)
+
+  def attend(self, layer, q, k, v, positions):  # decode only: positions [B, 1]
+    num_layers, _, max_len = self.k.shape[:3]
+    hit = (jnp.arange(num_layers)[:, None, None] == layer) & (
+      jnp.arange(max_len)[None, None, :] == positions[None, :, :1]
+    )  # [L, B, S]
+    write = lambda old, new: jnp.where(hit[..., None, None], self._stored(new)[None], old)
+    new_k, new_v = write(self.k, k), write(self.v, v)
+    visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    kd, vd = self.values(new_k[layer]), self.values(new_v[layer])
+    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible)
+    return out, dataclasses.replace(self, k=new_k, v=new_v)
+
+
+jax.tree_util.register_dataclass(_CopyingCache, data_fields=["k", "v"], meta_fields=["value_dtype"])
+
+
 @pytest.mark.slow  # four compiles, ~50 s on the shared 2-core host
 def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   """The decode step's byte account (XLA cost analysis of the compiled chunk, compile only) at a
@@ -73,16 +106,15 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   the two classic wastes: the f32 master weights cast to bf16 in every call (the engines used to
   pass the raw parameters; at this shape XLA:CPU upcasts bf16 dot operands anyway, so the cast
   shows as a small excess, the engine-side check is in tests/rl/test_rollout.py) and a per-step copy
-  of the cache (rl.model.cache.DenseKVCache's bf16 scatter, which XLA:CPU runs as an f32 round trip
-  of the whole cache: at least one whole cache more per step than the engines' in-place scatter)."""
+  of the cache (`_CopyingCache`, a masked rewrite of the whole cache instead of a scatter: at least
+  one whole cache more per step than the engines' in-place scatter)."""
   from bench import byte_account
-  from rl.model.cache import DenseKVCache
 
   cfg = preset("tiny")
   held = byte_account.account(cfg, "paged", batch=8, context=64, page_size=16, steps_per_sync=1)
   cast = byte_account.account(cfg, "paged", 8, 64, 16, 1, weights_dtype=None)
   dense = byte_account.account(cfg, "dense", 8, 64, 16, 1)
-  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=DenseKVCache)
+  copying = byte_account.account(cfg, "dense", 8, 64, 16, 1, dense_cache=_CopyingCache)
   assert held.weights == cast.weights > 0 and held.ideal == held.weights + held.kv + held.logits
   assert cast.accessed > held.accessed  # the per-call cast shows
   assert copying.accessed >= dense.accessed + dense.cache_bytes  # the per-step cache copy shows

@@ -434,3 +434,31 @@ def test_concurrent_generate_calls_do_not_share_scheduler_state(model, prompts):
       np.testing.assert_array_equal(ids, ids2)
       np.testing.assert_allclose(lps, lps2, atol=1e-5)
       assert why == why2
+
+
+@pytest.mark.parametrize("backend", ["paged", "dense"])
+def test_a_sharded_model_prefills_without_recompiling_in_the_next_call(prompts, backend):
+  """Issue 31: with the model on a mesh, the paged engine's KV cache was created on one device and
+  took the mesh's sharding (KV heads over "tp") from its first decode, so the second generate's
+  prefill, whose cache argument's sharding is part of jit's key, compiled again (a recompile per
+  loop step 2 at the real shape). The caches are created with that sharding: the second call
+  compiles nothing, and the cache keeps the sharding it was created with."""
+  from jax.sharding import Mesh
+
+  from rl.model import shard_model
+  from tests.compiles import compiled_functions
+
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2), ("dp", "fsdp", "tp"))
+  sharded = shard_model(init_model(preset("tiny", dtype="float32"), seed=0), mesh)
+  engine = _engine(sharded, backend)
+  created = engine._spare_cache.k.sharding if backend == "paged" else None
+  params = SamplingParams(max_new_tokens=6, n=2, seed=3)
+  first = engine.generate(prompts[:2], params)
+  with compiled_functions() as names:
+    second = engine.generate(prompts[:2], params)
+  assert names == [], names
+  for a, b in zip(first.completions, second.completions, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+  if backend == "paged":
+    assert created.spec[0] == "tp"  # tiny: 2 KV heads over tp=2
+    assert engine._spare_cache.k.sharding.is_equivalent_to(created, 4)
