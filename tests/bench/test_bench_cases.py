@@ -68,17 +68,23 @@ def test_rollout(benchmark, rollout_size, workload, backend):
   model = _rollout_model(rollout_size)
   size = rollout.SIZES[rollout_size]
   prompts, params = rollout.workload(size, workload)
+  # parity before any timing, gated as bench.rollout gates it: the engine on the model's f32 twin at
+  # GATE_PRECISION against the teacher-forced forward at the same precision (a compute-dtype gate
+  # fails correct engines on a GPU, whose bf16 and default-precision f32 dots round differently)
+  checks = rollout.bench_engine(
+    rollout.gate_model(model), rollout_size, backend, rollout.GATE_PRECISION
+  )
+  try:
+    gated = rollout.gate(checks, size, workload)
+  finally:
+    checks.close()
+  assert gated.err <= 1.0, (
+    f"{backend} log-probs off a teacher-forced forward: {gated.err:.3g}x the tolerance "
+    f"({gated.max_abs_diff:.3g} nats)"
+  )
   engine = rollout.bench_engine(model, rollout_size, backend)
   try:
-    result = engine.generate(
-      prompts, params
-    )  # compiles; parity on its own outputs before any timing
-    err, diff, _ = rollout.teacher_forced_error(
-      model, result, size["prompt_len"], size["new_tokens"]
-    )
-    assert err <= 1.0, (
-      f"{backend} log-probs off a teacher-forced forward: {err:.3g}x the tolerance ({diff:.3g} nats)"
-    )
+    result = engine.generate(prompts, params)  # compiles before the timed rounds
     benchmark.group = f"rollout/{rollout_size}/{workload}"
     benchmark.extra_info.update(size, backend=backend, tokens=result.stats.generated_tokens)
     benchmark.pedantic(lambda: engine.generate(prompts, params), warmup_rounds=0, rounds=3)
