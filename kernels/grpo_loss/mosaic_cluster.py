@@ -1,0 +1,337 @@
+"""The cluster-split Mosaic GPU loss kernels (``impl="mosaic_gpu"``, ``blocks=ClusterLossBlocks``).
+
+QuACK's layout for rows too long for one CTA: a thread-block cluster of ``cluster`` (C) CTAs owns
+``rows`` (r) token rows; CTA c bulk-copies (TMA ``cp.async.bulk``) its 1/C column slice of each row
+into shared memory ONCE (at V 151936 bf16, C 8: 37 KB per row), computes the slice's partial
+statistics (max, sum-exp, entropy sum, chosen logit: :func:`kernels.lse.combine`'s quantities),
+publishes them in its shared memory and reads its peers' through distributed shared memory
+(``plgpu.cluster_ref`` after a cluster barrier), combines them exactly (log-sum-exp of log-sum-exps)
+and then
+
+* forward (statistics): CTA 0 writes the rows' (lse, log p, entropy): one read of the logits;
+* training path: every CTA computes the rows' coefficient g (:func:`kernels.grpo_loss.train.coefficient`)
+  and overwrites its slice IN SHARED MEMORY with dlogits = g * (onehot - softmax), then bulk-stores
+  it: one read of the logits and one write of dlogits in total, the two-pass target of issue 33.
+
+Rows are swept one at a time in ``chunk``-wide 1-D vectors (the warpgroup-strided register layout,
+whose full reductions are warpgroup-wide); a row's copy has its own barrier, so the sweep of row 0
+starts while rows 1.. are still in flight. Shapes: V must split into C slices of whole 16-byte
+bulk-copy units (V 151936 and 128256 do for C in 1, 2, 4, 8, 16); otherwise, and for N not a
+multiple of r, the wrapper pads by a copy (small / test shapes only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels import backend
+from kernels.grpo_loss import train as _train
+from kernels.grpo_loss.mosaic_gpu import SMEM_BUDGET, MosaicLossConfig, pad_to
+from kernels.lse import NEG_BIG
+
+MAX_CLUSTER = 8  # the portable cluster size (16 needs a non-portable launch attribute)
+# f32 columns of a row's records (in: id and the coefficient's token inputs; out: lse, log p,
+# entropy): 128 bytes, because a Mosaic GPU bulk copy moves a multiple of 128 bytes (one per thread).
+RECORD = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterLossBlocks:
+  """Shape of the cluster-split kernels.
+
+  rows: token rows per cluster (each CTA holds its slice of every one in shared memory).
+  cluster: CTAs per cluster, 1..8; each takes 1/cluster of the vocabulary.
+  chunk: columns per register vector of the in-shared-memory sweeps; a multiple of
+    128 threads x 16 bytes (1024 bf16, 512 f32 columns).
+  """
+
+  rows: int = 4
+  cluster: int = 8
+  chunk: int = 2048
+
+  def __post_init__(self):
+    for name in ("rows", "cluster", "chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ClusterLossBlocks.{name} must be a positive int, got {value!r}")
+    if self.cluster > MAX_CLUSTER:
+      raise ValueError(
+        f"ClusterLossBlocks.cluster must be in [1, {MAX_CLUSTER}], got {self.cluster}"
+      )
+
+  def check(self, dtype, vocab: int) -> None:
+    itemsize = jnp.dtype(dtype).itemsize
+    unit = 128 * 16 // itemsize
+    if self.chunk % unit:
+      raise ValueError(
+        f"ClusterLossBlocks.chunk must be a multiple of {unit} for {jnp.dtype(dtype).name} "
+        f"(128 threads x 16 bytes), got {self.chunk}"
+      )
+    smem = smem_bytes(self, dtype, vocab)
+    if smem > SMEM_BUDGET:
+      raise ValueError(
+        f"ClusterLossBlocks(rows={self.rows}, cluster={self.cluster}, chunk={self.chunk}) hold "
+        f"{smem} bytes of shared memory per CTA at V {vocab}; at most {SMEM_BUDGET}: lower rows or "
+        "raise cluster"
+      )
+
+
+def slice_cols(blocks: ClusterLossBlocks, dtype, vocab: int) -> tuple[int, int, int]:
+  """(padded V, columns of CTAs 0..C-2, columns of the last CTA), in whole 128-byte units (a bulk
+  copy's granularity); V is padded only when it is not a whole number of units or too small to
+  leave the last CTA any (V 151936 bf16, C 8: slices of 19008 and 18880 columns, no padding)."""
+  unit = 128 // jnp.dtype(dtype).itemsize
+  vp = -(-vocab // unit) * unit
+  vc = -(-vp // (blocks.cluster * unit)) * unit
+  if vp - (blocks.cluster - 1) * vc <= 0:
+    vp = blocks.cluster * vc
+  return vp, vc, vp - (blocks.cluster - 1) * vc
+
+
+def smem_bytes(blocks: ClusterLossBlocks, dtype, vocab: int) -> int:
+  """Shared memory per CTA: the rows' slices (each rounded up to whole chunks) and small records."""
+  _, vc, _ = slice_cols(blocks, dtype, vocab)
+  vs = -(-vc // blocks.chunk) * blocks.chunk
+  return (
+    blocks.rows * vs * jnp.dtype(dtype).itemsize + 2 * blocks.rows * RECORD * 4 + blocks.rows * 16
+  )
+
+
+def default_blocks(dtype, vocab: int) -> ClusterLossBlocks:
+  """Clusters of 8 (the portable maximum) and the most rows (<= 8) that fit: 4 bf16 rows of a
+  151936 vocabulary (152 KB per CTA). Not tuned on hardware; the autotuner's candidates decide."""
+  for rows in (8, 4, 2, 1):
+    blocks = ClusterLossBlocks(rows, MAX_CLUSTER, 128 * 16 // jnp.dtype(dtype).itemsize * 2)
+    if smem_bytes(blocks, dtype, vocab) <= SMEM_BUDGET:
+      return blocks
+  return blocks
+
+
+# -------------------------------------------------------------------------------------------- kernel
+def _chunk_iota(cfg, dtype):
+  """(chunk, column iota [chunk] int32) in the layout a [chunk] shared-memory load infers: each of the
+  128 threads holds 8-byte vectors (the warpgroup-strided layout)."""
+  chunk = cfg.blocks.chunk
+  iota = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  if cfg.target.interpret:
+    return chunk, iota
+  layout = backend.mosaic_gpu_module().Layout.WG_STRIDED((chunk,), 8 // jnp.dtype(dtype).itemsize)
+  return chunk, backend.layout_cast(iota, layout, cfg.target)
+
+
+def _slice_stats(cfg, x_row, c, vc, cid):
+  """(max, sum-exp, entropy sum, chosen z) of this CTA's slice of one row; x_row: [Vs] smem."""
+  chunk, iota = _chunk_iota(cfg, x_row.dtype)
+
+  def body(k, carry):
+    m, l, s, chosen = carry
+    col = k * chunk + iota  # local column
+    valid = (col < vc) & (c * vc + col < cfg.vocab)
+    z = x_row[pl.ds(k * chunk, chunk)].astype(jnp.float32) * (1.0 / cfg.temperature)
+    z = jnp.where(valid, z, -jnp.inf)
+    m_new = jnp.maximum(m, z.max())
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(z - m_new)
+    pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - m_new, 0.0))  # 0 log 0 = 0 (-inf logits)
+    s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum()
+    l = alpha * l + p.sum()
+    chosen = chosen + jnp.where((col == cid) & valid, z, 0.0).sum()
+    return m_new, l, s, chosen
+
+  init = (jnp.float32(NEG_BIG), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0))
+  return lax.fori_loop(0, -(-vc // chunk), body, init)
+
+
+def _combine(parts):
+  """Exact combination of the C slices' (max, sum-exp, entropy sum about its max, chosen z)."""
+  m = parts[0][0]
+  for p in parts[1:]:
+    m = jnp.maximum(m, p[0])
+  l = s = chosen = jnp.float32(0.0)
+  for pm, pl_, ps, pc in parts:
+    a = jnp.exp(pm - m)  # 0 for an all -inf slice (its max stays NEG_BIG)
+    l = l + a * pl_
+    s = s + jnp.where(a == 0, 0.0, a * (ps + (pm - m) * pl_))
+    chosen = chosen + pc
+  return m, l, s, chosen
+
+
+def _grad_slice(cfg, x_row, c, vc, cid, lse, g):
+  """Overwrite the slice with dlogits = g (onehot - softmax); the same thread reads and writes each
+  element, so in place is safe. g == 0 (a masked token) gives exact zeros, even over NaN logits."""
+  chunk, iota = _chunk_iota(cfg, x_row.dtype)
+
+  def body(k, _):
+    col = k * chunk + iota
+    sl = pl.ds(k * chunk, chunk)
+    z = x_row[sl].astype(jnp.float32) * (1.0 / cfg.temperature)
+    d = jnp.where(g == 0, 0.0, g * ((col == cid).astype(jnp.float32) - jnp.exp(z - lse)))
+    x_row[sl] = d.astype(x_row.dtype)
+    return 0
+
+  lax.fori_loop(0, -(-vc // chunk), body, 0)
+
+
+def _by_slice(c, cl, vc, last, fn):
+  """fn(columns) with this CTA's static slice width: vc, or ``last`` for the cluster's last CTA."""
+  if last == vc:
+    fn(vc)
+    return
+  pl.when(c < cl - 1)(lambda: fn(vc))
+  pl.when(c == cl - 1)(lambda: fn(last))
+
+
+def _exchange(cfg, refs, c, stats_rows):
+  """Publish this CTA's partials [r][4], then return every CTA's, read after a cluster barrier.
+
+  On the GPU the peers' partials are read from their shared memory (``plgpu.cluster_ref``, DSMEM).
+  The Mosaic GPU interpreter (jax 0.11) runs cluster barriers but not ``cluster_ref``'s transform, so
+  there the partials go through a global-memory scratch (``xch``, an extra kernel output), as in
+  jax's own interpreter tests of cluster barriers: the same barrier protocol, another medium."""
+  plgpu = backend.mosaic_gpu_module()
+  r, cl = cfg.blocks.rows, cfg.blocks.cluster
+  part_s, cbar, xch = refs["part_s"], refs.get("cbar"), refs.get("xch")
+  for i, stats in enumerate(stats_rows):
+    for k in range(4):
+      part_s[i, k] = stats[k]
+      if xch is not None:
+        xch[lax.axis_index("rows"), c, i, k] = stats[k]
+  if cl == 1:
+    return [[tuple(part_s[i, k] for k in range(4))] for i in range(r)]
+  plgpu.barrier_arrive(cbar.at[0])  # release: the partials are visible to the cluster
+  plgpu.barrier_wait(cbar.at[0])
+  if xch is not None:
+    g = lax.axis_index("rows")
+    return [[tuple(xch[g, p, i, k] for k in range(4)) for p in range(cl)] for i in range(r)]
+  peers = [plgpu.cluster_ref(part_s, {"c": p}) for p in range(cl)]
+  return [[tuple(ref[i, k] for k in range(4)) for ref in peers] for i in range(r)]
+
+
+def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, names):
+  """One CTA of a cluster: rows [g r, (g + 1) r), columns [c Vc, c Vc + its width)."""
+  plgpu = backend.mosaic_gpu_module()
+  refs = dict(zip(names, refs))
+  x_gmem, info_gmem, out_gmem, x_s, info_s, bars = (
+    refs[k] for k in ("x", "info", "out", "x_s", "info_s", "bars")
+  )
+  r, cl = cfg.blocks.rows, cfg.blocks.cluster
+  _, vc, last = slice_cols(cfg.blocks, x_gmem.dtype, x_gmem.shape[1])
+  c, row0 = lax.axis_index("c"), lax.axis_index("rows") * r
+  in_bounds = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+  def load(width):  # one barrier per row: row 0's sweep starts while the others are in flight
+    for i in range(r):
+      src = x_gmem.at[row0 + i, pl.ds(c * vc, width)]
+      plgpu.copy_gmem_to_smem(src, x_s.at[i, pl.ds(0, width)], bars.at[i], **in_bounds)
+
+  _by_slice(c, cl, vc, last, load)
+  plgpu.copy_gmem_to_smem(info_gmem.at[pl.ds(row0, r)], info_s, bars.at[r], **in_bounds)
+  plgpu.barrier_wait(bars.at[r])
+  ids = [info_s[i, 0].astype(jnp.int32) for i in range(r)]
+  stats_rows = []
+  for i in range(r):
+    plgpu.barrier_wait(bars.at[i])
+    stats_rows.append(_slice_stats(cfg, x_s.at[i], c, vc, ids[i] - c * vc))
+  parts = _exchange(cfg, refs, c, stats_rows)
+  out_s = refs["out_s"]
+  for i in range(r):
+    m, l, s, chosen = _combine(parts[i])
+    lse = m + jnp.log(l)
+    logp = jnp.where((ids[i] >= 0) & (ids[i] < cfg.vocab), chosen - lse, jnp.nan)
+    for k, val in enumerate((lse, logp, jnp.log(l) - s / l)):
+      out_s[i, k] = val
+    if train is not None:
+      tok = {f: info_s[i, 1 + k] for k, f in enumerate(train.fields)}
+      g = _train.coefficient(train, logp, tok)  # includes 1 / temperature
+      _grad_slice(cfg, x_s.at[i], c, vc, ids[i] - c * vc, lse, g)
+  plgpu.commit_smem()
+
+  def store(width):
+    for i in range(r):
+      dst = refs["dx"].at[row0 + i, pl.ds(c * vc, width)]
+      plgpu.copy_smem_to_gmem(x_s.at[i, pl.ds(0, width)], dst)
+
+  if train is not None:
+    _by_slice(c, cl, vc, last, store)
+
+  @pl.when(c == 0)
+  def _():
+    plgpu.copy_smem_to_gmem(out_s, out_gmem.at[pl.ds(row0, r)])
+
+  plgpu.wait_smem_to_gmem(0)
+  if cl > 1:  # no CTA exits while a peer may still read its partials
+    plgpu.barrier_arrive(refs["cbar"].at[1])
+    plgpu.barrier_wait(refs["cbar"].at[1])
+
+
+def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | None = None):
+  """x [Np, Vp] (Np % rows == 0, Vp split in whole units), info [Np, RECORD] f32 ->
+  out [Np, RECORD] f32 (lse, logp, entropy, unwritten) and, with ``train``, dlogits [Np, Vp]."""
+  plgpu = backend.mosaic_gpu_module()
+  n, vp = x.shape
+  r, cl, chunk = cfg.blocks.rows, cfg.blocks.cluster, cfg.blocks.chunk
+  vs = -(-slice_cols(cfg.blocks, x.dtype, vp)[1] // chunk) * chunk
+  outs = {"out": jax.ShapeDtypeStruct((n, RECORD), jnp.float32)}
+  if train is not None:
+    outs["dx"] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if cfg.target.interpret and cl > 1:
+    outs["xch"] = jax.ShapeDtypeStruct((n // r, cl, r, 4), jnp.float32)
+  scratch = {
+    "x_s": plgpu.SMEM((r, vs), x.dtype),
+    "info_s": plgpu.SMEM((r, RECORD), jnp.float32),
+    "part_s": plgpu.SMEM((r, 4), jnp.float32),
+    "out_s": plgpu.SMEM((r, RECORD), jnp.float32),
+    "bars": plgpu.Barrier(num_arrivals=1, num_barriers=r + 1),
+  }
+  if cl > 1:
+    scratch["cbar"] = plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=2)
+  names = ("x", "info", *outs, *scratch)
+  res = plgpu.kernel(
+    functools.partial(_kernel, cfg=cfg, train=train, names=names),
+    out_type=tuple(outs.values()),
+    scratch_types=tuple(scratch.values()),
+    grid=(n // r,),
+    grid_names=("rows",),
+    cluster=(cl,),
+    cluster_names=("c",),
+    interpret=backend.mosaic_gpu_interpret(cfg.target),
+  )(x, info)
+  return res[: len(outs) - ("xch" in outs)]
+
+
+# ------------------------------------------------------------------------------------ the wrappers
+def _padded(cfg: MosaicLossConfig, x, ids, tok=None):
+  """(x, info) padded to the kernel's shapes; info's padded rows have weight 0 (so g = 0)."""
+  n, v = x.shape
+  vp, _, _ = slice_cols(cfg.blocks, x.dtype, v)
+  np_ = -(-n // cfg.blocks.rows) * cfg.blocks.rows
+  cols = [ids.astype(jnp.float32)[:, None]] + ([] if tok is None else [tok])
+  info = jnp.concatenate(cols, axis=1)
+  info = jnp.pad(info, ((0, np_ - n), (0, RECORD - info.shape[1])))
+  return pad_to(x, np_, vp), info
+
+
+def stats(cfg: MosaicLossConfig, x, ids):
+  """x [N, V], ids [N] -> (lse, logp, entropy) [N] f32: one read of the logits."""
+  n = x.shape[0]
+  (out,) = cluster_call(cfg, *_padded(cfg, x, ids))
+  return out[:n, 0], out[:n, 1], out[:n, 2]
+
+
+def train_fwd(train: _train.TrainConfig, x, ids, tok):
+  """x [N, V], ids [N], tok [N, k] -> (lse, logp, entropy [N] f32, dlogits [N, V])."""
+  n, v = x.shape
+  out, dx = cluster_call(train.loss, *_padded(train.loss, x, ids, tok), train=train)
+  return out[:n, 0], out[:n, 1], out[:n, 2], dx[:n, :v]
+
+
+def check_vocab(vocab: int) -> None:
+  """ids travel as f32 in the row record: exact below 2^24."""
+  if vocab >= 2**24:
+    raise ValueError(f"ClusterLossBlocks need a vocabulary below 2^24 (ids as f32), got V={vocab}")
