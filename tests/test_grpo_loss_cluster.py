@@ -1,12 +1,12 @@
 """The cluster-split Mosaic GPU loss (impl="mosaic_gpu", blocks=ClusterLossBlocks): parity against the
 reference in the Mosaic GPU interpreter, the exact combination of slice partials, bad blocks.
 
-What runs where: jax 0.11's interpreter runs cluster barriers but not ``plgpu.cluster_ref`` (the DSMEM
-read), so there the partials go through a global-memory scratch (mosaic_cluster._exchange); jax
-0.10's interpreter has no cluster barriers at all ("NotImplementedError: nan + cluster_barrier" when
-it allocates one), so there only C = 1 runs (no exchange: the per-CTA math, copies, in-shared-memory
-dlogits). The DSMEM read and the register layouts are checked by the CUDA lowering
-(tests/test_lowering.py) and on hardware by the `gpu` test below.
+What runs where: the partials travel through a global-memory scratch between two sides of a cluster
+barrier (mosaic_cluster._exchange), the same code in jax 0.11's interpreter as on the GPU. jax
+0.10's interpreter has no cluster barriers ("NotImplementedError: nan + cluster_barrier" when it
+allocates one), so there only C = 1 runs (no exchange: the per-CTA math, the bulk copies, the
+in-shared-memory dlogits). Register layouts are checked by the CUDA lowering
+(tests/test_lowering.py), and everything on hardware by the `gpu` test below.
 """
 
 import itertools
@@ -150,7 +150,8 @@ def test_slices_cover_the_vocabulary_in_bulk_copy_units():
     (lambda: ClusterLossBlocks(4, 16), "cluster must be in"),
     (lambda: ClusterLossBlocks(0, 2), "positive int"),
     (lambda: ClusterLossBlocks(4, 2, 1000), "multiple of 1024"),
-    (lambda: ClusterLossBlocks(64, 1, 1024), "shared memory"),
+    (lambda: ClusterLossBlocks(33, 1, 1024), "rows must be in"),
+    (lambda: ClusterLossBlocks(32, 1, 1024), "shared memory"),
   ],
 )
 def test_bad_blocks_raise_before_lowering(blocks, match):
@@ -163,7 +164,8 @@ def test_bad_blocks_raise_before_lowering(blocks, match):
 @pytest.mark.skipif(backend.host_platform() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("vocab", [151936, 128256])
 def test_parity_on_gpu_production_vocab(vocab):
-  """On hardware: the DSMEM exchange (cluster_ref), the strided register layouts, the bulk copies."""
+  """On hardware: the cluster barrier's ordering of the exchange, the strided register layouts,
+  the bulk copies."""
   for dtype in (jnp.bfloat16, jnp.float32):
     args, kw = make_problem(4, 64, vocab, dtype, off_policy=True, beta=0.04, seed=0)
     blocks = mc.default_blocks(dtype, vocab)

@@ -3,9 +3,9 @@
 QuACK's layout for rows too long for one CTA: a thread-block cluster of ``cluster`` (C) CTAs owns
 ``rows`` (r) token rows; CTA c bulk-copies (TMA ``cp.async.bulk``) its 1/C column slice of each row
 into shared memory ONCE (at V 151936 bf16, C 8: 37 KB per row), computes the slice's partial
-statistics (max, sum-exp, entropy sum, chosen logit: :func:`kernels.lse.combine`'s quantities),
-publishes them in its shared memory and reads its peers' through distributed shared memory
-(``plgpu.cluster_ref`` after a cluster barrier), combines them exactly (log-sum-exp of log-sum-exps)
+statistics (max, sum-exp, entropy sum, chosen logit), stores them into every peer's shared memory
+(distributed shared memory, ``plgpu.cluster_ref``) before a cluster barrier, and combines the C
+partials exactly (log-sum-exp of log-sum-exps)
 and then
 
 * forward (statistics): CTA 0 writes the rows' (lse, log p, entropy): one read of the logits;
@@ -39,13 +39,15 @@ MAX_CLUSTER = 8  # the portable cluster size (16 needs a non-portable launch att
 # f32 columns of a row's records (in: id and the coefficient's token inputs; out: lse, log p,
 # entropy): 128 bytes, because a Mosaic GPU bulk copy moves a multiple of 128 bytes (one per thread).
 RECORD = 32
+LANES = 128  # one f32 per thread: the partials record exchanged between CTAs, 4 per row
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterLossBlocks:
   """Shape of the cluster-split kernels.
 
-  rows: token rows per cluster (each CTA holds its slice of every one in shared memory).
+  rows: token rows per cluster, 1..32 (each CTA holds its slice of every one in shared memory;
+    their 4 partials each fill one 128-lane record).
   cluster: CTAs per cluster, 1..8; each takes 1/cluster of the vocabulary.
   chunk: columns per register vector of the in-shared-memory sweeps; a multiple of
     128 threads x 16 bytes (1024 bf16, 512 f32 columns).
@@ -60,6 +62,8 @@ class ClusterLossBlocks:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"ClusterLossBlocks.{name} must be a positive int, got {value!r}")
+    if self.rows > LANES // 4:
+      raise ValueError(f"ClusterLossBlocks.rows must be in [1, {LANES // 4}], got {self.rows}")
     if self.cluster > MAX_CLUSTER:
       raise ValueError(
         f"ClusterLossBlocks.cluster must be in [1, {MAX_CLUSTER}], got {self.cluster}"
@@ -98,9 +102,7 @@ def smem_bytes(blocks: ClusterLossBlocks, dtype, vocab: int) -> int:
   """Shared memory per CTA: the rows' slices (each rounded up to whole chunks) and small records."""
   _, vc, _ = slice_cols(blocks, dtype, vocab)
   vs = -(-vc // blocks.chunk) * blocks.chunk
-  return (
-    blocks.rows * vs * jnp.dtype(dtype).itemsize + 2 * blocks.rows * RECORD * 4 + blocks.rows * 16
-  )
+  return blocks.rows * vs * jnp.dtype(dtype).itemsize + 2 * blocks.rows * RECORD * 4 + 4 * LANES * 4
 
 
 def default_blocks(dtype, vocab: int) -> ClusterLossBlocks:
@@ -149,16 +151,16 @@ def _slice_stats(cfg, x_row, c, vc, cid):
 
 
 def _combine(parts):
-  """Exact combination of the C slices' (max, sum-exp, entropy sum about its max, chosen z)."""
+  """Exact combination of the C slices' (max, sum-exp, entropy sum about its max, chosen z), each
+  a scalar or a lane vector: the log-sum-exp of log-sum-exps."""
   m = parts[0][0]
   for p in parts[1:]:
     m = jnp.maximum(m, p[0])
-  l = s = chosen = jnp.float32(0.0)
+  l = s = chosen = None
   for pm, pl_, ps, pc in parts:
     a = jnp.exp(pm - m)  # 0 for an all -inf slice (its max stays NEG_BIG)
-    l = l + a * pl_
-    s = s + jnp.where(a == 0, 0.0, a * (ps + (pm - m) * pl_))
-    chosen = chosen + pc
+    terms = (a * pl_, jnp.where(a == 0, 0.0, a * (ps + (pm - m) * pl_)), pc)
+    l, s, chosen = terms if l is None else (l + terms[0], s + terms[1], chosen + terms[2])
   return m, l, s, chosen
 
 
@@ -171,7 +173,8 @@ def _grad_slice(cfg, x_row, c, vc, cid, lse, g):
     col = k * chunk + iota
     sl = pl.ds(k * chunk, chunk)
     z = x_row[sl].astype(jnp.float32) * (1.0 / cfg.temperature)
-    d = jnp.where(g == 0, 0.0, g * ((col == cid).astype(jnp.float32) - jnp.exp(z - lse)))
+    gv = lax.broadcast_in_dim(g, (chunk,), ())  # a vector predicate: jax 0.11 selects on no scalar
+    d = jnp.where(gv == 0, 0.0, gv * ((col == cid).astype(jnp.float32) - jnp.exp(z - lse)))
     x_row[sl] = d.astype(x_row.dtype)
     return 0
 
@@ -188,29 +191,36 @@ def _by_slice(c, cl, vc, last, fn):
 
 
 def _exchange(cfg, refs, c, stats_rows):
-  """Publish this CTA's partials [r][4], then return every CTA's, read after a cluster barrier.
+  """Every CTA's slice partials combined: per row (max, sum-exp, entropy sum, chosen z) scalars.
 
-  On the GPU the peers' partials are read from their shared memory (``plgpu.cluster_ref``, DSMEM).
-  The Mosaic GPU interpreter (jax 0.11) runs cluster barriers but not ``cluster_ref``'s transform, so
-  there the partials go through a global-memory scratch (``xch``, an extra kernel output), as in
-  jax's own interpreter tests of cluster barriers: the same barrier protocol, another medium."""
+  Each CTA writes its partials as 4 records of 128 lanes (lane i: row i) to its slot of the
+  cluster's global-memory scratch ``xch`` [C, 4, 128] (an extra kernel output, 4 KB per cluster at
+  C 8, L2-resident), arrives on a cluster barrier (release at cluster scope), waits for its peers
+  (acquire), reads the C records back as coalesced vectors and combines them lane-wise. Not
+  distributed shared memory: jax 0.11's Mosaic GPU lowering has no rule for a load or store through
+  ``plgpu.cluster_ref`` ("Unsupported memory space: #mosaic_gpu.smem_cluster"; a scalar access
+  fails its memref type check), and the interpreter runs neither; this is the pattern of jax's own
+  interpreter tests of cluster barriers, so the interpreter runs the same code as the GPU."""
   plgpu = backend.mosaic_gpu_module()
   r, cl = cfg.blocks.rows, cfg.blocks.cluster
-  part_s, cbar, xch = refs["part_s"], refs.get("cbar"), refs.get("xch")
-  for i, stats in enumerate(stats_rows):
-    for k in range(4):
-      part_s[i, k] = stats[k]
-      if xch is not None:
-        xch[lax.axis_index("rows"), c, i, k] = stats[k]
   if cl == 1:
-    return [[tuple(part_s[i, k] for k in range(4))] for i in range(r)]
-  plgpu.barrier_arrive(cbar.at[0])  # release: the partials are visible to the cluster
-  plgpu.barrier_wait(cbar.at[0])
-  if xch is not None:
-    g = lax.axis_index("rows")
-    return [[tuple(xch[g, p, i, k] for k in range(4)) for p in range(cl)] for i in range(r)]
-  peers = [plgpu.cluster_ref(part_s, {"c": p}) for p in range(cl)]
-  return [[tuple(ref[i, k] for k in range(4)) for ref in peers] for i in range(r)]
+    return stats_rows
+  xch = refs["xch"].at[lax.axis_index("rows")]
+  lanes = lax.broadcasted_iota(jnp.int32, (LANES,), 0)
+  if not cfg.target.interpret:
+    lanes = backend.layout_cast(lanes, plgpu.Layout.WG_STRIDED((LANES,), 1), cfg.target)
+  for k in range(4):
+    record = jnp.zeros((LANES,), jnp.float32)
+    for i, stats in enumerate(stats_rows):
+      record = jnp.where(lanes == i, stats[k], record)
+    xch[c, k] = record
+  plgpu.barrier_arrive(refs["cbar"].at[0])
+  plgpu.barrier_wait(refs["cbar"].at[0])
+  combined = _combine([tuple(xch[p, k] for k in range(4)) for p in range(cl)])
+  comb_s = refs["comb_s"]
+  for k in range(4):
+    comb_s[k] = combined[k]
+  return [tuple(comb_s[k, i] for k in range(4)) for i in range(r)]
 
 
 def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, names):
@@ -241,7 +251,7 @@ def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, name
   parts = _exchange(cfg, refs, c, stats_rows)
   out_s = refs["out_s"]
   for i in range(r):
-    m, l, s, chosen = _combine(parts[i])
+    m, l, s, chosen = parts[i]
     lse = m + jnp.log(l)
     logp = jnp.where((ids[i] >= 0) & (ids[i] < cfg.vocab), chosen - lse, jnp.nan)
     for k, val in enumerate((lse, logp, jnp.log(l) - s / l)):
@@ -264,10 +274,9 @@ def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, name
   def _():
     plgpu.copy_smem_to_gmem(out_s, out_gmem.at[pl.ds(row0, r)])
 
+  # No closing cluster barrier: a peer's stores into this CTA's shared memory all precede its
+  # arrival, which this CTA waited for; nothing reads a peer's shared memory.
   plgpu.wait_smem_to_gmem(0)
-  if cl > 1:  # no CTA exits while a peer may still read its partials
-    plgpu.barrier_arrive(refs["cbar"].at[1])
-    plgpu.barrier_wait(refs["cbar"].at[1])
 
 
 def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | None = None):
@@ -280,17 +289,17 @@ def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | Non
   outs = {"out": jax.ShapeDtypeStruct((n, RECORD), jnp.float32)}
   if train is not None:
     outs["dx"] = jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if cfg.target.interpret and cl > 1:
-    outs["xch"] = jax.ShapeDtypeStruct((n // r, cl, r, 4), jnp.float32)
+  if cl > 1:
+    outs["xch"] = jax.ShapeDtypeStruct((n // r, cl, 4, LANES), jnp.float32)
   scratch = {
     "x_s": plgpu.SMEM((r, vs), x.dtype),
     "info_s": plgpu.SMEM((r, RECORD), jnp.float32),
-    "part_s": plgpu.SMEM((r, 4), jnp.float32),
+    "comb_s": plgpu.SMEM((4, LANES), jnp.float32),
     "out_s": plgpu.SMEM((r, RECORD), jnp.float32),
     "bars": plgpu.Barrier(num_arrivals=1, num_barriers=r + 1),
   }
   if cl > 1:
-    scratch["cbar"] = plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=2)
+    scratch["cbar"] = plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=1)
   names = ("x", "info", *outs, *scratch)
   res = plgpu.kernel(
     functools.partial(_kernel, cfg=cfg, train=train, names=names),
