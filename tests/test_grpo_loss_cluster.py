@@ -144,6 +144,24 @@ def test_slices_cover_the_vocabulary_in_bulk_copy_units():
   assert vp % 32 == 0 and 3 * vc + last == vp and last > 0
 
 
+def test_launch_budget_reads_the_logits_once():
+  """The evidence model at the production shapes: the default blocks fit two CTAs per SM, keep more
+  bytes in flight per SM than Little's law asks, and the training path is one read + one write
+  (the row kernel's is two reads: its 64-row CTAs outgrow L2 between sweeps). Catches a default
+  that no longer fits shared memory or a budget that counts the second sweep."""
+  from kernels.grpo_loss.blocks import mosaic_budget
+  from kernels.grpo_loss.mosaic_gpu import default_blocks as row_blocks
+
+  for v in (151936, 128256):
+    blocks = mc.default_blocks(jnp.bfloat16, v)
+    assert 2 * mc.smem_bytes(blocks, jnp.bfloat16, v) <= 227 * 1024
+    b = mc.cluster_budget(8192, v, 2, blocks)
+    assert b.programs == 8192 // blocks.rows * blocks.cluster and b.resident_per_sm >= 2
+    assert b.in_flight_per_sm >= b.needed_in_flight_per_sm
+    assert b.training_reads == 1 and b.train_ms == pytest.approx(2 * b.fwd_ms)
+    assert mosaic_budget(8192, v, 2, row_blocks(jnp.bfloat16)).training_reads == 2
+
+
 @pytest.mark.parametrize(
   "blocks,match",
   [

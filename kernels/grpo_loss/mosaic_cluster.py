@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.grpo_loss import train as _train
+from kernels.grpo_loss.blocks import Hopper, _budget
 from kernels.grpo_loss.mosaic_gpu import SMEM_BUDGET, MosaicLossConfig, pad_to
 from kernels.lse import NEG_BIG
 
@@ -106,13 +107,40 @@ def smem_bytes(blocks: ClusterLossBlocks, dtype, vocab: int) -> int:
 
 
 def default_blocks(dtype, vocab: int) -> ClusterLossBlocks:
-  """Clusters of 8 (the portable maximum) and the most rows (<= 8) that fit: 4 bf16 rows of a
-  151936 vocabulary (152 KB per CTA). Not tuned on hardware; the autotuner's candidates decide."""
+  """Clusters of 8 (the portable maximum) and the most rows (<= 8) whose CTAs still fit two per SM
+  (2 bf16 rows of a 151936 vocabulary: 84 KB per CTA), so that one CTA's bulk loads overlap the
+  other's sweeps and stores (a CTA's own phases are serial). Not tuned on hardware; the
+  autotuner's candidates (bench/tune.py) decide."""
+  chunk = 128 * 16 // jnp.dtype(dtype).itemsize * 2
   for rows in (8, 4, 2, 1):
-    blocks = ClusterLossBlocks(rows, MAX_CLUSTER, 128 * 16 // jnp.dtype(dtype).itemsize * 2)
-    if smem_bytes(blocks, dtype, vocab) <= SMEM_BUDGET:
+    blocks = ClusterLossBlocks(rows, MAX_CLUSTER, chunk)
+    if 2 * smem_bytes(blocks, dtype, vocab) <= Hopper().smem_per_sm:
       return blocks
   return blocks
+
+
+def cluster_budget(
+  n: int, v: int, itemsize: int, blocks: ClusterLossBlocks, hw: Hopper | None = None
+):
+  """The launch of the cluster kernels at an [n, v] problem (no GPU needed): ``programs`` CTAs in
+  n / rows clusters, ``resident_per_sm`` by shared memory (and whole clusters: sms // cluster of
+  them at once, GPC packing not modelled), each reading ``rows`` x its slice once, all of it in
+  flight at once (one bulk copy per row); the training path reads the logits once
+  (``training_reads`` 1) and writes dlogits once, so ``train_ms`` is two passes at 80 % of the
+  copy rate. Not measured."""
+  hw = Hopper() if hw is None else hw
+  dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
+  _, vc, _ = slice_cols(blocks, dtype, v)
+  clusters = -(-n // blocks.rows)
+  programs = clusters * blocks.cluster
+  resident = max(1, hw.smem_per_sm // smem_bytes(blocks, dtype, v))
+  concurrent = min(programs, (hw.sms // blocks.cluster) * blocks.cluster * resident)
+  per_program = blocks.rows * vc * itemsize
+  waves_resident = concurrent / hw.sms  # CTAs per SM actually placed
+  return _budget(
+    hw, n, v, itemsize, programs, resident, per_program, int(waves_resident * per_program),
+    concurrent * per_program, 1,
+  )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------- kernel
