@@ -72,7 +72,7 @@ def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.C
   Triton chunk width x warps x pipeline stages, skipping configurations the register model says
   cannot hold one program per SM; TPU rows per training step; Mosaic GPU tile width x ring depth,
   and on GPU the cluster-split kernels' rows x cluster size (those whose slices fit shared memory).
-  A cluster winner needs kernels/autotune.py to read ClusterLossBlocks back for mosaic_gpu."""
+  Those are offered only once kernels/autotune.py reads ClusterLossBlocks back for mosaic_gpu."""
   dtype = problem.shape["dtype"]
   itemsize = jnp.dtype(dtype).itemsize
   tokens, vocab = problem.shape["tokens"], problem.shape["vocab"]
@@ -106,7 +106,10 @@ def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.C
       blocks = ClusterLossBlocks(rows, cluster, chunk)
       try:
         blocks.check(dtype, vocab)
-      except ValueError:
+        # only blocks the cache can read back (kernels/autotune.py's class table for mosaic_gpu)
+        if autotune.blocks_from_json("grpo_loss", "mosaic_gpu", autotune.blocks_to_json(blocks)) != blocks:  # fmt: skip
+          continue
+      except (TypeError, ValueError):
         continue
       cands.append(autotune.Candidate("mosaic_gpu", blocks, fn("mosaic_gpu", blocks)))
   return cands
