@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kernels
 from bench.tolerances import assert_close
@@ -63,6 +65,23 @@ def test_cluster_parity(dtype):
   dlogits slice stored at the wrong column offset."""
   args, kw = make_problem(2, 7, 300, dtype, seed=5, **OPTIONS["off_policy_temp"])
   assert_parity(args, kw, blocks_for(dtype, 4, 2), loss_types=("grpo", "dr_grpo"))
+
+
+@pytest.mark.slow
+@settings(max_examples=10)
+@given(
+  t=st.integers(1, 12),
+  v=st.integers(1, 400),
+  rows=st.sampled_from([1, 2, 4]),
+  cluster=st.sampled_from([1, 2] if CLUSTER_INTERPRETER else [1]),
+  dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+  option=st.sampled_from(sorted(OPTIONS)),
+)
+def test_parity_ragged_shapes(t, v, rows, cluster, dtype, option):
+  """Hypothesis shapes (~6 s an example in the interpreter: slow): token counts that leave padded
+  rows, vocabularies smaller than one CTA's unit, slices padded so the last CTA keeps columns."""
+  args, kw = make_problem(2, t, v, dtype, seed=t * v, **OPTIONS[option])
+  assert_parity(args, kw, blocks_for(dtype, rows, cluster))
 
 
 @needs_cluster_interpreter
