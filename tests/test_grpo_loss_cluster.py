@@ -67,6 +67,15 @@ def test_cluster_parity(dtype):
   assert_parity(args, kw, blocks_for(dtype, 4, 2), loss_types=("grpo", "dr_grpo"))
 
 
+@needs_cluster_interpreter
+def test_cluster_of_four_parity():
+  """C = 4 (f32 V 300: slices of 96 and 32 columns, the last CTA's narrower) over 2-row groups.
+  Not 4 rows: jax 0.11.2's interpreter hangs on the training kernel at C = 4 with 4 rows (it runs
+  C = 4 with 1-2 rows, C = 2 with 4 rows, and the C = 4, 4-row forward); not diagnosed."""
+  args, kw = make_problem(1, 6, 300, jnp.float32, seed=9, **OPTIONS["kl"])
+  assert_parity(args, kw, blocks_for(jnp.float32, 2, 4))
+
+
 @pytest.mark.slow
 @settings(max_examples=10)
 @given(
