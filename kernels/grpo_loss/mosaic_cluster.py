@@ -1,12 +1,12 @@
 """The cluster-split Mosaic GPU loss kernels (``impl="mosaic_gpu"``, ``blocks=ClusterLossBlocks``).
 
 QuACK's layout for rows too long for one CTA: a thread-block cluster of ``cluster`` (C) CTAs owns
-``rows`` (r) token rows; CTA c bulk-copies (TMA ``cp.async.bulk``) its 1/C column slice of each row
-into shared memory ONCE (at V 151936 bf16, C 8: 37 KB per row), computes the slice's partial
-statistics (max, sum-exp, entropy sum, chosen logit), stores them into every peer's shared memory
-(distributed shared memory, ``plgpu.cluster_ref``) before a cluster barrier, and combines the C
-partials exactly (log-sum-exp of log-sum-exps)
-and then
+``rows`` (r) token rows; CTA c bulk-copies (``cp.async.bulk``, one per row, each on its own
+barrier) its 1/C column slice of each row into shared memory ONCE (at V 151936 bf16, C 8: 37 KB per
+row), computes the slice's partial statistics (max, sum-exp, entropy sum, chosen logit), exchanges
+them with its peers around one cluster barrier (:func:`_exchange`: a small global-memory scratch,
+since jax 0.11 lowers no access through ``plgpu.cluster_ref``) and combines the C partials exactly
+(log-sum-exp of log-sum-exps), then
 
 * forward (statistics): CTA 0 writes the rows' (lse, log p, entropy): one read of the logits;
 * training path: every CTA computes the rows' coefficient g (:func:`kernels.grpo_loss.train.coefficient`)
@@ -14,10 +14,10 @@ and then
   it: one read of the logits and one write of dlogits in total, the two-pass target of issue 33.
 
 Rows are swept one at a time in ``chunk``-wide 1-D vectors (the warpgroup-strided register layout,
-whose full reductions are warpgroup-wide); a row's copy has its own barrier, so the sweep of row 0
-starts while rows 1.. are still in flight. Shapes: V must split into C slices of whole 16-byte
-bulk-copy units (V 151936 and 128256 do for C in 1, 2, 4, 8, 16); otherwise, and for N not a
-multiple of r, the wrapper pads by a copy (small / test shapes only).
+whose full reductions are warpgroup-wide), so the sweep of row 0 starts while rows 1.. are still in
+flight. Shapes: slices are whole 128-byte units (a Mosaic GPU bulk copy moves a multiple of 128
+bytes), the last CTA's possibly narrower (V 151936 and 128256 bf16 split for C in 1, 2, 4, 8 with
+no padding); otherwise, and for N not a multiple of r, the wrapper pads by a copy (test shapes).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ rows' vocabulary tiles through the TMA ring once for the statistics, computes ea
 coefficient g (:func:`kernels.grpo_loss.train.coefficient`, on [bn] row vectors), then streams the
 tiles again and writes dlogits through the TMA store ring. One launch instead of two, no [N] round
 trip through XLA; the rows' 19 MB (64 x 297 KB) do not stay in L2 between the sweeps, so the logits
-are read twice from HBM (2 reads + 1 write): keeping a row on chip needs a row split across a
-thread-block cluster (QuACK's layout), which this kernel does not do yet.
+are read twice from HBM (2 reads + 1 write). With ``ClusterLossBlocks`` the training kernel is
+:mod:`kernels.grpo_loss.mosaic_cluster`'s instead: rows split across a thread-block cluster, held in
+shared memory, read once.
 """
 
 from __future__ import annotations
