@@ -35,6 +35,7 @@ from kernels import autotune, backend, optim
 from kernels.fused_linear import mosaic_gpu as linear_mosaic
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import blocks as loss_blocks
+from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 from kernels.paged_attention import PagedBlocks
 from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
@@ -70,7 +71,9 @@ def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.C
   """XLA, the Pallas kernel family of the platform and (GPU / CPU) Mosaic GPU, over the blocks that
   trade bytes in flight against rows swept at once (kernels/grpo_loss/blocks.py's launch budgets):
   Triton chunk width x warps x pipeline stages, skipping configurations the register model says
-  cannot hold one program per SM; TPU rows per training step; Mosaic GPU tile width x ring depth."""
+  cannot hold one program per SM; TPU rows per training step; Mosaic GPU tile width x ring depth,
+  and on GPU the cluster-split kernels' rows x cluster size (those whose slices fit shared memory).
+  Those are offered only once kernels/autotune.py reads ClusterLossBlocks back for mosaic_gpu."""
   dtype = problem.shape["dtype"]
   itemsize = jnp.dtype(dtype).itemsize
   tokens, vocab = problem.shape["tokens"], problem.shape["vocab"]
@@ -95,6 +98,15 @@ def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.C
       blocks = MosaicLossBlocks(64, bv, stages)
       try:
         blocks.check(dtype)
+      except ValueError:
+        continue
+      cands.append(autotune.Candidate("mosaic_gpu", blocks, fn("mosaic_gpu", blocks)))
+  if platform == "gpu":  # the cluster-split kernels: rows x CTAs per cluster (the row read once)
+    chunk = 2 * 128 * 16 // itemsize
+    for rows, cluster in itertools.product((1, 2, 4), (4, 8)):
+      blocks = ClusterLossBlocks(rows, cluster, chunk)
+      try:
+        blocks.check(dtype, vocab)
       except ValueError:
         continue
       cands.append(autotune.Candidate("mosaic_gpu", blocks, fn("mosaic_gpu", blocks)))

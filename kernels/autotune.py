@@ -107,6 +107,7 @@ def _blocks_types():
   from kernels.fused_linear.blocks import LinearBlocks
   from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
   from kernels.grpo_loss.blocks import LossBlocks
+  from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
   from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
   from kernels.optim.multi import MultiTensorBlocks
   from kernels.optim.pallas import ElementwiseBlocks
@@ -120,7 +121,8 @@ def _blocks_types():
     ("fused_linear", "mosaic_gpu"): MosaicLinearBlocks,
     ("fused_linear", "chunked"): ChunkBlocks,
     ("grpo_loss", "pallas"): LossBlocks,
-    ("grpo_loss", "mosaic_gpu"): MosaicLossBlocks,
+    # the row kernel's tiles, or the cluster-split kernels' (rows, cluster, chunk)
+    ("grpo_loss", "mosaic_gpu"): (MosaicLossBlocks, ClusterLossBlocks),
     ("paged_attention", "pallas"): PagedBlocks,
     ("paged_attention", "mosaic_gpu"): MosaicPagedBlocks,
   }

@@ -16,6 +16,7 @@ import kernels
 from bench.tolerances import assert_close
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import vjp as loss_vjp
+from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 from tests.test_grpo_loss import make_problem
 
@@ -24,6 +25,10 @@ CALLS = {
   "rowloop": dict(impl="pallas", platform="gpu", interpret=True, blocks=LossBlocks(1, 128)),
   "mosaic_gpu": dict(
     impl="mosaic_gpu", platform="gpu", interpret=True, blocks=MosaicLossBlocks(64, 128, 2)
+  ),
+  # 8 rows x 2 CTAs: the exchange scratch [N / 8, 2, 4, 128] f32 stays under N V (not counted)
+  "mosaic_cluster": dict(
+    impl="mosaic_gpu", platform="gpu", interpret=True, blocks=ClusterLossBlocks(8, 2, 1024)
   ),
 }
 # [N, V] bookkeeping XLA does in place or removes: reshapes are bitcasts, and the multiply by the
@@ -78,7 +83,7 @@ def test_training_step_reads_logits_once_and_writes_dlogits_once(family):
   assert_only_free(others)
 
 
-@pytest.mark.parametrize("family", ["tiled", "rowloop"])
+@pytest.mark.parametrize("family", ["tiled", "rowloop", "mosaic_cluster"])
 def test_aux_gradients_and_sequence_level_specs_keep_three_passes(family):
   """Differentiating per_token_kl, or a GSPO spec: the backward kernel re-reads the logits (the
   statistics kernel or the training kernel first), so the symbolic-zero dispatch is exercised."""

@@ -342,3 +342,20 @@ def test_optimizer_step_lowers_as_one_launch_at_production_trees(tree, rule):
   assert text.count(backend.LOWERED_KERNEL_MARKERS["gpu"]) == 1
   n_slots = 2 if rule == "adamw" else 1
   assert text.count("stablehlo.output_operand_alias<") == len(shapes) * (1 + n_slots)
+
+
+@pytest.mark.parametrize("shape_name", PRODUCTION_LOSS_SHAPES)
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_mosaic_gpu_cluster_loss_lowers_at_production_shape(shape_name, grad):
+  """The cluster-split kernels (ClusterLossBlocks: 8-CTA clusters) lower for sm_90: the bulk copies
+  of each CTA's 1/8 row slice, the strided register layouts of the in-shared-memory sweeps, the
+  cluster barriers and the DSMEM read of the peers' partials (plgpu.cluster_ref), which the
+  interpreter cannot run. One kernel: the statistics forward, or the training kernel."""
+  from kernels.grpo_loss import mosaic_cluster
+
+  shape = LOSS_SHAPES[shape_name]
+  blocks = mosaic_cluster.default_blocks(jnp.dtype(shape.dtype), shape.vocab)
+  assert blocks.cluster == 8
+  text = lower_loss("gpu", shape, grad=grad, impl="mosaic_gpu", blocks=blocks)
+  assert text.count(backend.MOSAIC_GPU_MARKER) == 1
+  assert backend.LOWERED_KERNEL_MARKERS["gpu"] not in text

@@ -29,13 +29,15 @@ def make_inputs(shape: LossShape, seed: int):
   return logits, ids, mask, adv
 
 
-def _fwd(impl, platform, logits, ids, mask, adv):
-  loss, aux = kernels.grpo_loss(logits, ids, mask, adv, impl=impl, platform=platform)
+def _fwd(impl, platform, logits, ids, mask, adv, *, blocks=None):
+  call = dict(impl=impl, platform=platform, blocks=blocks)
+  loss, aux = kernels.grpo_loss(logits, ids, mask, adv, **call)
   return loss, aux.per_token_logps
 
 
-def _fwd_bwd(impl, platform, logits, ids, mask, adv):
-  f = lambda x: kernels.grpo_loss(x, ids, mask, adv, impl=impl, platform=platform)[0]
+def _fwd_bwd(impl, platform, logits, ids, mask, adv, *, blocks=None):
+  call = dict(impl=impl, platform=platform, blocks=blocks)
+  f = lambda x: kernels.grpo_loss(x, ids, mask, adv, **call)[0]
   return jax.value_and_grad(f)(logits)
 
 

@@ -90,7 +90,7 @@ def default_blocks(dtype) -> MosaicLossBlocks:
 @dataclasses.dataclass(frozen=True)
 class MosaicLossConfig:
   target: Target
-  blocks: MosaicLossBlocks
+  blocks: MosaicLossBlocks  # or mosaic_cluster.ClusterLossBlocks (the cluster-split kernels)
   vocab: int  # the real vocabulary; columns at or past it are padding
   temperature: float
 
@@ -273,6 +273,30 @@ def padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
   return -(-n // bn) * bn, -(-v // bv) * bv
 
 
+def stats_call(cfg: MosaicLossConfig, logits, ids):
+  """(lse, logp, entropy) [N] f32 of unpadded logits [N, V] (one read): the row kernel, or with
+  ``ClusterLossBlocks`` the cluster-split kernel (:mod:`kernels.grpo_loss.mosaic_cluster`, which
+  builds on this module: imported here)."""
+  if not isinstance(cfg.blocks, MosaicLossBlocks):
+    from kernels.grpo_loss import mosaic_cluster
+
+    return mosaic_cluster.stats(cfg, logits, ids)
+  n, v = logits.shape
+  np_, vp = padded_shape(cfg, n, v)
+  return tuple(a[:n] for a in fwd_call(cfg, pad_to(logits, np_, vp), pad_to(ids, np_, vp)))
+
+
+def grad_call(cfg: MosaicLossConfig, logits, ids, lse, g):
+  """dlogits [N, V] of the three-pass backward (g [N] f32 includes 1 / temperature): the row
+  kernel, with the default row blocks when ``cfg`` holds cluster blocks."""
+  if not isinstance(cfg.blocks, MosaicLossBlocks):
+    cfg = dataclasses.replace(cfg, blocks=default_blocks(logits.dtype))
+  n, v = logits.shape
+  np_, vp = padded_shape(cfg, n, v)
+  pad = lambda a: pad_to(a, np_, vp)
+  return bwd_call(cfg, pad(logits), pad(ids), pad(lse), pad(g))[:n, :v]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _token_logps(cfg: MosaicLossConfig, logits, ids):
   """(logp, entropy) for flat tokens, as :func:`kernels.grpo_loss.pallas.token_logps`.
@@ -283,23 +307,14 @@ def _token_logps(cfg: MosaicLossConfig, logits, ids):
 
 
 def _vjp_fwd(cfg, logits, ids):
-  n, v = logits.shape
-  np_, vp = padded_shape(cfg, n, v)
-  lse_, logp, entropy = (
-    a[:n] for a in fwd_call(cfg, pad_to(logits, np_, vp), pad_to(ids, np_, vp))
-  )
+  lse_, logp, entropy = stats_call(cfg, logits, ids)
   return (logp, entropy), (logits, ids, lse_)
 
 
 def _vjp_bwd(cfg, res, cts):
   logits, ids, lse_ = res
   ct_logp, _ = cts  # the entropy carries no gradient
-  g = ct_logp * (1.0 / cfg.temperature)
-  n, v = logits.shape
-  np_, vp = padded_shape(cfg, n, v)
-  pad = lambda a: pad_to(a, np_, vp)
-  dlogits = bwd_call(cfg, pad(logits), pad(ids), pad(lse_), pad(g))
-  return dlogits[:n, :v], None
+  return grad_call(cfg, logits, ids, lse_, ct_logp * (1.0 / cfg.temperature)), None
 
 
 _token_logps.defvjp(_vjp_fwd, _vjp_bwd)
@@ -320,11 +335,20 @@ def make_config(
       "reuse_logits_buffer is not supported by impl='mosaic_gpu' (plgpu.kernel has no output "
       "aliasing); use impl='pallas' for in-place dlogits"
     )
+  from kernels.grpo_loss import mosaic_cluster  # builds on this module
+
   if blocks is None:
     blocks = default_blocks(logits.dtype)
-  if not isinstance(blocks, MosaicLossBlocks):
-    raise TypeError(f"blocks for impl='mosaic_gpu' must be MosaicLossBlocks, got {type(blocks)}")
-  blocks.check(logits.dtype)
+  if isinstance(blocks, mosaic_cluster.ClusterLossBlocks):
+    mosaic_cluster.check_vocab(logits.shape[1])
+    blocks.check(logits.dtype, logits.shape[1])
+  elif isinstance(blocks, MosaicLossBlocks):
+    blocks.check(logits.dtype)
+  else:
+    raise TypeError(
+      f"blocks for impl='mosaic_gpu' must be MosaicLossBlocks or ClusterLossBlocks, got "
+      f"{type(blocks)}"
+    )
   return MosaicLossConfig(
     target=target, blocks=blocks, vocab=logits.shape[1], temperature=temperature
   )

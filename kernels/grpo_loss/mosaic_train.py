@@ -5,8 +5,9 @@ rows' vocabulary tiles through the TMA ring once for the statistics, computes ea
 coefficient g (:func:`kernels.grpo_loss.train.coefficient`, on [bn] row vectors), then streams the
 tiles again and writes dlogits through the TMA store ring. One launch instead of two, no [N] round
 trip through XLA; the rows' 19 MB (64 x 297 KB) do not stay in L2 between the sweeps, so the logits
-are read twice from HBM (2 reads + 1 write): keeping a row on chip needs a row split across a
-thread-block cluster (QuACK's layout), which this kernel does not do yet.
+are read twice from HBM (2 reads + 1 write). With ``ClusterLossBlocks`` the training kernel is
+:mod:`kernels.grpo_loss.mosaic_cluster`'s instead: rows split across a thread-block cluster, held in
+shared memory, read once.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels import backend
+from kernels.grpo_loss import mosaic_cluster
 from kernels.grpo_loss import mosaic_gpu as mg
 from kernels.grpo_loss import train as _train
+from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
 
 
 def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig):
@@ -74,29 +77,26 @@ def _train_call(cfg: _train.TrainConfig, x, ids, tok):
 
 
 def train_kernels(cfg: _train.TrainConfig):
-  """(stats, train, grad) for :mod:`kernels.grpo_loss.vjp`, on unpadded [N, V] logits."""
+  """(stats, train, grad) for :mod:`kernels.grpo_loss.vjp`, on unpadded [N, V] logits; with
+  ``ClusterLossBlocks`` the training kernel is the cluster-split one (one read + one write)."""
   kc = cfg.loss
 
-  def padded(x):
-    np_, vp = mg.padded_shape(kc, *x.shape)
-    return np_, lambda a: mg.pad_to(a, np_, vp)
-
   def stats(x, ids):
-    n = x.shape[0]
-    _, pad = padded(x)
-    lse, logp, ent = (a[:n] for a in mg.fwd_call(kc, pad(x), pad(ids)))
+    lse, logp, ent = mg.stats_call(kc, x, ids)
     return logp, ent, (lse,)
 
   def train(x, ids, tok):  # tok: [N, k]
+    if isinstance(kc.blocks, ClusterLossBlocks):
+      lse, logp, ent, dx = mosaic_cluster.train_fwd(cfg, x, ids, tok)
+      return logp, ent, (lse,), dx
     n, v = x.shape
-    np_, pad = padded(x)
+    np_, vp = mg.padded_shape(kc, n, v)
+    pad = lambda a: mg.pad_to(a, np_, vp)
     tok_t = jnp.pad(tok.T, ((0, 0), (0, np_ - n)))  # padded rows: weight 0, so g = 0
     lse, logp, ent, dx = _train_call(cfg, pad(x), pad(ids), tok_t)
     return logp[:n], ent[:n], (lse[:n],), dx[:n, :v]
 
   def grad(x, ids, res, g):
-    n, v = x.shape
-    _, pad = padded(x)
-    return mg.bwd_call(kc, pad(x), pad(ids), pad(res[0]), pad(g))[:n, :v]
+    return mg.grad_call(kc, x, ids, res[0], g)
 
   return stats, train, grad

@@ -96,6 +96,10 @@ def _replay(jaxpr, consts, args):
     name = eqn.primitive.name
     if name in ("stop_gradient", "reshard"):  # no autodiff and no sharding inside a kernel
       outs = ins
+    elif name.startswith("reduce_") and eqn.params.get("axes") == ():
+      # a sum over no axes (the objective traced on one row's scalars, the cluster kernel): the
+      # identity, which Mosaic GPU has no rule for on a scalar
+      outs = ins
     elif name == "add_any":  # autodiff's cotangent sum: a plain add (Mosaic GPU lowers only that)
       outs = [jax.lax.add(*ins)]
     elif name in _INLINED:
