@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 # The running max starts at the most negative finite f32, not -inf: a tile of -inf logits (a top-k
 # mask) then gives exp(-inf - m) = 0, never exp(-inf + inf) = NaN, and any finite logit (even -3e38)
-# raises it. The rescale term guards alpha == 0 itself (see online_update).
+# raises it. The rescale term guards alpha == 0 itself (see online_step).
 NEG_BIG = -float(jnp.finfo(jnp.float32).max)
 
 # Rows whose max logit reaches this magnitude keep log-sum-exp relative to the max: at |m| ~ 3e38,
@@ -22,6 +22,34 @@ def lse_shift(m):
   return jnp.where(jnp.abs(m) < SHIFT_AT, 0.0, m)
 
 
+def online_step(z, valid, m, l, s, *, rmax, rsum, expand=lambda x: x):
+  """The one online log-sum-exp step every loss kernel folds a tile with: (m, l, s, p) after tile z.
+
+  z: scaled logits (invalid columns already -inf); m: running max; l: sum exp(z - m); s: sum
+  p * (z - m) (the entropy's term). How a tile reduces and broadcasts is the caller's layout:
+  rmax / rsum reduce the tile's vocabulary axis (identity rsum: per-lane sums), expand broadcasts a
+  reduced max back over the tile (the Mosaic GPU row layouts need an explicit broadcast). p is the
+  tile's exp(z - m_new), for callers that store it.
+  """
+  m_new = jnp.maximum(m, rmax(z))
+  alpha = jnp.exp(m - m_new)
+  mb = expand(m_new)
+  p = jnp.exp(z - mb)
+  zc = jnp.where(valid, z - mb, 0.0)
+  # 0 * log 0 = 0: where p underflows (or z = -inf) the term is 0, not 0 * -inf; when alpha underflows
+  # (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish instead of forming 0 * -inf.
+  pz = jnp.where(p == 0, 0.0, p * zc)
+  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + rsum(pz)
+  l = alpha * l + rsum(p)
+  return m_new, l, s, p
+
+
+def row_reductions(expand):
+  """online_step's reductions for [rows, cols] tiles in a Mosaic GPU register layout, where a
+  reduced row vector is broadcast back by `expand` (no keepdims there)."""
+  return dict(rmax=lambda x: x.max(axis=1), rsum=lambda x: x.sum(axis=1), expand=expand)
+
+
 def online_update(z, hit, valid, m, l, s, chosen, found, axis):
   """Fold one tile of scaled logits z (invalid columns already -inf) into the running statistics.
 
@@ -31,19 +59,12 @@ def online_update(z, hit, valid, m, l, s, chosen, found, axis):
   """
   # an id in the tail tile's padding columns (>= V) is not found: NaN, as any id >= V
   hit = hit & valid
-  m_new = jnp.maximum(m, jnp.max(z, axis=axis, keepdims=axis is not None))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(z - m_new)
-  zc = jnp.where(valid, z - m_new, 0.0)
   keep = axis is not None
-  # 0 * log 0 = 0: where p underflows (or z = -inf) the term is 0, not 0 * -inf; when alpha underflows
-  # (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish instead of forming 0 * -inf.
-  pz = jnp.where(p == 0, 0.0, p * zc)
-  rescaled = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l))
-  s = rescaled + jnp.sum(pz, axis=axis, keepdims=keep)
-  l = alpha * l + jnp.sum(p, axis=axis, keepdims=keep)
-  chosen = chosen + jnp.sum(jnp.where(hit, z, 0.0), axis=axis, keepdims=keep)
-  found = found + jnp.sum(hit.astype(jnp.float32), axis=axis, keepdims=keep)
+  rsum = lambda x: jnp.sum(x, axis=axis, keepdims=keep)
+  rmax = lambda x: jnp.max(x, axis=axis, keepdims=keep)
+  m_new, l, s, _ = online_step(z, valid, m, l, s, rmax=rmax, rsum=rsum)
+  chosen = chosen + rsum(jnp.where(hit, z, 0.0))
+  found = found + rsum(hit.astype(jnp.float32))
   return m_new, l, s, chosen, found
 
 
@@ -71,11 +92,7 @@ def lane_update(z, valid, m, l, s):
   The rowloop kernels' online update: m is the row's running max (a scalar, one block-wide reduction
   per chunk), l and s are per-lane vectors (sum exp(z - m) and sum p * (z - m), all lanes relative to
   the same m) reduced across the program once per row, not once per chunk — a chunk costs one
-  cross-warp reduction instead of five. Same guards as :func:`online_update`.
+  cross-warp reduction instead of five. Same guards as :func:`online_step`.
   """
-  m_new = jnp.maximum(m, jnp.max(z))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(z - m_new)
-  pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - m_new, 0.0))
-  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz
-  return m_new, alpha * l + p, s
+  m_new, l, s, _ = online_step(z, valid, m, l, s, rmax=jnp.max, rsum=lambda x: x)
+  return m_new, l, s

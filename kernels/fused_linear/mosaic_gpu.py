@@ -63,7 +63,7 @@ from kernels.fused_linear.mosaic_blocks import (  # noqa: F401 (re-exported: the
   candidate_blocks,
   default_blocks,
 )
-from kernels.lse import NEG_BIG
+from kernels.lse import NEG_BIG, online_step, row_reductions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,15 +153,9 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool)
     z, col = _scaled_tile(h_gmem.at[rows], w_gmem, (first + t) * bv, cfg)
     valid = col < cfg.vocab
     z = jnp.where(valid, z, -jnp.inf)
-    m_new = jnp.maximum(m, z.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(z - bcast(m_new))
+    m_new, l, acc_s, p = online_step(z, valid, m, l, acc_s, **row_reductions(bcast))
     if stored:
       _store_exp(first + t, p, m_new, rows, stored_refs, cfg=cfg)
-    # 0 * log 0 = 0 (p underflows, or a -inf padding column), as the Pallas kernels' online update
-    pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - bcast(m_new), 0.0))
-    acc_s = jnp.where(alpha == 0, 0.0, alpha * (acc_s + (m - m_new) * l)) + pz.sum(axis=1)
-    l = alpha * l + p.sum(axis=1)
     hit = (col == ids) & valid
     chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
     found = found + hit.astype(jnp.float32).sum(axis=1)

@@ -34,7 +34,7 @@ from kernels import backend
 from kernels.grpo_loss import train as _train
 from kernels.grpo_loss.blocks import Hopper, _budget
 from kernels.grpo_loss.mosaic_gpu import SMEM_BUDGET, MosaicLossConfig, pad_to
-from kernels.lse import NEG_BIG
+from kernels.lse import NEG_BIG, online_step
 
 MAX_CLUSTER = 8  # the portable cluster size (16 needs a non-portable launch attribute)
 # f32 columns of a row's records (in: id and the coefficient's token inputs; out: lse, log p,
@@ -165,12 +165,7 @@ def _slice_stats(cfg, x_row, c, vc, cid):
     valid = (col < vc) & (c * vc + col < cfg.vocab)
     z = x_row[pl.ds(k * chunk, chunk)].astype(jnp.float32) * (1.0 / cfg.temperature)
     z = jnp.where(valid, z, -jnp.inf)
-    m_new = jnp.maximum(m, z.max())
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(z - m_new)
-    pz = jnp.where(p == 0, 0.0, p * jnp.where(valid, z - m_new, 0.0))  # 0 log 0 = 0 (-inf logits)
-    s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum()
-    l = alpha * l + p.sum()
+    m_new, l, s, _ = online_step(z, valid, m, l, s, rmax=jnp.max, rsum=jnp.sum)
     chosen = chosen + jnp.where((col == cid) & valid, z, 0.0).sum()
     return m_new, l, s, chosen
 

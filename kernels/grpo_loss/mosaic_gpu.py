@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.lse import NEG_BIG
+from kernels.lse import NEG_BIG, online_step, row_reductions
 
 SMEM_BUDGET = 200 * 1024  # bytes of the H100's 227 KiB of shared memory the rings may use
 
@@ -120,14 +120,7 @@ def stats_fold(cfg, ids, j, x_smem, carry):
   valid = col < cfg.vocab
   z = cast(x_smem[...], wg).astype(jnp.float32) * (1.0 / cfg.temperature)
   z = jnp.where(valid, z, -jnp.inf)
-  m_new = jnp.maximum(m, z.max(axis=1))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(z - bcast(m_new))
-  zc = jnp.where(valid, z - bcast(m_new), 0.0)
-  # 0 * log 0 = 0 (a -inf logit from a vocabulary mask), as in the Pallas kernels' online update
-  pz = jnp.where(p == 0, 0.0, p * zc)
-  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + pz.sum(axis=1)
-  l = alpha * l + p.sum(axis=1)
+  m_new, l, s, _ = online_step(z, valid, m, l, s, **row_reductions(bcast))
   hit = (col == bcast(ids)) & valid  # a padded column never matches an out-of-range id
   chosen = chosen + jnp.where(hit, z, 0.0).sum(axis=1)
   return m_new, l, s, chosen
