@@ -188,6 +188,16 @@ def gate(gate_engine, size: dict, kind: str) -> Parity:
   )
 
 
+def gates(twin, size_name: str, backend: str, kinds=WORKLOADS) -> dict[str, Parity]:
+  """The parity gate of `backend` on each workload in `kinds`: one engine on `twin` (gate_model of
+  the bench model) at GATE_PRECISION, closed after."""
+  checks = bench_engine(twin, size_name, backend, GATE_PRECISION)
+  try:
+    return {kind: gate(checks, SIZES[size_name], kind) for kind in kinds}
+  finally:
+    checks.close()
+
+
 def _row(model, engine, results, size, kind, acct, gated: Parity) -> RolloutBenchRow:
   """The row of the timed `results`: the median run's times and its report-only parity, the gate's."""
   times = [r.stats.total_s for r in results]
@@ -245,11 +255,7 @@ def run(
   order = sorted(backends, key=lambda name: name == "sglang_jax")
   found, outs = {}, {kind: {} for kind in WORKLOADS}
   for name in order:
-    checks = bench_engine(twin, size_name, name, GATE_PRECISION)
-    try:
-      gates = {kind: gate(checks, size, kind) for kind in WORKLOADS}
-    finally:
-      checks.close()
+    gated = gates(twin, size_name, name)
     engine = bench_engine(model, size_name, name)
     acct = step_account(model, engine)
     try:
@@ -258,7 +264,7 @@ def run(
         for _ in range(warmup):
           engine.generate(prompts, params)
         results = [engine.generate(prompts, params) for _ in range(repeats)]
-        found[kind, name] = _row(model, engine, results, size, kind, acct, gates[kind])
+        found[kind, name] = _row(model, engine, results, size, kind, acct, gated[kind])
         if on_row is not None:
           on_row(found[kind, name])
         if profile is not None:

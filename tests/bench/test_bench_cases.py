@@ -71,13 +71,7 @@ def test_rollout(benchmark, rollout_size, workload, backend):
   # parity before any timing, gated as bench.rollout gates it: the engine on the model's f32 twin at
   # GATE_PRECISION against the teacher-forced forward at the same precision (a compute-dtype gate
   # fails correct engines on a GPU, whose bf16 and default-precision f32 dots round differently)
-  checks = rollout.bench_engine(
-    rollout.gate_model(model), rollout_size, backend, rollout.GATE_PRECISION
-  )
-  try:
-    gated = rollout.gate(checks, size, workload)
-  finally:
-    checks.close()
+  gated = rollout.gates(rollout.gate_model(model), rollout_size, backend, (workload,))[workload]
   assert gated.err <= 1.0, (
     f"{backend} log-probs off a teacher-forced forward: {gated.err:.3g}x the tolerance "
     f"({gated.max_abs_diff:.3g} nats)"
