@@ -11,8 +11,10 @@ Kernel families (a kernel module implements each):
                  stores — the Triton shape (GPU programs are independent, so no grid-axis reduction).
 
 Also here: per-backend compiler params and the jax 0.10 / 0.11 shims (every ``jax`` version or
-``hasattr`` check in the project belongs in this module), and the abstract GPU that lets a GPU-less host
-lower for CUDA under jax 0.11 (:func:`abstract_gpu`).
+``hasattr`` check in the project belongs in this module), the abstract GPU that lets a GPU-less host
+lower for CUDA under jax 0.11 (:func:`abstract_gpu`), and the TPU generation a target compiles for
+(:mod:`kernels.tpu_targets`: the generations' VMEM / HBM / peaks and abstract slices for deviceless
+compiles, e.g. ``backend.tpu_devices("v6e-8")``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,23 @@ import warnings
 from typing import Literal
 
 import jax
+
+from kernels import tpu_targets
+from kernels.tpu_targets import GENERATIONS as TPU_GENERATIONS
+from kernels.tpu_targets import Generation as TpuGeneration
+from kernels.tpu_targets import Slice as TpuSlice
+from kernels.tpu_targets import devices as tpu_devices
+
+__all__ = [  # the TPU table is re-exported: callers ask backend, the one module that knows platforms
+  "TPU_GENERATIONS",
+  "Target",
+  "TpuGeneration",
+  "TpuSlice",
+  "make_target",
+  "resolve",
+  "tpu_devices",
+  "use_target",
+]
 
 Platform = Literal["tpu", "gpu", "cpu"]
 PLATFORMS: tuple[str, ...] = ("tpu", "gpu", "cpu")
@@ -44,12 +63,30 @@ class Target:
 
   platform: Platform
   interpret: bool = False
+  # The TPU generation compiled for ("v4", "v6e", ...; tpu only). None: not known (a plain "tpu"
+  # lowering): heuristics then size for every generation (the smallest VMEM).
+  generation: str | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
     if self.platform == "cpu" and not self.interpret:
       raise ValueError("CPU has no Pallas lowering: the cpu target always runs in interpret mode")
+    if self.generation is not None:
+      if self.platform != "tpu":
+        raise ValueError(f"generation={self.generation!r} is for the tpu platform, not {self.platform!r}")  # fmt: skip
+      object.__setattr__(self, "generation", tpu_targets.generation(self.generation).name)
+
+  @property
+  def tpu(self) -> TpuGeneration | None:
+    """The TPU generation's figures (None when not a TPU target or the generation is unknown)."""
+    return tpu_targets.generation(self.generation) if self.generation else None
+
+  @property
+  def vmem_bytes(self) -> int:
+    """The VMEM a TPU kernel of this target may plan for: its generation's, else every generation's
+    smallest (v4's 16 MiB), so that an unnamed TPU target compiles everywhere."""
+    return self.tpu.vmem_bytes if self.tpu else tpu_targets.SMALLEST_VMEM
 
   @property
   def family(self) -> Literal["tiled", "rowloop"]:
@@ -77,7 +114,7 @@ _TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def use_target(platform: Platform, interpret: bool | None = None):
+def use_target(platform: Platform, interpret: bool | None = None, generation: str | None = None):
   """Make ``platform`` the default target of every op called inside the block.
 
   ``interpret`` defaults to True only for ``cpu``. Example (lower the TPU kernel on a CPU host)::
@@ -88,7 +125,7 @@ def use_target(platform: Platform, interpret: bool | None = None):
   A real (non-interpreted) GPU target on a host without a GPU also enters :func:`abstract_gpu`, so that
   tracing and lowering inside the block can lower the GPU kernels for CUDA.
   """
-  target = make_target(platform, interpret)
+  target = make_target(platform, interpret, generation)
   token = _TARGET.set(target)
   try:
     real_gpu = target.platform == "gpu" and not target.interpret
@@ -126,17 +163,25 @@ def abstract_gpu(device_kind: str = ABSTRACT_GPU_KIND, num_cores: int = ABSTRACT
     yield
 
 
-def make_target(platform: Platform, interpret: bool | None = None) -> Target:
-  return Target(platform, platform == "cpu" if interpret is None else interpret)
+def make_target(
+  platform: Platform, interpret: bool | None = None, generation: str | None = None
+) -> Target:
+  """A target; on a TPU host a tpu target without ``generation`` gets the host's."""
+  if platform == "tpu" and generation is None and host_platform() == "tpu":
+    host = tpu_targets.generation_of_kind(jax.devices()[0].device_kind)
+    generation = host.name if host else None
+  return Target(platform, platform == "cpu" if interpret is None else interpret, generation)
 
 
 def resolve(platform: Platform | None = None, interpret: bool | None = None) -> Target:
   """The target for one call: explicit arguments, else :func:`use_target`, else the host's backend."""
   if platform is not None:
-    return make_target(platform, interpret)
+    ctx = _TARGET.get()
+    same = ctx is not None and ctx.platform == platform
+    return make_target(platform, interpret, ctx.generation if same else None)
   ctx = _TARGET.get()
   if ctx is not None:
-    return ctx if interpret is None else Target(ctx.platform, interpret)
+    return ctx if interpret is None else dataclasses.replace(ctx, interpret=interpret)
   return make_target(host_platform(), interpret)
 
 

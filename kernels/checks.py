@@ -148,3 +148,18 @@ def index_range(name: str, ids, hi: int, where=None, qualifier: str = "") -> Non
     raise ValueError(
       f"{int(bad.sum())} {what} outside [0, {hi}); first at {first}: {int(arr[first])}"
     )
+
+
+def loss_scale(value):
+  """``loss_scale=`` of the loss ops: None, or an f32 scalar carrying no gradient (a micro-batch's
+  share of the global loss). ArgumentTypeError for a non-numeric or non-scalar value, ValueError for a
+  non-finite one (where concrete)."""
+  if value is None:
+    return None
+  value = as_array("loss_scale", value)
+  if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.number):
+    raise ArgumentTypeError(
+      f"loss_scale must be a numeric scalar, got {value.dtype}{list(value.shape)}"
+    )
+  finite("loss_scale", value)
+  return jax.lax.stop_gradient(value.astype(jnp.float32))
