@@ -148,6 +148,10 @@ class WandbSink:
       elif key in self._before:
         del self._run.summary[key]
     self._run.finish()
+    # finish() can return before W&B's service has written the rows to the run's local log (offline,
+    # wandb 0.31: 5 of 8 logs read right after finish() held only their 7-byte header); teardown waits
+    # for the service, so the run's files are complete when close() returns.
+    self._wandb.teardown()
     self._run = None
 
 
