@@ -1,9 +1,10 @@
 """A W&B run's summary read back from its files, with no network: `read_summary(path)`.
 
 `path` may be a `wandb-summary.json` (what an online run's files hold, or a summary exported from the
-W&B UI), a run directory (`wandb/offline-run-*` or `wandb/run-*`: its `files/wandb-summary.json`, else
-its `run-<id>.wandb`), a `run-<id>.wandb` file, or a training run's `run.out_dir` (its `wandb/` runs;
-an offline run that was resumed is several directories with one id, read in order).
+W&B UI) or a directory holding one, a run directory (`wandb/offline-run-*` or `wandb/run-*`: its
+`files/wandb-summary.json`, else its `run-<id>.wandb`), a `run-<id>.wandb` file, or a training
+run's `run.out_dir` (its `wandb/` runs; an offline run that was resumed is several directories with
+one id, read in order).
 
 An offline run writes no wandb-summary.json (wandb 0.31: only its transaction log, `run-<id>.wandb`),
 so that log is read here: wandb's LevelDB-style record log (a 7-byte file header ":W&B", 0xBEE1,
@@ -82,9 +83,9 @@ def _run_sources(path: str) -> list[str]:
   """The files that hold `path`'s summary, oldest segment first."""
   if os.path.isfile(path):
     return [path]
-  own = os.path.join(path, "files", SUMMARY_JSON)
-  if os.path.exists(own):
-    return [own]
+  for own in (os.path.join(path, SUMMARY_JSON), os.path.join(path, "files", SUMMARY_JSON)):
+    if os.path.exists(own):
+      return [own]
   logs = sorted(glob.glob(os.path.join(path, "run-*.wandb")))
   if logs:
     return logs[-1:]
