@@ -65,17 +65,15 @@ class WandbSink:
   def __init__(self, cfg: WandbConfig, run_dir: str, config: Mapping[str, Any]):
     self.cfg, self.run_dir, self.config = cfg, run_dir, dict(config)
     self.state_path = os.path.join(run_dir, STATE)
-    self._wandb = import_wandb(
-      cfg.mode
-    )  # a missing package fails at set-up, not after the first step
+    # a missing package fails at set-up, not after the first step
+    self._wandb = import_wandb(cfg.mode)
     self._run = None
     self._resume_id: str | None = None
     self._logged_through = 0  # GRPO steps <= this are already in the resumed W&B run
     self._axes: set[str] = set()
-    self._final: dict[
-      str, float
-    ] = {}  # the last value of each key in a GRPO step's row (step >= 1)
-    self._before: set[str] = set()  # the keys of the step-0 row (eval_full before GRPO)
+    # the last value of each key in a GRPO step's row (step >= 1); the step-0 row's keys
+    self._final: dict[str, float] = {}
+    self._before: set[str] = set()
 
   def rewind(self, step: int) -> None:
     """A run resumed at `step` (0: no checkpoint, a fresh start): continue the W&B run the state file
