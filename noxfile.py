@@ -55,6 +55,11 @@ def in_dev(session: nox.Session, *args: str, **kwargs):
 
 
 TEST_WORKERS = min(os.cpu_count() or 1, 4)
+# A worker that dies (a segfault, or pytest-timeout ending a hung test) ends the run, its test reported
+# failed by name. With restarts, pytest-xdist 3.8's loadfile scheduler re-queues the dead worker's
+# finished files as empty work units and re-runs the test it died in, and the session can wait forever
+# (pytest-dev/pytest-xdist#1323, #1327, #1378; reproduced here with a deliberately segfaulting test).
+NO_WORKER_RESTART = ("--max-worker-restart", "0")
 SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .nox/dev
 
 
@@ -70,6 +75,7 @@ def tests(session: nox.Session):
     # One worker per core (at most 4: a worker peaks near 5 GB); a file stays on one worker, so its
     # module fixtures and jit caches are built once.
     *("-n", str(TEST_WORKERS), "--dist", "loadfile"),
+    *NO_WORKER_RESTART,
   ]
   in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 

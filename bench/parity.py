@@ -10,6 +10,13 @@ a 95% t-interval. "parity" is stated only when the interval contains 0 and lies 
 one seed is never enough (at least two are required). `--agent` runs rl.agent's multi-turn loop in every
 arm (e.g. PPO with its critic: configs/cpu-grid.yaml), compared the same way on its greedy eval_full
 success rate.
+
+    python -m bench.parity --wandb-summaries RUN_A RUN_B
+
+prints the seed runs' comparison table of two finished runs from their W&B summaries (a run's
+`run.out_dir` with `run.wandb.mode` set, an offline run directory, a `run-<id>.wandb` log or a
+`wandb-summary.json`; read offline by `rl.wandb_summary`): eval_full accuracy, the eval correctness
+reward, step_avg_last10 and the eval_full step time, each with B - A.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import time
 from collections.abc import Sequence
 
 from bench import learning
+from rl.wandb_sink import ALIASES
+from rl.wandb_summary import read_summary
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
 _T975 = {
@@ -80,14 +89,64 @@ def run_summary(run_dir: str) -> dict:
   return out
 
 
+# The seed runs' comparison table: (row label, their summary key).
+WANDB_ROWS = (
+  ("eval_full accuracy", "eval_full/accuracy"),
+  ("eval correct reward", "eval/reward/func/reward_correct/mean"),
+  ("step_avg_last10 (s)", "time/train/step_avg_last10_s"),
+  ("eval_full step time (s)", "time/eval_full/step_s"),
+)
+_OURS = {theirs: ours for ours, theirs in ALIASES.items()}
+
+
+def _figure(summary: dict, key: str) -> float | None:
+  """`key` of a summary, or our name for it (a summary written before the alias was logged)."""
+  value = summary.get(key, summary.get(_OURS.get(key, key)))
+  return None if value is None else float(value)
+
+
+def wandb_comparison(path_a: str, path_b: str) -> dict:
+  """The table's figures of two runs' W&B summaries: per key A, B and B - A (None where missing)."""
+  a, b = read_summary(path_a), read_summary(path_b)
+  rows = {}
+  for label, key in WANDB_ROWS:
+    va, vb = _figure(a, key), _figure(b, key)
+    delta = None if va is None or vb is None else vb - va
+    rows[key] = {"label": label, "a": va, "b": vb, "delta": delta}
+  return {"a": path_a, "b": path_b, "rows": rows}
+
+
+def wandb_markdown(cmp: dict) -> str:
+  """The comparison as a table; a time's change also as a percentage of A's."""
+  cell = lambda v: "missing" if v is None else f"{v:.4f}"
+  lines = [
+    f"A: {cmp['a']}",
+    f"B: {cmp['b']}",
+    "",
+    "| metric | A | B | B - A |",
+    "|---|---|---|---|",
+  ]
+  for key, r in cmp["rows"].items():
+    delta = "" if r["delta"] is None else f"{r['delta']:+.4f}"
+    if r["delta"] is not None and key.startswith("time/") and r["a"]:
+      delta += f" ({100 * r['delta'] / r['a']:+.1f}%)"
+    lines.append(f"| {r['label']} | {cell(r['a'])} | {cell(r['b'])} | {delta or 'n/a'} |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", required=True)
+  ap.add_argument(
+    "--wandb-summaries",
+    nargs=2,
+    metavar=("RUN_A", "RUN_B"),
+    help="compare two finished runs' W&B summaries (nothing runs; the other options are unused)",
+  )
+  ap.add_argument("--config")
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument(
     "--arm",
     action="append",
-    required=True,
     type=_arm,
     help='"NAME: key=value key=value": one variant (the first is the baseline)',
   )
@@ -103,6 +162,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--out", default=None)
   ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every arm")
   args = ap.parse_intermixed_args(argv)
+  if args.wandb_summaries:
+    cmp = wandb_comparison(*args.wandb_summaries)
+    print(wandb_markdown(cmp), end="")
+    return cmp
+  if not args.config or not args.arm:
+    ap.error("the arms need --config and --arm (or give --wandb-summaries RUN_A RUN_B)")
+  return run_arms(args)
+
+
+def run_arms(args: argparse.Namespace) -> dict:
+  """Every arm over every seed, then each arm against the first: parity.json, parity.md, curves."""
   if len(args.seeds) < 2:
     raise SystemExit("parity needs at least two seeds: one seed says nothing about the spread")
   if len(args.arm) < 2:

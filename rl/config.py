@@ -17,6 +17,7 @@ from rl.data.synthetic import LEVELS
 from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
 from rl.prompts import TEMPLATES
 from rl.rollout.config import EngineConfig
+from rl.wandb_config import WandbConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -287,6 +288,7 @@ class RunSection:
     0  # capture a profiler trace of this many GRPO steps (after the compiling first)
   )
   profile_dir: str | None = None  # default: profiles/<basename of out_dir>
+  wandb: WandbConfig = WandbConfig()  # noqa: RUF009 (frozen) W&B as a metric sink (rl.wandb_sink)
 
   def __post_init__(self):
     check_range("run.checkpoint_every", self.checkpoint_every, ge=0)

@@ -1,7 +1,8 @@
-"""Step timers and the metric sinks: an append-only `metrics.jsonl` and TensorBoard event files.
+"""Step timers and the metric sinks: an append-only `metrics.jsonl`, TensorBoard event files and, with
+`run.wandb`, a W&B run (`rl.wandb_sink`).
 
 Only process 0 writes (`enabled=False` elsewhere); every process times its own phases. A resumed run
-first `rewind`s both sinks to its checkpoint's step, so the steps it runs again are written once.
+first `rewind`s every sink to its checkpoint's step, so the steps it runs again are written once.
 """
 
 from __future__ import annotations
@@ -115,12 +116,14 @@ def _is_sft_row(row: dict) -> bool:
 
 
 class MetricsWriter:
-  """Writes `{step, **metrics}` lines to `<run_dir>/metrics.jsonl` and scalars to TensorBoard."""
+  """Writes `{step, **metrics}` lines to `<run_dir>/metrics.jsonl`, scalars to TensorBoard and the
+  same rows to `wandb` (an `rl.wandb_sink.WandbSink`, or None)."""
 
-  def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True):
+  def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True, wandb=None):
     self.enabled, self.run_dir, self.tensorboard = enabled, run_dir, tensorboard
     self.path = os.path.join(run_dir, JSONL)
     self._tb = None
+    self._wandb = wandb if enabled else None
     if not enabled:
       return
     os.makedirs(run_dir, exist_ok=True)
@@ -166,6 +169,8 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._open_tensorboard(step + 1)
+    if self._wandb is not None:
+      self._wandb.rewind(step)
     return dropped
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -176,6 +181,8 @@ class MetricsWriter:
     if self._tb is not None:
       for k, v in clean.items():
         self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.write(step, clean)
 
   def flush(self) -> None:
     if self.enabled and self._tb is not None:
@@ -186,6 +193,8 @@ class MetricsWriter:
       self._file.close()
       if self._tb is not None:
         self._tb.close()
+      if self._wandb is not None:
+        self._wandb.close()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

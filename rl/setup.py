@@ -40,6 +40,7 @@ from rl.update import (
   shardings_of,
   warmup_schedule,
 )
+from rl.wandb_sink import open_sink
 
 # Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
 # longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /
@@ -262,7 +263,8 @@ def build(cfg: GRPOConfig, prompt_room: bool = True) -> Setup:
   optimizer_with = functools.partial(optimizer_for, cfg, mesh, params)
   sft_rate = tcfg.sft_learning_rate or tcfg.learning_rate
   is_main = jax.process_index() == 0
-  writer = MetricsWriter(cfg.run.out_dir, enabled=is_main, tensorboard=cfg.run.tensorboard)
+  wandb = open_sink(cfg.run.wandb, cfg.run.out_dir, configlib.to_dict(cfg)) if is_main else None
+  writer = MetricsWriter(cfg.run.out_dir, is_main, cfg.run.tensorboard, wandb)
   checkpointer = Checkpointer(
     os.path.join(cfg.run.out_dir, "checkpoints"), cfg.run.checkpoint_every
   )

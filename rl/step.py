@@ -167,9 +167,12 @@ def eval_sampled(s: Setup, step: int) -> dict[str, float]:
     seed=prompt_seed(s.cfg, step, 10**6),
   )
   result = evaluate(s.engine, s.test_data[: s.cfg.eval.batch], s.encode, params)
+  means = {"correct": result["accuracy"], "format": result["format"]}  # per reward function
   return {
     "eval/accuracy": result["accuracy"],
     "eval/format": result["format"],
+    # the weighted sum, as reward/total/mean in training (rl.rewards.score): a mean of sums
+    "eval/reward/total/mean": sum(w * means[n] for n, w in s.cfg.reward.weights().items()),
     "time/eval/step_s": result["seconds"],
   }
 

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.grpo_loss import train as _train
 from kernels.grpo_loss.blocks import Hopper, _budget
-from kernels.grpo_loss.mosaic_gpu import SMEM_BUDGET, MosaicLossConfig, pad_to
+from kernels.grpo_loss.mosaic_common import SMEM_BUDGET, MosaicLossConfig, pad_to
 from kernels.lse import NEG_BIG, online_step
 
 MAX_CLUSTER = 8  # the portable cluster size (16 needs a non-portable launch attribute)

@@ -36,9 +36,9 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
+from kernels.grpo_loss import mosaic_cluster
+from kernels.grpo_loss.mosaic_common import SMEM_BUDGET, MosaicLossConfig, pad_to
 from kernels.lse import NEG_BIG, online_step, row_reductions
-
-SMEM_BUDGET = 200 * 1024  # bytes of the H100's 227 KiB of shared memory the rings may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +85,6 @@ def default_blocks(dtype) -> MosaicLossBlocks:
   """
   tile = 64 * 128 * jnp.dtype(dtype).itemsize
   return MosaicLossBlocks(64, 128, max(2, min(4, SMEM_BUDGET // (2 * tile))))
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicLossConfig:
-  target: Target
-  blocks: MosaicLossBlocks  # or mosaic_cluster.ClusterLossBlocks (the cluster-split kernels)
-  vocab: int  # the real vocabulary; columns at or past it are padding
-  temperature: float
 
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -256,11 +248,6 @@ def bwd_call(cfg: MosaicLossConfig, x, ids, lse, g):
 
 
 # ------------------------------------------------------------------------------ differentiable op
-def pad_to(x, n, v):
-  pad = ((0, n - x.shape[0]),) + (((0, v - x.shape[1]),) if x.ndim == 2 else ())
-  return x if all(p == (0, 0) for p in pad) else jnp.pad(x, pad)
-
-
 def padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   return -(-n // bn) * bn, -(-v // bv) * bv
@@ -268,11 +255,8 @@ def padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
 
 def stats_call(cfg: MosaicLossConfig, logits, ids):
   """(lse, logp, entropy) [N] f32 of unpadded logits [N, V] (one read): the row kernel, or with
-  ``ClusterLossBlocks`` the cluster-split kernel (:mod:`kernels.grpo_loss.mosaic_cluster`, which
-  builds on this module: imported here)."""
+  ``ClusterLossBlocks`` the cluster-split kernel (:mod:`kernels.grpo_loss.mosaic_cluster`)."""
   if not isinstance(cfg.blocks, MosaicLossBlocks):
-    from kernels.grpo_loss import mosaic_cluster
-
     return mosaic_cluster.stats(cfg, logits, ids)
   n, v = logits.shape
   np_, vp = padded_shape(cfg, n, v)
@@ -328,8 +312,6 @@ def make_config(
       "reuse_logits_buffer is not supported by impl='mosaic_gpu' (plgpu.kernel has no output "
       "aliasing); use impl='pallas' for in-place dlogits"
     )
-  from kernels.grpo_loss import mosaic_cluster  # builds on this module
-
   if blocks is None:
     blocks = default_blocks(logits.dtype)
   if isinstance(blocks, mosaic_cluster.ClusterLossBlocks):

@@ -38,6 +38,59 @@ def test_one_seed_is_refused(tmp_path):
     )
 
 
+def test_wandb_summaries_table_with_deltas(tmp_path, capsys):
+  """Two runs' wandb-summary.json: the seed runs' four figures side by side with B - A; B's summary
+  predates the alias (our eval/accuracy only) and lacks the eval_full time."""
+  a = {
+    "eval_full/accuracy": 0.40,
+    "eval/reward/func/reward_correct/mean": 0.50,
+    "time/train/step_avg_last10_s": 2.0,
+    "time/eval_full/step_s": 10.0,
+  }
+  b = {"eval_full/accuracy": 0.46, "eval/accuracy": 0.45, "time/train/step_avg_last10_s": 2.5}
+  for name, summary in (("a", a), ("b", b)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "wandb-summary.json").write_text(json.dumps(summary))
+  cmp = parity.main(
+    ["--wandb-summaries", str(tmp_path / "a"), str(tmp_path / "b/wandb-summary.json")]
+  )
+  rows = cmp["rows"]
+  assert rows["eval_full/accuracy"]["delta"] == pytest.approx(0.06)
+  assert rows["eval/reward/func/reward_correct/mean"]["b"] == 0.45  # read under our name
+  assert rows["time/eval_full/step_s"]["delta"] is None
+  out = capsys.readouterr().out
+  assert "| eval_full accuracy | 0.4000 | 0.4600 | +0.0600 |" in out
+  assert "| eval correct reward | 0.5000 | 0.4500 | -0.0500 |" in out
+  assert "| step_avg_last10 (s) | 2.0000 | 2.5000 | +0.5000 (+25.0%) |" in out
+  assert "| eval_full step time (s) | 10.0000 | missing | n/a |" in out
+  with pytest.raises(ValueError, match=r"no wandb-summary\.json"):
+    parity.main(["--wandb-summaries", str(tmp_path / "a"), str(tmp_path)])
+  with pytest.raises(SystemExit):  # the arms' options are still required without it
+    parity.main(["--seeds", "0", "1"])
+
+
+def test_wandb_summaries_of_two_offline_runs(tmp_path, capsys):
+  """The same table from two runs' out_dirs, read from their offline W&B logs."""
+  pytest.importorskip("wandb")
+  from rl.metrics import MetricsWriter
+  from rl.wandb_config import WandbConfig
+  from rl.wandb_sink import open_sink
+
+  for name, accuracy, step_s in (("a", 0.25, 3.0), ("b", 0.75, 2.0)):
+    out = str(tmp_path / name)
+    sink = open_sink(WandbConfig(project="grpo-kernels-tests", mode="offline"), out, {})
+    writer = MetricsWriter(out, tensorboard=False, wandb=sink)
+    writer.write(0, {"eval_full/accuracy": 0.1, "time/eval_full/step_s": 9.0})
+    writer.write(1, {"eval/accuracy": accuracy, "time/train/step_avg_last10_s": step_s})
+    writer.write(2, {"eval_full/accuracy": accuracy, "time/eval_full/step_s": 4.0})
+    writer.close()
+  cmp = parity.main(["--wandb-summaries", str(tmp_path / "a"), str(tmp_path / "b")])
+  assert {k: r["delta"] for k, r in cmp["rows"].items()} == pytest.approx(
+    {k: d for k, d in zip(cmp["rows"], (0.5, 0.5, -1.0, 0.0))}
+  )
+  assert "| step_avg_last10 (s) | 3.0000 | 2.0000 | -1.0000 (-33.3%) |" in capsys.readouterr().out
+
+
 def test_parity_run_end_to_end(tmp_path):
   report = parity.main(
     [
