@@ -8,9 +8,13 @@ another; any other file name: this host's). In order, each a ConfigError naming 
   4. a memory estimate per device (weights, gradients, optimizer state, reference weights, the KV
      pool, unfused logits), against the device's memory where the table knows it (a lower bound:
      activations are left out, so a config over it surely does not fit);
-  5. AOT lowering, from this host, for the platform (kernels.backend.use_target; for GPU the
-     abstract H100), of the train step and of the rollout's decode chunk at the config's shapes, with
-     the abstract (eval_shape) model: no weights are allocated, nothing is compiled for the host.
+  5. a TPU config naming its slice (mesh.topology, or --topology) with libtpu installed: the run's
+     sharded programs compiled for the slice's abstract devices (rl.slice_check: per-device memory
+     against the generation's HBM, "fits" or "does not fit by N GiB", Mosaic calls, compile seconds,
+     the decode step's bytes); else AOT lowering, from this host, for the platform
+     (kernels.backend.use_target; for GPU the abstract H100), of the train step and of the rollout's
+     decode chunk at the config's shapes, with the abstract (eval_shape) model: no weights are
+     allocated, nothing is compiled for the host (a TPU config says how to get libtpu).
 `check` returns the figures; the command prints them and exits 0, or 2 with the one error.
 """
 

@@ -26,6 +26,7 @@ from rl.model import abstract_model
 from rl.model.partition import param_shardings
 from rl.optimizer import make_optimizer, opt_state_shardings
 from rl.rollout import steps
+from rl.rollout.config import EngineConfig
 from rl.rollout.engine import decode_kernel_sharding, kv_sharding, row_sharding
 from rl.rollout.paged_cache import PagedKVCache
 from rl.rollout.sampling import sample_base_keys
@@ -141,7 +142,11 @@ def rollout_state(model_cfg, mesh=None):
 
 def abstract_cache(cfg: GRPOConfig, model_cfg, mesh=None) -> PagedKVCache:
   """The paged engine's KV pool at the config's shapes, laid out as the engine creates it on `mesh`."""
-  ecfg = cfg.rollout
+  return abstract_pool(cfg.rollout, model_cfg, mesh)
+
+
+def abstract_pool(ecfg: EngineConfig, model_cfg, mesh=None) -> PagedKVCache:
+  """`abstract_cache` of an engine's own settings."""
   dtype = jnp.dtype(ecfg.cache_dtype or model_cfg.dtype)
   kernel = decode_kernel_sharding(mesh, model_cfg.num_kv_heads, ecfg.max_slots)
   cache = jax.eval_shape(
@@ -186,10 +191,15 @@ def decode_chunk_program(cfg: GRPOConfig, model_cfg, mesh=None, slots: int | Non
   cast once to the compute dtype, the KV pool, [slots] rows (default max_slots) split over the batch
   axes where the engine splits them, the plain sampler (filtered=False: no row uses top-k / top-p,
   as the GRPO configs sample)."""
-  s, ecfg = slots or cfg.rollout.max_slots, cfg.rollout
+  return engine_decode_program(cfg.rollout, model_cfg, mesh, slots)
+
+
+def engine_decode_program(ecfg: EngineConfig, model_cfg, mesh=None, slots: int | None = None):
+  """`decode_chunk_program` of an engine's own settings (bench.rollout's engines)."""
+  s = slots or ecfg.max_slots
   graph, state = rollout_state(model_cfg, mesh)
   rows = row_sharding(mesh, ecfg.max_slots)
-  cache = _with_table(abstract_cache(cfg, model_cfg, mesh), s, ecfg.pages_per_seq, rows)
+  cache = _with_table(abstract_pool(ecfg, model_cfg, mesh), s, ecfg.pages_per_seq, rows)
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(
     shape, dtype, sharding=_rows_spec(rows, len(shape))
   )

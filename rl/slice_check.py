@@ -35,6 +35,7 @@ from rl import programs
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.model import qwen
+from rl.rollout.config import EngineConfig
 from rl.rollout.engine import bucket
 from rl.setup import rollout_mesh
 from rl.sharding import make_mesh
@@ -257,7 +258,7 @@ def check_slice(
         raise compile_error(name, cfg, e) from e
       compiled[name].beside = beside(name, res, sl.hosts > 1)
     if decode_bytes:
-      report.update(decode_account(cfg, model_cfg, backend.tpu_devices(sl.name)[0]))
+      report.update(decode_account(cfg.rollout, model_cfg, backend.tpu_devices(sl.name)[0]))
   worst = max(compiled.values(), key=lambda c: c.total)
   report["programs"] = {k: c.row() for k, c in compiled.items()}
   report["compile_s"] = {k: round(c.compile_s, 1) for k, c in compiled.items()}
@@ -273,7 +274,7 @@ def check_slice(
   return report
 
 
-def decode_account(cfg: GRPOConfig, model_cfg, device) -> dict:
+def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
   """Bytes per decode step of the decode chunk on one chip (all max_slots rows at the compiled
   context), from XLA's cost analysis of 1- and 2-layer unrolled twins (see the module docstring),
   next to the ideal; the paged kernel's KV reads (a custom call XLA does not charge) are added as
@@ -282,7 +283,7 @@ def decode_account(cfg: GRPOConfig, model_cfg, device) -> dict:
   counts = {}
   for layers in (1, 2):
     twin = dataclasses.replace(model_cfg, num_layers=layers)
-    fn, args = programs.decode_chunk_program(cfg, twin)
+    fn, args = programs.engine_decode_program(ecfg, twin)
     args = programs.placed(args[:3], one) + args[3:5] + programs.placed(args[5:], one)
     t = time.perf_counter()
     with qwen.unrolled_layers():
@@ -292,7 +293,7 @@ def decode_account(cfg: GRPOConfig, model_cfg, device) -> dict:
     counts[layers] = (float(cost["bytes accessed"]), time.perf_counter() - t, compiled.as_text())
   per_layer = counts[2][0] - counts[1][0]
   xla = counts[1][0] + (model_cfg.num_layers - 1) * per_layer
-  ideal = decode_ideal(cfg, model_cfg)
+  ideal = decode_ideal(ecfg, model_cfg)
   kernel_kv = ideal["kv"] if counts[2][2].count(MOSAIC) else 0  # XLA charges the gather path itself
   accessed = xla + kernel_kv
   return {
@@ -302,15 +303,14 @@ def decode_account(cfg: GRPOConfig, model_cfg, device) -> dict:
     "decode_ideal_bytes_per_step": ideal["total"],
     "decode_ideal": ideal,
     "decode_ratio": round(accessed / ideal["total"], 3),
-    "decode_slots": cfg.rollout.max_slots,
+    "decode_slots": ecfg.max_slots,
     "compile_s_decode_twins": round(counts[1][1] + counts[2][1], 1),
   }
 
 
-def decode_ideal(cfg: GRPOConfig, model_cfg) -> dict[str, int]:
+def decode_ideal(ecfg: EngineConfig, model_cfg) -> dict[str, int]:
   """One decode step's floor: every weight once in the compute dtype, the KV of every slot at the
   compiled context once (max_seq_len rounded to pages), the [slots, V] f32 logits once."""
-  ecfg = cfg.rollout
   _, state = programs.rollout_state(model_cfg)
   weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
   cache_dt = jnp.dtype(ecfg.cache_dtype or model_cfg.dtype)

@@ -85,6 +85,6 @@ def test_decode_step_updates_the_pool_in_place():
   )
   model_cfg = dataclasses.replace(preset("qwen2.5-1.5b", dtype="bfloat16"), num_layers=2)
   with backend.use_target("tpu", interpret=False, generation="v6e"):
-    account = slice_check.decode_account(cfg, model_cfg, backend.tpu_devices("v6e")[0])
+    account = slice_check.decode_account(cfg.rollout, model_cfg, backend.tpu_devices("v6e")[0])
   assert account["decode_kernel_kv_bytes_per_step"] > 0  # the Pallas kernel, not the XLA gather
   assert account["decode_ratio"] <= 1.3, account
