@@ -54,10 +54,12 @@ def check(
   lower: bool = True,
   layers: int | None = None,
   out: dict | None = None,
+  decode_bytes: bool = True,
 ) -> dict:
   """Every check of the module docstring for `cfg` on `platform`; the figures as a dict (`out`,
   filled as they come, so a caller still has them when a check raises). `layers`: check a declared
-  reduced-layer twin of the model (its figures are the twin's)."""
+  reduced-layer twin of the model (its figures are the twin's); `decode_bytes`: a slice check also
+  accounts the decode step's bytes (two more compiles)."""
   out = {} if out is None else out
   out.update(platform=platform, entry=entry)
   tcfg = cfg.train
@@ -80,7 +82,9 @@ def check(
     return out
   if sl is not None and entry == "rl.train" and tpu_targets.libtpu_available():
     out["slice"] = report = {}  # filled as the programs compile: the caller keeps it on an error
-    slice_check.check_slice(cfg, model_cfg, out["prompt_width"], out["loss_impl"], sl.name, report)
+    slice_check.check_slice(
+      cfg, model_cfg, out["prompt_width"], out["loss_impl"], sl.name, report, decode_bytes
+    )
     if not report["fits"]:
       raise ConfigError(slice_check.summary(report).splitlines()[-1].strip())
     return out
