@@ -208,3 +208,25 @@ def engine_decode_program(ecfg: EngineConfig, model_cfg, mesh=None, slots: int |
   keys = placed(keys, _rows_spec(rows, 1)) if rows is not None else keys
   slot_args = (i32, i32, i32, i32, sds((s, 1), jnp.int32), keys, f32, i32, f32)
   return steps.decode_chunk, (graph, state, cache, ecfg.steps_per_sync, False, *slot_args)
+
+
+def engine_layer_program(ecfg: EngineConfig, model_cfg, slots: int | None = None):
+  """One decoder layer's decode step as the decode chunk's layer scan runs it (one trip of the
+  scan body): [slots] new tokens through the layer's own weights (compute dtype, unstacked) and a
+  one-layer paged pool, the pool donated (updated in place). What the decode step's bytes are
+  counted per layer from (rl.slice_check.decode_account)."""
+  s = slots or ecfg.max_slots
+  one = dataclasses.replace(model_cfg, num_layers=1)
+  layers = abstract_model(one).layers
+  graphdef, stacked = nnx.split(layers)
+  dt = model_cfg.compute_dtype
+  cast = lambda x: jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], cast(x)), stacked)
+  cache = _with_table(abstract_pool(ecfg, one), s, ecfg.pages_per_seq)
+
+  def step(params, h, positions, cache):  # h: [S, 1, H], positions: [S, 1]
+    return nnx.merge(graphdef, params)(h, positions, None, jnp.int32(0), cache)
+
+  h = jax.ShapeDtypeStruct((s, 1, model_cfg.hidden_size), dt)
+  positions = jax.ShapeDtypeStruct((s, 1), jnp.int32)
+  return jax.jit(step, donate_argnums=3), (params, h, positions, cache)
