@@ -156,7 +156,7 @@ def tpu_step_account(model, engine):
   check of the rollout on the platform it runs on. The same (ideal, accessed, ratio) row fields."""
   import types
 
-  from rl.slice_check import decode_account
+  from rl.decode_bytes import decode_account
 
   with steps.precision_scope(engine.config.matmul_precision):
     a = decode_account(engine.config, model.cfg, jax.devices()[0])

@@ -84,13 +84,13 @@ def test_decode_step_updates_the_pool_in_place():
   compiled; before, every layer converted the whole pool to the kernel's layout and back: ~45x at
   256 slots), with the pool aliased in place. ~70 s of compiles."""
   from kernels import backend
-  from rl import configlib, slice_check
+  from rl import configlib, decode_bytes
   from rl.config import GRPOConfig
   from rl.model import preset
 
   cfg = configlib.load(GRPOConfig, os.path.join(ROOT, "configs", "tpu-qwen2.5-1.5b.yaml"), [])
   model_cfg = preset("qwen2.5-1.5b", dtype="bfloat16")
   with backend.use_target("tpu", interpret=False, generation="v6e"):
-    account = slice_check.decode_account(cfg.rollout, model_cfg, backend.tpu_devices("v6e")[0])
+    account = decode_bytes.decode_account(cfg.rollout, model_cfg, backend.tpu_devices("v6e")[0])
   assert account["decode_kernel_kv_bytes_per_step"] > 0  # the Pallas kernel, not the XLA gather
   assert account["decode_ratio"] <= 1.3, account
