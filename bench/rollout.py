@@ -142,10 +142,26 @@ def step_account(model, engine) -> byte_account.StepAccount | None:
   if ecfg.backend not in ("paged", "dense"):
     return None
   context = ecfg.pages_per_seq * ecfg.page_size
+  if ecfg.backend == "paged" and jax.devices()[0].platform == "tpu":
+    return tpu_step_account(model, engine)
   with steps.precision_scope(ecfg.matmul_precision):
     return byte_account.account(
       model.cfg, ecfg.backend, ecfg.max_slots, context, ecfg.page_size, ecfg.steps_per_sync
     )
+
+
+def tpu_step_account(model, engine):
+  """On a TPU: the compiled decode step's bytes from rl.slice_check.decode_account (the TPU compiler's
+  cost analysis, the paged kernel's KV reads added) instead of XLA:CPU's byte account: the floor
+  check of the rollout on the platform it runs on. The same (ideal, accessed, ratio) row fields."""
+  import types
+
+  from rl.decode_bytes import decode_account
+
+  with steps.precision_scope(engine.config.matmul_precision):
+    a = decode_account(engine.config, model.cfg, jax.devices()[0])
+  accessed, ideal = a["decode_bytes_per_step"], a["decode_ideal_bytes_per_step"]
+  return types.SimpleNamespace(ideal=ideal, accessed=accessed, ratio=accessed / ideal)
 
 
 WORKLOADS = ("fixed", "varied")

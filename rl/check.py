@@ -8,34 +8,38 @@ another; any other file name: this host's). In order, each a ConfigError naming 
   4. a memory estimate per device (weights, gradients, optimizer state, reference weights, the KV
      pool, unfused logits), against the device's memory where the table knows it (a lower bound:
      activations are left out, so a config over it surely does not fit);
-  5. AOT lowering, from this host, for the platform (kernels.backend.use_target; for GPU the
-     abstract H100), of the train step and of the rollout's decode chunk at the config's shapes, with
-     the abstract (eval_shape) model: no weights are allocated, nothing is compiled for the host.
+  5. a TPU config naming its slice (mesh.topology, or --topology) with libtpu installed: the run's
+     sharded programs compiled for the slice's abstract devices (rl.slice_check: per-device memory
+     against the generation's HBM, "fits" or "does not fit by N GiB", Mosaic calls, compile seconds,
+     the decode step's bytes); else AOT lowering, from this host, for the platform
+     (kernels.backend.use_target; for GPU the abstract H100), of the train step and of the rollout's
+     decode chunk at the config's shapes, with the abstract (eval_shape) model: no weights are
+     allocated, nothing is compiled for the host (a TPU config says how to get libtpu).
 `check` returns the figures; the command prints them and exits 0, or 2 with the one error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from kernels import tpu_targets
 from kernels.backend import Platform, make_target, use_target
 from rl import platform as platforms
-from rl import setup
+from rl import programs, setup, slice_check
+from rl.agent_update import AgentBatch, UpdateSettings, update_step
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.model import abstract_model, preset
+from rl.optimizer import make_optimizer
+from rl.programs import abstract_cache, decode_chunk_program, train_step_program
 from rl.prompts import TEMPLATES
-from rl.rollout import steps
-from rl.rollout.paged_cache import PagedKVCache
-from rl.rollout.sampling import sample_base_keys
-from rl.update import Batch, LossSettings, compile_train_step, make_optimizer
 
 GIB = 2**30
 # Memory of one device of each platform the estimate is checked against: the H100 80GB the GPU
@@ -43,20 +47,65 @@ GIB = 2**30
 DEVICE_MEMORY_GIB: dict[str, float] = {"gpu": 80.0}
 
 
-def check(cfg: GRPOConfig, platform: Platform, entry: str = "rl.train", lower: bool = True) -> dict:
-  """Every check of the module docstring for `cfg` on `platform`; the figures as a dict."""
-  out: dict = {"platform": platform, "entry": entry}
+def check(
+  cfg: GRPOConfig,
+  platform: Platform,
+  entry: str = "rl.train",
+  lower: bool = True,
+  layers: int | None = None,
+  out: dict | None = None,
+  decode_bytes: bool = True,
+) -> dict:
+  """Every check of the module docstring for `cfg` on `platform`; the figures as a dict (`out`,
+  filled as they come, so a caller still has them when a check raises). `layers`: check a declared
+  reduced-layer twin of the model (its figures are the twin's); `decode_bytes`: a slice check also
+  accounts the decode step's bytes (two more compiles)."""
+  out = {} if out is None else out
+  out.update(platform=platform, entry=entry)
   tcfg = cfg.train
   out["loss_impl"] = platforms.loss_impl(platform, tcfg.fused_lm_head, tcfg.policy_loss_impl)
-  devices = _check_mesh(cfg)
+  sl = cfg.mesh.slice if platform == "tpu" else None
+  devices = _check_mesh(cfg, None if sl is None else sl.devices)
   cfg = cfg.resolved(devices)
   out["devices"] = devices
   model_cfg = _model_config(cfg)
+  if layers is not None:
+    model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
+    out["layers_twin"] = layers
   _check_tp(cfg, model_cfg)
   if entry == "rl.train":
     out["prompt_width"] = _prompt_width(cfg)
   else:  # episodes: the widest prompt rl.agent_step.episode_widths can fix (see _lower_agent_update)
     out["prompt_width"] = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
+  _check_memory_estimate(cfg, model_cfg, platform, out)
+  if not lower:
+    return out
+  if sl is not None and entry == "rl.train" and tpu_targets.libtpu_available():
+    out["slice"] = report = {}  # filled as the programs compile: the caller keeps it on an error
+    slice_check.check_slice(
+      cfg, model_cfg, out["prompt_width"], out["loss_impl"], sl.name, report, decode_bytes
+    )
+    if not report["fits"]:
+      raise ConfigError(slice_check.summary(report).splitlines()[-1].strip())
+    return out
+  if sl is not None:  # no deviceless TPU compiler here: lower only, as before
+    out["note"] = (
+      NO_LIBTPU if entry == "rl.train" else "rl.agent: lowered, not compiled for the slice"
+    )
+  out["lowered_s"] = lower_steps(
+    cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"], entry
+  )
+  return out
+
+
+NO_LIBTPU = (
+  "libtpu is not installed, so the programs were lowered (not compiled) and the memory is an "
+  f'estimate; to compile for the slice: pip install "jax[tpu]=={jax.__version__}" (or nox -s '
+  "tpu_compile)"
+)
+
+
+def _check_memory_estimate(cfg: GRPOConfig, model_cfg, platform: Platform, out: dict) -> None:
   memory = memory_estimate(cfg, model_cfg, out["prompt_width"])
   out["memory_gib"] = {k: round(v / GIB, 2) for k, v in memory.items()}
   limit = DEVICE_MEMORY_GIB.get(platform)
@@ -67,18 +116,14 @@ def check(cfg: GRPOConfig, platform: Platform, entry: str = "rl.train", lower: b
       f"activations not counted), exceeds its {limit:.0f} GiB: lower train.micro_batch_size, "
       "rollout.max_slots or rollout.max_seq_len, or shard over more devices (mesh.fsdp)"
     )
-  if lower:
-    out["lowered_s"] = lower_steps(
-      cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"], entry
-    )
-  return out
 
 
-def _check_mesh(cfg: GRPOConfig) -> int:
-  """The devices the check assumes: the product of the fixed mesh axes (a -1 axis: one device, the
-  smallest such mesh). The batch must split over them (the derived sizes raise ValueError)."""
+def _check_mesh(cfg: GRPOConfig, slice_devices: int | None = None) -> int:
+  """The devices the check assumes: the slice's (mesh.topology), else the product of the fixed mesh
+  axes (a -1 axis: one device, the smallest such mesh). The batch must split over them (the
+  derived sizes raise ValueError)."""
   mesh = cfg.mesh
-  devices = abs(mesh.dp * mesh.fsdp * mesh.tp)
+  devices = slice_devices or abs(mesh.dp * mesh.fsdp * mesh.tp)
   try:
     resolved = cfg.resolved(devices)
     resolved.grad_accum_steps  # noqa: B018 (validates)
@@ -152,80 +197,6 @@ def memory_estimate(cfg: GRPOConfig, model_cfg, prompt_width: int) -> dict[str, 
   return out
 
 
-def abstract_cache(cfg: GRPOConfig, model_cfg) -> PagedKVCache:
-  """The paged engine's KV pool at the config's shapes, as ShapeDtypeStructs (nothing allocated)."""
-  ecfg = cfg.rollout
-  dtype = ecfg.cache_dtype or model_cfg.dtype
-  return jax.eval_shape(
-    lambda: PagedKVCache.create(
-      model_cfg.num_layers,
-      ecfg.pool_pages,
-      ecfg.page_size,
-      model_cfg.num_kv_heads,
-      model_cfg.dim_per_head,
-      jnp.dtype(dtype),
-      ecfg.attn_impl,
-    )
-  )
-
-
-def train_step_program(cfg: GRPOConfig, model_cfg, prompt_width: int, impl: str, micro_batch: int):
-  """The loop's GRPO train step (jitted, the config's optimizer and schedule) and its abstract
-  (params, opt_state, batch) at [K, micro_batch, P + C]: what --check lowers and bench.compile_time
-  compiles. Nothing is allocated."""
-  graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-  tcfg, c = cfg.train, cfg.sampling.max_new_tokens
-  settings = LossSettings(
-    completion_len=c, spec=cfg.loss_spec, impl=impl, fused_lm_head=tcfg.fused_lm_head
-  )
-  optimizer = _optimizer(cfg)
-  opt_state = jax.eval_shape(optimizer.init, params)
-  step = compile_train_step(graphdef, optimizer, settings, "grpo")
-  return step, (params, opt_state, _abstract_batch(cfg, prompt_width, micro_batch))
-
-
-def decode_chunk_program(cfg: GRPOConfig, model_cfg):
-  """The paged engine's decode chunk and its abstract arguments as the engine passes them: weights
-  cast once to the compute dtype, the KV pool, [max_slots] slots, the plain sampler (filtered=False:
-  no row uses top-k / top-p, as the GRPO configs sample)."""
-  sds = jax.ShapeDtypeStruct
-  graph, state = nnx.split(abstract_model(model_cfg))
-  state = jax.eval_shape(lambda s: steps.rollout_weights(s, model_cfg.compute_dtype), state)
-  s, ecfg = cfg.rollout.max_slots, cfg.rollout
-  cache = abstract_cache(cfg, model_cfg).with_table(sds((s, ecfg.pages_per_seq), jnp.int32))
-  i32, f32 = sds((s,), jnp.int32), sds((s,), jnp.float32)
-  keys = jax.eval_shape(lambda: sample_base_keys(np.zeros(s, np.uint32), np.zeros(s, np.int32)))
-  slots = (i32, i32, i32, i32, sds((s, 1), jnp.int32), keys, f32, i32, f32)
-  return steps.decode_chunk, (graph, state, cache, ecfg.steps_per_sync, False, *slots)
-
-
-def _optimizer(cfg: GRPOConfig):
-  tcfg = cfg.train
-  return make_optimizer(
-    tcfg.optimizer,
-    setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps),
-    tcfg.weight_decay,
-    tcfg.max_grad_norm,
-    tcfg.fused_optimizer,
-  )
-
-
-def _abstract_batch(cfg: GRPOConfig, prompt_width: int, micro_batch: int) -> Batch:
-  """[K, micro_batch, P + C] tokens and mask, [K, M] advantages, [K, M, C] log-probs (old / ref only
-  where the config uses them)."""
-  sds = jax.ShapeDtypeStruct
-  k, c, tcfg = cfg.grad_accum_steps, cfg.sampling.max_new_tokens, cfg.train
-  f32 = lambda *shape: sds(shape, jnp.float32)
-  return Batch(
-    sds((k, micro_batch, prompt_width + c), jnp.int32),
-    sds((k, micro_batch, prompt_width + c), jnp.bool_),
-    f32(k, micro_batch),
-    old_logps=f32(k, micro_batch, c) if tcfg.ppo_epochs > 1 else None,
-    ref_logps=f32(k, micro_batch, c) if tcfg.beta > 0 else None,
-    sampler_logps=f32(k, micro_batch, c),
-  )
-
-
 def lower_steps(
   cfg: GRPOConfig,
   model_cfg,
@@ -244,7 +215,9 @@ def lower_steps(
     t = time.perf_counter()
     if entry == "rl.agent":
       graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-      _lower_agent_update(cfg, model_cfg, graphdef, params, _optimizer(cfg), impl, platforms_arg)
+      _lower_agent_update(
+        cfg, model_cfg, graphdef, params, programs.run_optimizer(cfg, params), impl, platforms_arg
+      )
     else:
       step, args = train_step_program(
         cfg, model_cfg, prompt_width, impl, cfg.train.micro_batch_size
@@ -264,7 +237,6 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
   completion is an episode's model turns and observations after its first prompt."""
   import optax
 
-  from rl import agent  # rl.agent imports rl.cli, which imports this module
   from rl.critic import CriticModel, ValueHead
   from rl.model import Qwen
 
@@ -288,7 +260,7 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
   p = c = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
   k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
   sds, f32 = jax.ShapeDtypeStruct, lambda: jax.ShapeDtypeStruct((k, m, c), jnp.float32)
-  batch = agent.AgentBatch(
+  batch = AgentBatch(
     sds((k, m, p + c), jnp.int32),
     sds((k, m, p + c), jnp.bool_),
     sds((k, m, c), jnp.bool_),
@@ -298,7 +270,7 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
     f32(),
     f32() if tcfg.beta > 0 else None,
   )
-  settings = agent.UpdateSettings(
+  settings = UpdateSettings(
     c, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,
     cfg.sampling.temperature, tcfg.vf_coef, tcfg.value_clip, impl, tcfg.fused_lm_head, tcfg.beta,
   )  # fmt: skip
@@ -308,7 +280,5 @@ def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer,
     jax.eval_shape(optimizer.init, params),
     jax.eval_shape(head_opt.init, head_params),
   )
-  update = functools.partial(
-    agent.update_step, graphdef, head_graphdef, optimizer, head_opt, settings
-  )
+  update = functools.partial(update_step, graphdef, head_graphdef, optimizer, head_opt, settings)
   jax.jit(update).trace(state, batch).lower(lowering_platforms=platforms)

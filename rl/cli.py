@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 from collections.abc import Sequence
 
 from kernels.backend import host_platform
-from rl import check, configlib, platform, sharding
+from rl import check, configlib, platform, sharding, slice_check
 from rl.checkpointing import CheckpointError
 from rl.config import GRPOConfig, check_entry
 from rl.configlib import ConfigError
@@ -34,6 +36,16 @@ def arg_parser(prog: str = "python -m rl.train", doc: str = "") -> argparse.Argu
   )
   ap.add_argument(
     "--platform", choices=platform.PLATFORMS, help="--check for this platform, not the config's"
+  )
+  ap.add_argument(
+    "--topology",
+    help="--check on this TPU slice (v6e-8, v4-16, ...) instead of the config's mesh.topology",
+  )
+  ap.add_argument("--json", metavar="PATH", help="--check: write the figures to PATH as JSON")
+  ap.add_argument(
+    "--layers",
+    type=int,
+    help="--check a reduced-layer twin of the model with this many decoder layers (CI)",
   )
   ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
   return ap
@@ -66,6 +78,12 @@ def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
     except ValueError as e:
       raise ConfigError(str(e)) from e
   cfg = configlib.build(GRPOConfig, raw)
+  if getattr(args, "topology", None):
+    try:
+      mesh = dataclasses.replace(cfg.mesh, topology=args.topology)
+    except ValueError as e:
+      raise ConfigError(f"--topology: {e}") from e
+    cfg = dataclasses.replace(cfg, mesh=mesh)
   if args.resume:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
   if args.check:  # a run checks its host's impl when it starts (jax must not start here)
@@ -75,11 +93,28 @@ def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
 
 
 def run_check(args: argparse.Namespace, entry: str) -> dict:
-  """--check: rl.check's figures for the config, printed; its ConfigError propagates."""
+  """--check: rl.check's figures for the config, printed (and written to --json, also when a check
+  fails after some were found); its ConfigError propagates."""
   cfg = config_of(args, entry)
-  report = check.check(cfg, target_platform(args), entry)
-  print(f"{args.config or '(defaults)'}: ok for {report['platform']}: {report}")
+  report: dict = {"config": args.config}
+  try:
+    check.check(cfg, target_platform(args), entry, layers=getattr(args, "layers", None), out=report)
+  finally:
+    if report.get("slice"):
+      print(slice_check.summary(report["slice"]))
+    if getattr(args, "json", None):
+      write_json(args.json, report)
+  brief = {k: v for k, v in report.items() if k != "slice"}
+  print(f"{args.config or '(defaults)'}: ok for {report['platform']}: {brief}")
   return report
+
+
+def write_json(path: str, report: dict) -> None:
+  folder = os.path.dirname(path)
+  if folder:
+    os.makedirs(folder, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1, default=str)
 
 
 def start_process(cfg: GRPOConfig) -> None:

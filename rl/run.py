@@ -78,7 +78,11 @@ class Run:
       pw, cw = self.program.sft_widths()
       if cw not in self._sft_steps:
         self._sft_steps[cw] = compile_train_step(
-          s.graphdef, s.sft_optimizer, LossSettings(completion_len=cw), "sft", policy.shardings
+          s.graphdef,
+          s.sft_optimizer,
+          LossSettings(completion_len=cw, remat=self.cfg.train.remat),
+          "sft",
+          policy.shardings,
         )
       tokens, mask = pack(prompts, answers, pw, cw, s.tokenizer.pad_id)
       ones = np.ones(len(pairs), np.float32)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from kernels.backend import host_platform
 from kernels.optim import partition_specs_of
@@ -28,7 +29,7 @@ from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
 from rl.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
-from rl.model import init_model, load_checkpoint, preset, shard_model
+from rl.model import init_model, load_checkpoint, partition, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import make_engine
 from rl.tokenizer import load_tokenizer
@@ -258,7 +259,8 @@ def build(cfg: GRPOConfig, prompt_room: bool = True) -> Setup:
     )
   graphdef, params = nnx.split(model, nnx.Param)
   # Several processes: each rolls out its own prompts on a local replica of the weights.
-  rollout_model = model if jax.process_count() == 1 else nnx.merge(graphdef, local_params(params))
+  replica = lambda: rollout_replica(params, model.cfg.compute_dtype, cfg.mesh.tp)
+  rollout_model = model if jax.process_count() == 1 else nnx.merge(graphdef, replica())
   engine = make_engine(rollout_model, cfg.rollout, tokenizer)
   optimizer_with = functools.partial(optimizer_for, cfg, mesh, params)
   sft_rate = tcfg.sft_learning_rate or tcfg.learning_rate
@@ -277,9 +279,27 @@ def build(cfg: GRPOConfig, prompt_room: bool = True) -> Setup:
   )  # fmt: skip
 
 
-def local_params(params):
-  """The full weights on this process's first device (the multi-process rollout replica)."""
-  return jax.device_put(sharding.allgather(params), jax.local_devices()[0])
+def rollout_replica(params, compute_dtype, tp: int = 1):
+  """The multi-process rollout's replica of the weights: gathered on this host, cast to the compute
+  dtype the engine reads anyway (rl.rollout.steps.rollout_weights), and laid out by the partition
+  rules over this process's own devices (`rollout_mesh`), so a host's chips share its rollout (the
+  7B's f32 weights on one v4 chip were 30 GB of its 30.75 GiB)."""
+  mesh = rollout_mesh(jax.local_devices(), tp)
+
+  def place(path, x):
+    x = np.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(compute_dtype)
+    spec = partition.spec_for(partition.path_name(path), x.shape, mesh)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(place, sharding.allgather(params))
+
+
+def rollout_mesh(devices, tp: int = 1):
+  """The mesh a process rolls out on when several share a run: its own `devices`, fsdp over them
+  (and tp, as the run's, where it divides them). rl.slice_check lays host 0's out the same way."""
+  return sharding.make_mesh(1, -1, tp if len(devices) % tp == 0 else 1, devices=devices)
 
 
 class Policy:
@@ -302,7 +322,8 @@ class Policy:
     self.params = params
     nnx.update(self.setup.model, params)
     if self.setup.rollout_model is not self.setup.model:
-      nnx.update(self.setup.rollout_model, local_params(params))
+      replica = rollout_replica(params, self.setup.model.cfg.compute_dtype, self.setup.cfg.mesh.tp)
+      nnx.update(self.setup.rollout_model, replica)
 
   def state(self) -> dict:
     """What a checkpoint holds of the policy."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from rl import mismatch, rewards, sharding
+from rl import kernel_sharding, mismatch, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
 from rl.data import Example
 from rl.evaluate import evaluate, process_slice
@@ -223,6 +223,8 @@ class GRPOStep:
       fused_lm_head=cfg.train.fused_lm_head,
       mesh=setup.mesh if tp else None,
       vocab_axis="tp" if tp else None,
+      remat=cfg.train.remat,
+      kernel_sharding=kernel_sharding.batch_sharding(setup.mesh),
     )
     self.train_step = compile_train_step(
       setup.graphdef, setup.optimizer, self.loss, "grpo", policy.shardings

@@ -32,14 +32,18 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import mismatch
-from rl.model.partition import path_name
+from rl import kernel_sharding, mismatch
+from rl.optimizer import Optimizer, _global_norm
+
+# The optimizer's names, as rl.update always offered them (rl.setup, rl.run, rl.check, bench, tests)
+from rl.optimizer import init_optimizer_state as init_optimizer_state
+from rl.optimizer import make_optimizer as make_optimizer
+from rl.optimizer import shardings_of as shardings_of
+from rl.optimizer import warmup_schedule as warmup_schedule
 
 Objective = Literal["grpo", "sft"]
 # Name scopes of the train step's two phases: loss forward + backward over the micro-batches, then
@@ -96,6 +100,10 @@ class LossSettings:
   fused_lm_head: bool = False
   vocab_axis: str | None = None  # tensor-parallel vocabulary axis of the fused loss (with `mesh`)
   mesh: Any = None
+  remat: str = "none"  # rl.model.qwen.REMAT: what each decoder layer keeps for the backward
+  # The loss kernels' layout over the run's mesh (rl.kernel_sharding.batch_sharding; None: one
+  # device, or kernels without shard-local entries): hashable, compiled into the step.
+  kernel_sharding: Any = None
 
   def __post_init__(self):
     if not isinstance(self.spec, kernels.LossSpec):
@@ -127,9 +135,10 @@ def completion_hidden(
   tokens,  # [M, T]
   attention_mask,  # [M, T]
   completion_len: int,
+  remat: str = "none",  # rl.model.qwen.REMAT, for a forward the update differentiates
 ):  # -> [M, C, H]
   """Hidden states that score the last C tokens (the one before each completion token)."""
-  hidden = model(tokens, attention_mask)
+  hidden = model(tokens, attention_mask, remat=remat)
   return hidden[:, -completion_len - 1 : -1]
 
 
@@ -152,8 +161,9 @@ def _micro_loss(
 ):
   """(loss scaled to its share of the global loss, per-micro-batch sums for the metrics)."""
   ids, mask = split_completion(mb.tokens, mb.attention_mask, settings.completion_len)
-  hidden = completion_hidden(model, mb.tokens, mb.attention_mask, settings.completion_len)
-  rows = ids.shape[0]
+  hidden = completion_hidden(
+    model, mb.tokens, mb.attention_mask, settings.completion_len, settings.remat
+  )
   if objective == "sft":
     logits = model.logits(hidden)
     logp, entropy = token_logps_and_entropy(logits, jnp.where(mask, ids, 0), 1.0)
@@ -162,42 +172,17 @@ def _micro_loss(
       "loss": nll / num_tokens,
       "entropy": jnp.sum(jnp.where(mask, entropy, 0.0)),
     }
-  # Scale factors that make the K micro-batch losses sum to the global-batch loss.
   spec = settings.spec
-  items = num_tokens if spec.loss_type == "dapo" else None
+  # Scale factors that make the K micro-batch losses sum to the global-batch loss.
   scale = {
-    "grpo": rows / num_seqs,  # mean over sequences of per-sequence means
-    "dr_grpo": rows / num_seqs,  # sum / (N * C)
+    "grpo": ids.shape[0] / num_seqs,  # mean over sequences of per-sequence means
+    "dr_grpo": ids.shape[0] / num_seqs,  # sum / (N * C)
     # the kernel divides by the micro-batch's tokens: rescaled to the global count
     "bnpo": jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) / num_tokens,
     "dapo": 1.0,  # sum / num_items_in_batch = global tokens
   }[spec.loss_type]
-  kw = dict(
-    old_logps=mb.old_logps,
-    ref_logps=mb.ref_logps,
-    sampler_logps=mb.sampler_logps,
-    spec=spec,
-    num_items_in_batch=items,
-    impl=settings.impl,
-  )
-  # the scale goes into the kernels' per-token weights (loss_scale): the loss's cotangent stays 1, so
-  # the gradients written in the forward need no rescaling pass over [N, V] (or [H, V])
-  if settings.fused_lm_head:
-    weight = model.lm_head_weight()
-    loss, aux = kernels.fused_linear_grpo_loss(
-      hidden.astype(weight.dtype),
-      weight,
-      ids,
-      mask,
-      mb.advantages,
-      mesh=settings.mesh,
-      vocab_axis=settings.vocab_axis,
-      loss_scale=scale,
-      **kw,
-    )
-  else:
-    logits = model.logits(hidden)
-    loss, aux = kernels.grpo_loss(logits, ids, mask, mb.advantages, loss_scale=scale, **kw)
+  items = num_tokens if spec.loss_type == "dapo" else None
+  loss, aux = policy_loss(model, hidden, ids, mask, mb, settings, scale, items)
   sums = {
     "loss": loss,
     "entropy": jnp.sum(aux.entropy),
@@ -216,6 +201,47 @@ def _micro_loss(
     )
     sums.update({MISMATCH_SUM + k: v for k, v in found.items()})
   return loss, sums
+
+
+def policy_loss(
+  model,
+  hidden,  # [M, C, H] the states scoring the completion tokens
+  ids,  # [M, C] completion tokens
+  mask,  # [M, C]
+  mb: Batch,
+  settings: LossSettings,
+  scale,  # [] this micro-batch's share of the global loss
+  items,  # [] or None: the global completion tokens (dapo's num_items_in_batch)
+):  # -> (loss, kernels' GRPOAux)
+  """The policy loss kernel of one micro-batch: kernels.grpo_loss on the logits, or
+  kernels.fused_linear_grpo_loss on the hidden states and the LM head. The ONE place the loss
+  kernels are called from the update, so the ONE place that hands them the run's mesh
+  (`settings.kernel_sharding`: rl.kernel_sharding, shard-local kernels over the batch axes)."""
+  kw = dict(
+    old_logps=mb.old_logps,
+    ref_logps=mb.ref_logps,
+    sampler_logps=mb.sampler_logps,
+    spec=settings.spec,
+    num_items_in_batch=items,
+    impl=settings.impl,
+    # the scale goes into the kernels' per-token weights (loss_scale): the loss's cotangent stays 1,
+    # so the gradients written in the forward need no rescaling pass over [N, V] (or [H, V])
+    loss_scale=scale,
+    **kernel_sharding.kernel_kwargs(settings.kernel_sharding),
+  )
+  if settings.fused_lm_head:
+    weight = model.lm_head_weight()
+    return kernels.fused_linear_grpo_loss(
+      hidden.astype(weight.dtype),
+      weight,
+      ids,
+      mask,
+      mb.advantages,
+      mesh=settings.mesh,
+      vocab_axis=settings.vocab_axis,
+      **kw,
+    )
+  return kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
 
 
 def batch_loss_and_grads(
@@ -250,89 +276,6 @@ def batch_loss_and_grads(
     if k in metrics:
       metrics[k] = metrics[k] / num_tokens
   return grads, metrics
-
-
-def _global_norm(tree):
-  tree_ns = getattr(optax, "tree", None)  # optax >= 0.2.5 moved it; global_norm warns since
-  return (
-    tree_ns.norm(tree)
-    if tree_ns is not None and hasattr(tree_ns, "norm")
-    else optax.global_norm(tree)
-  )
-
-
-class Optimizer(NamedTuple):
-  """`step(params, grads, state) -> (params, state)` and `init(params) -> state`."""
-
-  init: Any
-  step: Any
-
-
-def warmup_schedule(learning_rate: float, warmup_steps: int, decay_steps: int = 0):
-  """`learning_rate`, reached linearly over the first `warmup_steps` updates (step k uses
-  lr * (k + 1) / warmup_steps), then, when `decay_steps` > 0, a cosine decay to a tenth of it at
-  update `decay_steps` (held there after); constant otherwise. A fresh Adam state's first updates
-  move every weight by about lr whatever the gradient's size, which is what knocks a warmed-up policy
-  off its supervised solution when RL starts at full rate; the decay keeps a policy that has learned
-  from being shaken out of it by the late updates' noise."""
-  if warmup_steps < 0 or decay_steps < 0:
-    raise ValueError(
-      f"warmup_steps and decay_steps must be >= 0, got {warmup_steps}, {decay_steps}"
-    )
-  if warmup_steps == 0 and decay_steps == 0:
-    return learning_rate
-
-  def rate(count):
-    warm = jnp.minimum(1.0, (count + 1) / max(warmup_steps, 1))
-    if decay_steps <= warmup_steps:
-      return learning_rate * warm
-    done = jnp.clip((count - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
-    return learning_rate * warm * (0.1 + 0.45 * (1.0 + jnp.cos(jnp.pi * done)))
-
-  return rate
-
-
-def make_optimizer(
-  name: str,
-  learning_rate,  # float or optax schedule (count -> rate)
-  weight_decay: float,
-  max_grad_norm: float,
-  fused: bool,
-  mesh=None,
-  partition_specs=None,
-) -> Optimizer:
-  """AdamW or Lion after global-norm clipping; `fused` uses kernels.optim's one-pass kernels (each
-  device updating its own shard when `mesh` and `partition_specs` are given), else optax."""
-  if name not in ("adamw", "lion"):
-    raise ValueError(f"optimizer must be 'adamw' or 'lion', got {name!r}")
-  clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm > 0 else optax.identity()
-  if fused:
-    make = kernels.optim.fused_adamw_step if name == "adamw" else kernels.optim.fused_lion_step
-    tx, fused_step = make(
-      learning_rate, weight_decay=weight_decay, mesh=mesh, partition_specs=partition_specs
-    )
-
-    def init(params):
-      return clip.init(params), tx.init(params)
-
-    def step(params, grads, state):
-      grads, clip_state = clip.update(grads, state[0])
-      params, opt_state = fused_step(params, grads, state[1])
-      return params, (clip_state, opt_state)
-
-    return Optimizer(init, step)
-  base = (
-    optax.adamw(learning_rate, weight_decay=weight_decay)
-    if name == "adamw"
-    else optax.lion(learning_rate, weight_decay=weight_decay)
-  )
-  tx = optax.chain(clip, base)
-
-  def step(params, grads, state):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return Optimizer(tx.init, step)
 
 
 def _all_finite(tree) -> jax.Array:  # -> [] bool
@@ -411,28 +354,6 @@ def compile_train_step(
     functools.partial(train_step, graphdef, optimizer, settings, objective),
     donate_argnums=(0, 1),
     out_shardings=out,
-  )
-
-
-def shardings_of(tree):
-  return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def init_optimizer_state(optimizer: Optimizer, params, mesh):
-  """The optimizer state laid out like the parameters it tracks (mu / nu of a weight share the
-  weight's sharding; counters are replicated), so every step's input and output layouts agree."""
-  by_name = {path_name(k): x.sharding for k, x in jax.tree_util.tree_leaves_with_path(params)}
-
-  def place(path, leaf):
-    name = path_name(path)
-    for pname, sharding in by_name.items():
-      if name == pname or name.endswith("." + pname):
-        return sharding
-    return NamedSharding(mesh, PartitionSpec())
-
-  shapes = jax.eval_shape(optimizer.init, params)
-  return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(place, shapes))(
-    params
   )
 
 

@@ -138,6 +138,26 @@ PRESETS: dict[str, ModelConfig] = {
     tie_word_embeddings=True,
     **_QWEN3,
   ),
+  # Qwen3-4B (config.json of Qwen/Qwen3-4B) and its 2507 instruct release (Qwen/Qwen3-4B-Instruct-2507:
+  # the same architecture with rope_theta 5e6 and a 262144-token context): the seed's v4-8 run.
+  "qwen3-4b": ModelConfig(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    tie_word_embeddings=True,
+    **_QWEN3,
+  ),
+  "qwen3-4b-instruct-2507": ModelConfig(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    tie_word_embeddings=True,
+    **{**_QWEN3, "rope_theta": 5_000_000.0, "max_position_embeddings": 262144},
+  ),
 }
 
 

@@ -23,6 +23,15 @@ from rl.model.config import ModelConfig
 Array = jax.Array
 
 _init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
+# Rematerialisation of a decoder layer in the backward (train.remat): what each layer keeps from its
+# forward for the backward, the rest recomputed there. "none": everything (no recompute); "layer":
+# its matmul outputs against the weights (attention scores, softmax and elementwise work recomputed);
+# "full": only its input (the whole layer recomputed: the least memory, one more forward).
+REMAT = {
+  "none": None,
+  "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+}
 _UNROLL_LAYERS = contextvars.ContextVar("unroll_layers", default=False)
 
 
@@ -161,8 +170,11 @@ class Qwen(nnx.Module):
     tokens: Array,  # [B, T] int32
     attention_mask: Array | None = None,  # [B, T] bool/int, 0 = padding (left or right)
     positions: Array | None = None,  # [B, T] int32; default: count of real tokens before
+    remat: str = "none",  # REMAT: what each layer keeps for a backward through this forward
   ) -> Array:  # [B, T, H] final-norm hidden states
     """The training / scoring forward over whole sequences: causal attention that skips padding."""
+    if remat not in REMAT:
+      raise ValueError(f"remat must be one of {list(REMAT)}, got {remat!r}")
     if attention_mask is None:
       attention_mask = jnp.ones(tokens.shape, jnp.bool_)
     attention_mask = attention_mask.astype(jnp.bool_)
@@ -171,7 +183,7 @@ class Qwen(nnx.Module):
     t = tokens.shape[1]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
     visible = causal[None] & attention_mask[:, None, :]
-    x, _ = self._run_layers(self.embed_tokens(tokens), positions, visible, None)
+    x, _ = self._run_layers(self.embed_tokens(tokens), positions, visible, None, remat)
     return self.norm(x)
 
   def forward_with_cache(
@@ -190,15 +202,20 @@ class Qwen(nnx.Module):
     positions: Array,  # [B, T] int32
     visible: Array | None,  # [B, T, T] or None (the cache decides)
     cache: KVCache | None,
+    remat: str = "none",
   ) -> tuple[Array, KVCache | None]:
     """The L layers as one scan over their stacked parameters. The cache rides in the carry (its
-    update of layer i is in place) and `cache.attend` gets the layer as a traced int32 scalar."""
+    update of layer i is in place) and `cache.attend` gets the layer as a traced int32 scalar.
+    `remat` (REMAT) checkpoints the layer body: the scan then keeps what the policy saves."""
     graphdef, stacked = nnx.split(self.layers)
 
     def body(carry, xs):
       h, c = carry
       params, i = xs
       return nnx.merge(graphdef, params)(h, positions, visible, i, c), None
+
+    if REMAT[remat] is not None:  # prevent_cse=False: the scan already keeps the recompute apart
+      body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
 
     index = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
     if _UNROLL_LAYERS.get():  # accounting only (see unrolled_layers): static per-layer slices

@@ -4,6 +4,7 @@ host side of a decode chunk. Backends (`paged`, `dense`) add where KV lives and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rl.kernel_sharding import BATCH_AXES, decode_sharding
 from rl.rollout import steps
 from rl.rollout.config import EngineConfig
 from rl.rollout.sampling import filters, sample_base_keys
@@ -58,6 +60,10 @@ class Seq:
     )
 
 
+# The fewest rows a decode chunk has (rl.rollout.paged.decode_rows): what the batch axes must divide.
+MIN_DECODE_ROWS = 8
+
+
 class RolloutEngine:
   """Base: `generate(prompts, params)` -> RolloutResult, one Completion per (prompt, sample).
 
@@ -91,21 +97,29 @@ class RolloutEngine:
     graphdef, state = nnx.split(self.model)
     return graphdef, steps.rollout_weights(state, self.model.cfg.compute_dtype)
 
+  def _mesh(self):
+    """The mesh the rollout model's weights are laid out on (None: one device)."""
+    leaf = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0]
+    sharding = getattr(leaf, "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
   def _kv_sharding(self, rank: int, heads_axis: int):
     """Where the KV cache lives: None for a model on one device; with a model on a mesh, the mesh's
     NamedSharding that the jitted steps give the cache anyway (KV heads over "tp" where it divides
     them, as the k / v projections' outputs are, replicated otherwise). A cache created elsewhere (one
     device) takes that sharding after its first decode, so the next prefill, whose cache argument's
     sharding is part of jit's key, would compile again (issue 31)."""
-    leaf = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0]
-    if not isinstance(leaf.sharding, NamedSharding):
-      return None
-    mesh = leaf.sharding.mesh
-    tp = mesh.shape.get("tp", 1)
-    spec = [None] * rank
-    if tp > 1 and self.model.cfg.num_kv_heads % tp == 0:
-      spec[heads_axis] = "tp"
-    return NamedSharding(mesh, P(*spec))
+    return kv_sharding(self._mesh(), self.model.cfg.num_kv_heads, rank, heads_axis)
+
+  def _row_sharding(self):
+    """The decode chunk's slot layout: rows split over the mesh's batch axes (each device decodes
+    its own slots, the paged kernel shard-local over them: rl.kernel_sharding), or None (one
+    device, or slot counts the batch axes do not divide: replicated)."""
+    return row_sharding(self._mesh(), self.config.max_slots)
+
+  def _kernel_sharding(self):
+    """The paged decode kernel's layout: shard-local over the batch axes when the rows are split."""
+    return decode_kernel_sharding(self._mesh(), self.model.cfg.num_kv_heads, self.config.max_slots)
 
   def _precision(self):
     """The matmul precision every jitted step of this engine is traced under (EngineConfig)."""
@@ -194,7 +208,7 @@ class RolloutEngine:
       stop[i, : len(s.stop_ids)] = s.stop_ids
       seeds[i], samples[i] = s.params.seed, s.sample_index
       temp[i], topk[i], topp[i] = s.params.temperature, s.params.top_k, s.params.top_p
-    return dict(
+    arrays = dict(
       tokens=jnp.asarray(tokens),
       positions=jnp.asarray(positions),
       generated=jnp.asarray(generated),
@@ -204,6 +218,19 @@ class RolloutEngine:
       temperature=jnp.asarray(temp),
       top_k=jnp.asarray(topk),
       top_p=jnp.asarray(topp),
+    )
+    return self._put_rows(arrays)
+
+  def _put_rows(self, tree):
+    """Arrays whose leading axis is the decode rows, laid out as `_row_sharding` says."""
+    rows = self._row_sharding()
+    if rows is None:
+      return tree
+    return jax.tree.map(
+      lambda x: jax.device_put(
+        x, NamedSharding(rows.mesh, P(rows.spec[0], *[None] * (x.ndim - 1)))
+      ),
+      tree,
     )
 
   @staticmethod
@@ -230,6 +257,38 @@ class RolloutEngine:
 
   def close(self) -> None:
     """Release what the backend holds outside this process's arrays (sglang_jax: its threads)."""
+
+
+def kv_sharding(mesh, num_kv_heads: int, rank: int, heads_axis: int):
+  """The KV cache's layout on `mesh` (None: one device): KV heads over "tp" where it divides them,
+  replicated over the other axes (a decode step's slots read any page)."""
+  if mesh is None:
+    return None
+  tp = mesh.shape.get("tp", 1)
+  spec = [None] * rank
+  if tp > 1 and num_kv_heads % tp == 0:
+    spec[heads_axis] = "tp"
+  return NamedSharding(mesh, P(*spec))
+
+
+def decode_kernel_sharding(mesh, num_kv_heads: int, max_slots: int):
+  """The decode kernel's layout (rl.kernel_sharding.decode_sharding) when the rows are split over the
+  batch axes (row_sharding), its heads as the pool's (kv_sharding); None otherwise."""
+  if row_sharding(mesh, max_slots) is None:
+    return None
+  heads = kv_sharding(mesh, num_kv_heads, 4, 0).spec
+  return decode_sharding(mesh, heads[0] if heads else None)
+
+
+def row_sharding(mesh, max_slots: int):
+  """[rows] split over the mesh's batch axes, when they divide every decode row count (powers of two
+  from MIN_DECODE_ROWS up to max_slots); None otherwise (and on one device)."""
+  if mesh is None or mesh.size == 1:
+    return None
+  n = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+  if n == 1 or MIN_DECODE_ROWS % n or max_slots % n:
+    return None
+  return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def bucket(n: int, minimum: int = 16) -> int:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.rollout import steps
-from rl.rollout.engine import RolloutEngine, Seq, bucket
+from rl.rollout.engine import MIN_DECODE_ROWS, RolloutEngine, Seq, bucket
 from rl.rollout.paged_cache import NULL_PAGE, PagedKVCache, PagePool
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
@@ -50,6 +50,7 @@ class PagedEngine(RolloutEngine):
       self.cache_dtype,
       ecfg.attn_impl,
       self._kv_sharding(rank=4, heads_axis=0),
+      self._kernel_sharding(),
     )
 
   def generate(
@@ -247,7 +248,7 @@ class _Generation:
     table = np.full((len(rows), width), NULL_PAGE, np.int32)
     for i, s in enumerate(running):
       table[i, : len(s.pages)] = s.pages
-    cache = self.cache.with_table(jnp.asarray(table))
+    cache = self.cache.with_table(self.engine._put_rows(jnp.asarray(table)))
     toks, logps, emitted, self.cache = steps.decode_chunk(
       *self.graph,
       cache,
@@ -273,7 +274,7 @@ class _Generation:
 def decode_rows(running: int, max_slots: int) -> int:
   """Rows of a decode chunk for `running` sequences: the next power of two (>= 8), at most max_slots
   (bounded compiles: log2(max_slots) sizes at most)."""
-  return min(bucket(running, minimum=8), max_slots)
+  return min(bucket(running, minimum=MIN_DECODE_ROWS), max_slots)
 
 
 def decode_width(pages: int, pages_per_seq: int) -> int:

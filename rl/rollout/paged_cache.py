@@ -17,14 +17,15 @@ there and are never read into a result.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
 from kernels import backend
 from kernels.paged_attention import gather_pages
+from rl.kernel_sharding import paged_attention
 from rl.model.cache import attention
 
 NULL_PAGE = 0
@@ -50,6 +51,9 @@ class PagedKVCache:
   # None: k / v hold the values. A dtype name: k / v hold those values' bits as an unsigned integer
   # of the same width (the XLA decode path: see `_store`), viewed back wherever they are read.
   value_dtype: str | None = None
+  # The decode kernel's layout in a program over several devices (rl.kernel_sharding.
+  # decode_sharding; None: one device).
+  kernel_sharding: Any = None
 
   @classmethod
   def create(
@@ -62,6 +66,7 @@ class PagedKVCache:
     dtype,
     attn_impl: str = "auto",
     sharding: jax.sharding.Sharding | None = None,  # of k / v; None: the default device
+    kernel_sharding: Any = None,  # rl.kernel_sharding.decode_sharding of the decode's mesh
   ) -> PagedKVCache:
     shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)
     dtype = jnp.dtype(dtype)
@@ -76,6 +81,7 @@ class PagedKVCache:
       attn_impl,
       num_layers,
       dtype.name if bits else None,
+      kernel_sharding,
     )
 
   @property
@@ -126,8 +132,8 @@ class PagedKVCache:
     cache = dataclasses.replace(self, k=new_k, v=new_v)
     new_k, new_v = self.values(new_k), self.values(new_v)
     if q.shape[1] == 1 and not self.model_attention:
-      out = kernels.paged_attention(
-        q[:, 0], new_k, new_v, positions[:, 0] + 1, table, impl=self.attn_impl
+      out = paged_attention(  # the decode kernel, shard-local over the rows on a mesh
+        q[:, 0], new_k, new_v, positions[:, 0] + 1, table, self.attn_impl, self.kernel_sharding
       )
       return out[:, None].astype(q.dtype), cache
     kd = gather_pages(new_k, table).transpose(0, 2, 1, 3)  # [B, S, Hkv, D]
@@ -170,14 +176,19 @@ def _store(
     new = jax.lax.bitcast_convert_type(new, pool.dtype)
   if slots is None:
     return pool.at[:, rows].set(new)
-  # [..., Hkv, D] -> [Hkv, ..., D]: the adjacent index arrays keep their place in the result
-  return pool.at[:, rows, slots].set(jnp.moveaxis(new, -2, 0))
+  # Each (head, row, slot) is its own index and only the D values are a window. Indexing the heads
+  # too keeps the pool in the kernel's layout: with the heads a window dimension ([:, rows, slots],
+  # as before) the TPU compiler laid the scatter's result out heads-minor ({3,0,2,1}), and every
+  # layer of every decode step converted the whole pool to the kernel's {3,2,1,0} and back (684 of
+  # the 1.5B decode chunk's 739 GB accessed, compiled). The new values keep their [..., Hkv, D].
+  heads = jnp.arange(pool.shape[0], dtype=jnp.int32).reshape((1,) * rows.ndim + (-1,))
+  return pool.at[heads, rows[..., None], slots[..., None]].set(new)
 
 
 jax.tree_util.register_dataclass(
   PagedKVCache,
   data_fields=["k", "v", "page_table"],
-  meta_fields=["attn_impl", "num_layers", "value_dtype"],
+  meta_fields=["attn_impl", "num_layers", "value_dtype", "kernel_sharding"],
 )
 
 

@@ -93,6 +93,10 @@ def test_yaml_then_overrides(tmp_path):
     (["train.warmup_sft_steps=-2"], r"train\.warmup_sft_steps must be >= 0"),
     (["train.lr_warmup_steps=-1"], r"train\.lr_warmup_steps must be >= 0"),
     (["train.lr_schedule=linear"], r"train\.lr_schedule"),
+    # issue 40: rematerialisation and the TPU slice a config names
+    (["train.remat=some"], r"train\.remat must be one of \['none', 'layer', 'full'\], got 'some'"),
+    (["mesh.topology=v6e-6"], r"mesh\.topology='v6e-6': .*not a power of two"),
+    (["mesh.topology=v9-8"], r"mesh\.topology='v9-8': unknown TPU generation"),
     (["reward.correct=nan"], r"reward\.correct must be finite and >= 0, got nan"),
     (["reward.format=-1"], r"reward\.format must be finite and >= 0"),
     (["eval.every=-1"], r"eval\.every must be >= 0"),
@@ -119,6 +123,16 @@ def test_yaml_then_overrides(tmp_path):
 def test_bad_values_are_clear_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):
     configlib.load(GRPOConfig, None, overrides)
+
+
+def test_check_modules_do_not_import_the_entry_points():
+  """rl.agent -> rl.cli -> rl.check used to import rl.agent back (an import circle): the check and the
+  programs it builds import the update modules, never an entry point."""
+  import subprocess
+  import sys
+
+  code = "import sys, rl.check, rl.slice_check; assert 'rl.agent' not in sys.modules, 'rl.agent'"
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_the_loss_spec_carries_every_loss_key():

@@ -1,0 +1,122 @@
+"""The `train` section of the run's configuration tree: the update's batch, loss, optimizer, schedule,
+warm-up and (rl.agent) PPO settings, each range-checked at load."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES
+from rl.configlib import check_range
+from rl.model.qwen import REMAT
+
+IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+  steps: int = 20
+  prompts_per_step: int = 8
+  micro_batch_size: int = 16  # sequences per device per micro-batch
+  ppo_epochs: int = 1  # > 1 makes the clipping matter (old log-probs are recorded)
+  # rl.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
+  # project's kernel there); a choice the platform lacks is an error at load.
+  policy_loss_impl: Literal["pallas", "chunked", "xla", "auto", "mosaic_gpu"] = "auto"
+  fused_lm_head: bool = False
+  # Rematerialisation of the decoder layers in the update's backward (rl.model.qwen.REMAT): none
+  # keeps every layer's intermediates; layer recomputes each layer keeping its weight matmuls'
+  # outputs; full recomputes each layer from its input (the least memory: one more decoder forward
+  # per update). full is what lets the TPU configs' micro-batches fit (python -m rl.train --check).
+  remat: Literal["none", "layer", "full"] = "full"
+  loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+  beta: float = 0.0  # KL weight; a reference model is kept only when > 0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  # The mismatch-aware loss (kernels.LossSpec; the README gives the formulas). The rollout engine's
+  # log-probs always reach the loss; is_mode corrects for them (TIS / MIS), null: off.
+  is_mode: IsMode | None = None
+  is_cap: float = 2.0  # the importance weight's truncation / masking threshold
+  importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+  epsilon_c: float | None = None  # dual-clip PPO (> 1); null: off
+  max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO  # clamp before exp; null: off
+  optimizer: Literal["adamw", "lion"] = "adamw"
+  fused_optimizer: bool = True
+  learning_rate: float = 1e-5
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  # Linear warm-up of the learning rate over each optimizer's first updates (the SFT warm-up's and
+  # the RL phase's, counted separately); 0: constant from the first step.
+  lr_warmup_steps: int = 0
+  # cosine: after the warm-up, decay to a tenth of the rate by the phase's last update (the SFT
+  # warm-up's warmup_sft_steps, the RL phase's steps); constant: no decay.
+  lr_schedule: Literal["constant", "cosine"] = "constant"
+  warmup_sft_steps: int = 0  # supervised steps on the train split's worked solutions before GRPO
+  sft_learning_rate: float | None = None  # None: learning_rate
+  # Worked solutions per SFT step; 0: prompts_per_step x group_size. Smaller batches mean more
+  # updates per second on CPU, which is what a short warm-up needs.
+  sft_batch_size: int = 0
+  seed: int = 0
+  # An update whose loss or gradient norm is not finite is skipped (weights and optimizer state kept);
+  # this many skipped steps in a row stop the run with an error.
+  max_nonfinite_steps: int = 3
+  # Multi-turn runs (python -m rl.agent): grpo = group-normalised episode returns on every model
+  # token; ppo = GAE advantages from a value head trained with a clipped value loss.
+  algorithm: Literal["grpo", "ppo"] = "grpo"
+  vf_coef: float = 0.1  # weight of the value loss (ppo)
+  value_clip: float | None = 0.2  # clip range of the value loss around the old values; None: off
+  gamma: float = 1.0  # GAE discount per model token
+  gae_lambda: float = 0.95
+  whiten_advantages: bool = True  # ppo: whiten GAE advantages over the step's model tokens
+  # ppo: head = one linear layer on the policy's final hidden states (its value gradient reaches the
+  # policy's trunk); model = a separate transformer with its own head (rl.critic.CriticModel).
+  critic: Literal["head", "model"] = "head"
+  # critic=model: its rl.model preset (it shares the tokenizer); null: a copy of the policy's
+  # initial weights.
+  critic_preset: str | None = None
+
+  def __post_init__(self):
+    for name in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs"):
+      check_range(f"train.{name}", getattr(self, name), ge=1)
+    check_range("train.learning_rate", self.learning_rate, gt=0)
+    check_range("train.sft_learning_rate", self.sft_learning_rate, gt=0, optional=True)
+    check_range("train.beta", self.beta, ge=0)
+    # The clip range is [1 - epsilon_low, 1 + epsilon_high]: a ratio is never negative.
+    check_range("train.epsilon_low", self.epsilon_low, ge=0, lt=1)
+    check_range("train.epsilon_high", self.epsilon_high, ge=0)
+    if self.is_mode not in IS_MODES:
+      raise ValueError(f"train.is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}")
+    if self.importance_sampling_level not in ("token", "sequence"):
+      raise ValueError(
+        "train.importance_sampling_level must be one of ['token', 'sequence'], got "
+        f"{self.importance_sampling_level!r}"
+      )
+    check_range("train.is_cap", self.is_cap, gt=0)
+    check_range("train.epsilon_c", self.epsilon_c, gt=1, optional=True)
+    check_range("train.max_log_ratio", self.max_log_ratio, gt=0, optional=True)
+    check_range("train.weight_decay", self.weight_decay, ge=0)
+    check_range("train.max_grad_norm", self.max_grad_norm, ge=0)  # 0: no clipping
+    check_range("train.lr_warmup_steps", self.lr_warmup_steps, ge=0)
+    if self.lr_schedule not in ("constant", "cosine"):
+      raise ValueError(f"train.lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
+    check_range("train.warmup_sft_steps", self.warmup_sft_steps, ge=0)
+    check_range("train.sft_batch_size", self.sft_batch_size, ge=0)
+    check_range("train.seed", self.seed, ge=0, lt=2**31)  # seeds become uint32 sampling keys
+    check_range("train.max_nonfinite_steps", self.max_nonfinite_steps, ge=1)
+    if self.algorithm not in ("grpo", "ppo"):
+      raise ValueError(f"train.algorithm must be grpo or ppo, got {self.algorithm!r}")
+    check_range("train.vf_coef", self.vf_coef, ge=0)
+    check_range("train.value_clip", self.value_clip, gt=0, optional=True)
+    check_range("train.gamma", self.gamma, ge=0, le=1)
+    check_range("train.gae_lambda", self.gae_lambda, ge=0, le=1)
+    if self.critic not in ("head", "model"):
+      raise ValueError(f"train.critic must be head or model, got {self.critic!r}")
+    if self.critic_preset is not None and self.critic != "model":
+      raise ValueError(
+        "train.critic_preset is the separate critic's preset: set train.critic=model"
+      )
+    if self.remat not in REMAT:
+      raise ValueError(f"train.remat must be one of {list(REMAT)}, got {self.remat!r}")
+    if self.policy_loss_impl == "chunked" and not self.fused_lm_head:
+      raise ValueError(
+        "train.policy_loss_impl=chunked is a fused LM-head path: set train.fused_lm_head=true"
+      )
