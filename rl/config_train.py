@@ -26,8 +26,9 @@ class TrainSection:
   # Rematerialisation of the decoder layers in the update's backward (rl.model.qwen.REMAT): none
   # keeps every layer's intermediates; layer recomputes each layer keeping its weight matmuls'
   # outputs; full recomputes each layer from its input (the least memory: one more decoder forward
-  # per update). full is what lets the TPU configs' micro-batches fit (python -m rl.train --check).
-  remat: Literal["none", "layer", "full"] = "full"
+  # per update). The TPU configs set full: it is what lets their micro-batches fit (python -m rl.train
+  # --check); the default keeps the GPU / CPU runs' measured step times (no extra forward).
+  remat: Literal["none", "layer", "full"] = "none"
   loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
   beta: float = 0.0  # KL weight; a reference model is kept only when > 0
   epsilon_low: float = 0.2
