@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -122,11 +122,13 @@ def estimated_registers(blocks: MultiTensorBlocks, n_inputs: int) -> int:
 
 class LeafWork(NamedTuple):
   """One leaf's part of a launch: ``body(scalars, *f32 [block] inputs) -> f32 [block] outputs``;
-  inputs: name -> [...] array (one shape); outputs: name -> dtype, in the order body returns them."""
+  inputs: name -> [...] array (one shape); outputs: name -> dtype, in the order body returns them;
+  key: leaves with equal keys have interchangeable bodies (None: this leaf's own)."""
 
   body: Callable
   inputs: dict[str, jax.Array]
   outputs: dict[str, Any]
+  key: Hashable = None
 
 
 def multi_tensor_call(
