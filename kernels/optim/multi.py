@@ -21,8 +21,8 @@ would overflow CUDA's kernel parameter space (32,764 bytes from CUDA 12.1 on sm_
 buffer pointer: ``MAX_POINTERS``); AdamW on the 0.5B / 1.5B trees is 2,030 / 2,366 pointers (16-19
 KB), one launch each. See :mod:`kernels.optim.evidence` for programs, bytes and occupancy.
 
-The TPU (tiled) family keeps one launch per leaf (kernels/optim/pallas.py): Mosaic stages tiles
-through VMEM by BlockSpec, which one walk over many whole-leaf operands cannot use.
+The TPU (tiled) family has its own one-launch walk (kernels/optim/pallas.py): (leaf, window) items
+DMA'd through VMEM, each leaf in its own tiled layout.
 """
 
 from __future__ import annotations

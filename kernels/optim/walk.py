@@ -12,7 +12,7 @@ Synchronous (the plain CPU interpreter, ``interpret=True``): the same plan, segm
 buffers and strips, the copies as plain window loads and stores. Its DMA discharge rules copy at
 ``start`` anyway (an ordering bug cannot show there); the async pipeline is checked by the TPU
 interpreter's on-wait DMAs (tests/test_optim.py) and compiled by Mosaic, and the synchronous walk
-compiles in a third of the interpreter's time (CI runs it in every parity test).
+compiles in half the interpreter's time (CI runs it in every parity test).
 
 Item k's segment is found by a balanced tree of comparisons against the static segment starts, one
 branch per segment issuing that leaf's DMAs (its refs and window shape are static there); waits
