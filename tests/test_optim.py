@@ -22,12 +22,14 @@ FAMILIES = {"tiled": "cpu", "rowloop": "gpu"}
 
 
 def model_tree(seed=0):
-  """Embeddings, matrices, vectors, a scalar and odd sizes."""
+  """Embeddings, matrices, vectors (one a multiple of 128: the TPU kernel sees it as [2, 128]), a
+  scalar and odd sizes."""
   rng = np.random.default_rng(seed)
   shapes = {
     "embed": (37, 24),
     "w": (24, 300),
     "b": (300,),
+    "norm": (256,),
     "scale": (),
     "odd": (5, 7, 3),
     "lane": (8, 256),
@@ -140,6 +142,7 @@ def test_ten_steps_match_optax_on_fsdp_tp_mesh(name):
     "embed": P(None, "tp"),
     "w": P("fsdp", "tp"),
     "b": P("tp"),
+    "norm": P("tp"),
     "scale": P(),
     "odd": P(),
     "lane": P("fsdp", "tp"),
@@ -495,6 +498,7 @@ def test_fsdp_step_compiles_without_collectives_in_one_launch():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
   params = model_tree()
   specs = {"embed": P(None, "tp"), "w": P("fsdp", "tp"), "b": P("tp"), "scale": P(), "odd": P()}
+  specs["norm"] = P("tp")
   specs["lane"] = P("fsdp", "tp")
   placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
   tx, step = kernels.fused_adamw_step(

@@ -63,7 +63,8 @@ def test_plan_windows_cover_every_element_once_hypothesis(shapes, bf16, elems):
     start += seg.count
     cls = plan.classes[seg.cls]
     assert seg.window[1] <= cls.tile[0] and seg.window[2] == cls.tile[1]
-    assert cls.tile[0] % cls.sub == 0
+    # a buffer row count off the tile only as a packed class's exact rows
+    assert cls.tile[0] % cls.sub == 0 or (cls.sub > 8 and seg.window[1] == cls.tile[0])
   assert plan.items == start and plan.splits[0] == 0 and plan.splits[-1] == start
 
 
@@ -92,12 +93,12 @@ def test_plan_too_large_for_vmem_names_the_budget():
 
 def _ragged_works(seed=0):
   """AdamW leaves of every kind the walk distinguishes: a ragged matrix, a wide one split in column
-  windows, a 1-D leaf, a scalar, a 3-D leaf with rows off the tile, a bf16 param with an f32 master,
-  with and without weight decay."""
+  windows, 1-D leaves (handed over as [1, 300] and [3, 128]), a scalar, a 3-D leaf with rows off
+  the tile, a bf16 param with an f32 master, with and without weight decay."""
   rng = np.random.default_rng(seed)
   rule = kernels.optim.AdamW(0.9, 0.99, 1e-8, 0.1)
   works = []
-  for i, shape in enumerate([(37, 24), (3, 700), (300,), (), (5, 7, 3), (24, 256)]):
+  for i, shape in enumerate([(37, 24), (3, 700), (300,), (), (5, 7, 3), (384,)]):
     p, g, mu = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
     r = rule if i % 2 else rule.without_weight_decay()
     param, master = (p.astype(jnp.bfloat16), p) if i == 2 else (p, None)

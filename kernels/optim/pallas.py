@@ -82,7 +82,7 @@ def plan_for(
   """The tiles plan of ``work`` (non-empty leaves) for ``target``."""
   specs = [
     tiles.LeafSpec(
-      tuple(next(iter(w.inputs.values())).shape),
+      _operand_shape(next(iter(w.inputs.values())).shape),  # the shape the kernel is handed
       tuple(a.dtype for a in w.inputs.values()),
       tuple(jnp.dtype(d) for d in w.outputs.values()),
       w.key if w.key is not None else i,

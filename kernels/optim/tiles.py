@@ -213,26 +213,31 @@ def make_plan(
 
 
 def _plan(specs, tile_elems: int, max_cols, slots: int, cores: int) -> Plan:
-  # classes are keyed by window width, not by leaf: Mosaic slices a VMEM buffer only at whole
-  # (8, 128) tiles or to its end, so a ragged last column window (C % 128 != 0) gets buffers of its
-  # own width, and a buffer is never narrower or wider than a window's unaligned width
+  # classes are keyed by window width, not by leaf: Mosaic slices a VMEM buffer's lanes only at
+  # whole (8, 128) tiles or to its end, so a ragged last column window (C % 128 != 0) gets buffers
+  # of its own width, and a buffer is never narrower or wider than a window's unaligned width
+  # ... and a packed (16-bit) buffer only at whole tiles of rows too: a window of such a class with
+  # a ragged row count gets buffers of exactly its rows (32-bit buffers take any row prefix)
   keys, rows, segments, start = {}, [], [], 0
   for i, spec in enumerate(specs):
+    sub = sublanes(spec.in_dtypes + spec.out_dtypes)
     for seg in _segments(i, spec.view, _leaf_tile(spec, tile_elems, max_cols), start):
-      key = (seg.window[-1], spec.in_dtypes, spec.out_dtypes, spec.body_key)
+      h, w = seg.window[1:]
+      exact = h if sub > 8 and h % sub else None
+      key = (w, exact, spec.in_dtypes, spec.out_dtypes, spec.body_key)
       if key not in keys:
         keys[key] = (len(rows), i)
         rows.append(0)
       cls = keys[key][0]
-      rows[cls] = max(rows[cls], seg.window[1])
+      rows[cls] = max(rows[cls], h)
       segments.append(dataclasses.replace(seg, cls=cls))
       start += seg.count
   classes = []
-  for (width, *_), (cls, lead) in keys.items():
+  for (width, exact, *_), (cls, lead) in keys.items():
     spec = specs[lead]
     sub = sublanes(spec.in_dtypes + spec.out_dtypes)
     buffers, in_buf, out_buf = _buffers(spec, out_reuse(spec.in_dtypes, spec.out_dtypes))
-    tile = (round_up(rows[cls], sub), width)
+    tile = (exact or round_up(rows[cls], sub), width)
     classes.append(TileClass(tile, sub, buffers, in_buf, out_buf, spec.body_key, lead))
   splits = _splits(specs, segments, start, cores)
   return Plan(tuple(classes), tuple(segments), start, splits, slots, tile_elems)

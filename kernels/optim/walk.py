@@ -186,6 +186,9 @@ def _window_start(seg: tiles.Segment, j):
 
 def _hbm_window(ref, start, window):
   """The leaf's (h, w) window of its (R, C) plane at l ([L, R, C]; [R, C] has no l)."""
+  # Mosaic does not bounds-check a static slice size: a plan made for another view of the leaf
+  # would read past its rows here
+  assert window[1] <= ref.shape[-2] and window[2] <= ref.shape[-1], (window, ref.shape)
   plane = (pl.ds(start[1], window[1]), pl.ds(start[2], window[2]))
   return ref.at[(start[0], *plane)] if len(ref.shape) == 3 else ref.at[plane]
 
@@ -201,6 +204,8 @@ def _compute(cls: tiles.TileClass, body, bufs, slot, rows, scalars):
   ins = [bufs[b] for b in cls.in_buffer]
   outs = [bufs[b] for b in cls.out_buffer]
   sub, cols = cls.sub, cls.tile[1]
+  if cls.tile[0] % sub:  # a packed class of one ragged row count (see tiles): one strip of them all
+    sub, rows = cls.tile[0], jnp.int32(cls.tile[0])
 
   def strip(i, carry):
     r = pl.multiple_of(i * sub, sub)
