@@ -5,9 +5,10 @@ Three layers, each a thin one over the next:
                 dataclasses of validated hyperparameters with ``delta(p, g, scalars, *slots)``);
   leaf.py       a rule on arrays: ``update_leaves`` runs every leaf of a tree in one pass over memory
                 (param, grad and state read once, new param and state written once: 7 x 4 bytes per
-                f32 parameter for AdamW) — on GPU one multi-tensor launch for the whole tree
-                (multi.py: a (leaf, chunk) walk, leaves aliased in place), on TPU one tiled kernel
-                per leaf (pallas.py) — or the pure-JAX reference (reference.py), all evaluating the
+                f32 parameter for AdamW) in ONE launch for the whole tree, leaves aliased in place —
+                on GPU a Triton (leaf, chunk) walk (multi.py), on TPU a Mosaic (leaf, window) walk
+                over each leaf in its own tiled layout (pallas.py launches it, tiles.py plans it,
+                walk.py is its body) — or the pure-JAX reference (reference.py), all evaluating the
                 same body;
   transform.py  a rule over a tree: an ``optax.GradientTransformation`` returning the update delta,
                 and an in-place ``step(params, grads, state)``, optionally shard-local on a mesh

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from kernels import autotune, backend
+from kernels.optim import pallas
 from kernels.optim.multi import LeafWork, MultiTensorBlocks, multi_tensor_call
-from kernels.optim.pallas import ElementwiseBlocks, elementwise_call
+from kernels.optim.pallas import ElementwiseBlocks
 from kernels.optim.reference import elementwise_reference
 from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
 
@@ -95,8 +96,9 @@ def update_leaves(
   write: Write = "param",
   options: KernelOptions,
 ) -> list[RuleUpdate]:
-  """Every leaf's step: on the GPU family one multi-tensor launch for all of them
-  (:mod:`kernels.optim.multi`), on the tiled family one kernel per leaf, else the XLA reference."""
+  """Every leaf's step: one multi-tensor launch for all of them (the Triton walk of
+  :mod:`kernels.optim.multi` on GPU, the Mosaic one of :mod:`kernels.optim.pallas` on TPU and its
+  interpreter), else the XLA reference."""
   masters = [None] * len(params) if masters is None else list(masters)
   works, leads = [], []
   for rule, p, g, s, m in zip(rules, params, grads, slots, masters, strict=True):
@@ -108,17 +110,10 @@ def update_leaves(
   kernel = options.use_kernel(target)
   stacked = jnp.stack(scalars).astype(jnp.float32) if scalars else jnp.zeros([1], jnp.float32)
   name = f"{type(rules[0]).__name__.lower()}_update" if rules else "update"
-  if kernel and target.family == "rowloop" and works:
-    blocks = options.blocks
-    if blocks is not None and not isinstance(blocks, MultiTensorBlocks):
-      raise TypeError(
-        f"blocks for the GPU (rowloop) kernel must be MultiTensorBlocks, got {blocks!r}"
-      )
-    outs = multi_tensor_call(
-      works, stacked, target=target, blocks=blocks, in_place=write == "param", name=name
-    )
+  if kernel and works:
+    outs = _launch(works, stacked, target, options.blocks, write, name)
   else:
-    outs = [_one(w, stacked, scalars, target, kernel, write, options, name) for w in works]
+    outs = [elementwise_reference(w.body, w.inputs, w.outputs, scalars) for w in works]
   return [
     RuleUpdate(o[lead], tuple(o[k] for k in rule.slots), o.get("master"))
     for o, lead, rule in zip(outs, leads, rules)
@@ -152,23 +147,16 @@ def _check_tuned(target, impl: str, blocks) -> None:
     raise TypeError(f"tuned blocks {blocks!r} are not {want.__name__} ({target.family} target)")
 
 
-def _one(work: LeafWork, stacked, scalars, target, kernel: bool, write: Write, options, name):
-  size = math.prod(next(iter(work.inputs.values())).shape)
-  if not (kernel and size):  # a size-0 leaf has nothing to tile: XLA no-op
-    return elementwise_reference(work.body, work.inputs, work.outputs, scalars)
-  blocks = options.blocks
-  if blocks is not None and not isinstance(blocks, ElementwiseBlocks):
-    raise TypeError(f"blocks for the tiled kernel must be ElementwiseBlocks, got {blocks!r}")
-  return elementwise_call(
-    work.body,
-    work.inputs,
-    work.outputs,
-    stacked,
-    target=target,
-    blocks=blocks,
-    in_place=write == "param",
-    name=name,
-  )
+def _launch(works, stacked, target, blocks, write: Write, name: str):
+  """One multi-tensor launch for the whole tree: the Triton (leaf, chunk) walk on the GPU family
+  (kernels.optim.multi), the Mosaic (leaf, window) walk on the tiled one (kernels.optim.pallas)."""
+  family = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
+  if blocks is not None and not isinstance(blocks, family):
+    raise TypeError(
+      f"blocks for the {target.family} kernel must be {family.__name__}, got {blocks!r}"
+    )
+  call = multi_tensor_call if target.family == "rowloop" else pallas.multi_tensor_call
+  return call(works, stacked, target=target, blocks=blocks, in_place=write == "param", name=name)
 
 
 def _leaf_work(rule: Rule, param, grad, slots: tuple, master, write: Write):
@@ -189,7 +177,8 @@ def _leaf_work(rule: Rule, param, grad, slots: tuple, master, write: Write):
     p = p + delta  # the kernel writes its cast to the param dtype beside the f32 master
     return (p, *new_state, p) if with_master else (p, *new_state)
 
-  return LeafWork(body, inputs, outputs), lead
+  key = (rule, src, write, with_master)  # what the body depends on, besides its arrays
+  return LeafWork(body, inputs, outputs, key), lead
 
 
 def _check_arrays(rule: Rule, param, grad, slots: tuple, master):

@@ -21,8 +21,8 @@ would overflow CUDA's kernel parameter space (32,764 bytes from CUDA 12.1 on sm_
 buffer pointer: ``MAX_POINTERS``); AdamW on the 0.5B / 1.5B trees is 2,030 / 2,366 pointers (16-19
 KB), one launch each. See :mod:`kernels.optim.evidence` for programs, bytes and occupancy.
 
-The TPU (tiled) family keeps one launch per leaf (kernels/optim/pallas.py): Mosaic stages tiles
-through VMEM by BlockSpec, which one walk over many whole-leaf operands cannot use.
+The TPU (tiled) family has its own one-launch walk (kernels/optim/pallas.py): (leaf, window) items
+DMA'd through VMEM, each leaf in its own tiled layout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -122,11 +122,13 @@ def estimated_registers(blocks: MultiTensorBlocks, n_inputs: int) -> int:
 
 class LeafWork(NamedTuple):
   """One leaf's part of a launch: ``body(scalars, *f32 [block] inputs) -> f32 [block] outputs``;
-  inputs: name -> [...] array (one shape); outputs: name -> dtype, in the order body returns them."""
+  inputs: name -> [...] array (one shape); outputs: name -> dtype, in the order body returns them;
+  key: leaves with equal keys have interchangeable bodies (None: this leaf's own)."""
 
   body: Callable
   inputs: dict[str, jax.Array]
   outputs: dict[str, Any]
+  key: Hashable = None
 
 
 def multi_tensor_call(

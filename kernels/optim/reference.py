@@ -1,5 +1,6 @@
-"""The pure-JAX twin of :func:`kernels.optim.pallas.elementwise_call`: the same body (built from a
-rule in :mod:`kernels.optim.rules`) evaluated on whole f32 arrays, which XLA fuses into one loop.
+"""The pure-JAX twin of the multi-tensor kernels (:mod:`kernels.optim.multi`, :mod:`kernels.optim.pallas`):
+the same body (built from a rule in :mod:`kernels.optim.rules`) evaluated on whole f32 arrays, which
+XLA fuses into one loop.
 
 The tests check both against ``optax`` itself (``optax.adamw`` / ``optax.lion`` / ``optax.sgd``).
 """
