@@ -226,6 +226,22 @@ def tests_jax011(session: nox.Session):
   session.run("pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
 
 
+TUNIX_PINS = ("jax==0.10.2",)  # tunix 0.1.7 is tested here against jax 0.10.2
+
+
+@nox.session
+def tunix(session: nox.Session):
+  """The tunix drop-in's tests (tests/integrations: parity with tunix's grpo_loss_fn, a GRPOLearner
+  run, the compiled fused gradient) in their own environment: google-tunix brings its own flax /
+  grain / qwix stack, kept out of .nox/dev. CPU only; ~5 minutes on 2 cores after the install."""
+  session.install("-e", ".[dev,tunix]", *TUNIX_PINS)
+  args = session.posargs or ["-n", "2", "--dist", "loadfile", "tests/integrations"]
+  session.run(
+    "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args,
+    env={"JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+
+
 @nox.session(venv_backend="none")
 def device(session: nox.Session):
   """On a lent GPU, one call per command: `nox -s device -- --call kernels|tune|loop [--out DIR]`

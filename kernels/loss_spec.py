@@ -15,7 +15,8 @@ from kernels import checks
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-IS_LEVELS = ("token", "sequence")
+IS_LEVELS = ("token", "sequence", "sequence_token")
+KL_ESTIMATORS = ("k3", "k1", "k2")
 DEFAULT_MAX_LOG_RATIO = 20.0  # tunix's bound: exp(20) ~ 4.9e8 keeps every term finite in f32
 
 
@@ -25,14 +26,20 @@ class LossSpec:
 
   loss_type: the reduction over masked tokens ("grpo" | "bnpo" | "dr_grpo" | "dapo").
   epsilon_low in [0, 1), epsilon_high >= 0: the PPO clip range [1 - epsilon_low, 1 + epsilon_high].
-  beta >= 0: weight of the k3 KL to the reference policy (needs ``ref_logps``).
+  beta >= 0: weight of the KL to the reference policy (needs ``ref_logps``).
+  kl_estimator: the per-token KL estimator, with d = ref - logp: "k3" (exp(d) - d - 1, Schulman's
+    low-variance estimator; tunix "low_var_kl"), "k1" (-d = logp - ref; tunix "kl"), "k2"
+    (d^2 / 2; tunix "mse_kl").
   temperature > 0: logits are divided by it.
   max_log_ratio > 0 or None: clamp of logp - old and ref - logp before exp (None: no clamp).
   is_mode: importance correction for the sampler's log-probs (needs ``sampler_logps``): None,
     "token_truncate", "token_mask", "sequence_truncate", "sequence_mask".
   is_cap > 0: the truncation / masking threshold of the importance weight.
-  importance_sampling_level: "token" (PPO / GRPO) or "sequence" (GSPO: the ratio of a sequence's
-    masked-mean log-ratio, shared by its tokens).
+  importance_sampling_level: "token" (PPO / GRPO), "sequence" (GSPO: the ratio of a sequence's
+    masked-mean log-ratio, shared by its tokens) or "sequence_token" (GSPO-token, tunix's
+    "gspo-token": the sequence's ratio as a value, each token's own log p for the gradient).
+  sequence_log_ratio_cap > 0 or None: with "sequence_token", the upper clamp of the sequence's
+    log-ratio (tunix clamps it at 10), zero gradient beyond.
   epsilon_c > 1 or None: dual-clip PPO; where A < 0 the per-token loss is capped at c * |A|.
   max_completion_length: positive int or None, dr_grpo's divisor (default T).
   """
@@ -48,9 +55,12 @@ class LossSpec:
   importance_sampling_level: str = "token"
   epsilon_c: float | None = None
   max_completion_length: int | None = None
+  kl_estimator: str = "k3"
+  sequence_log_ratio_cap: float | None = None
 
   def __post_init__(self):
     checks.choice("loss_type", self.loss_type, LOSS_TYPES)
+    checks.choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     checks.choice("is_mode", self.is_mode, IS_MODES)
     checks.choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
     checks.positive_int("max_completion_length", self.max_completion_length, allow_none=True)
@@ -67,15 +77,25 @@ class LossSpec:
       )
     if self.epsilon_c is not None:
       reals["epsilon_c"] = checks.real("epsilon_c", self.epsilon_c, lo=1.0, lo_open=True)
+    if self.sequence_log_ratio_cap is not None:
+      if self.importance_sampling_level != "sequence_token":
+        raise ValueError(
+          "sequence_log_ratio_cap needs importance_sampling_level='sequence_token', got "
+          f"{self.importance_sampling_level!r}"
+        )
+      reals["sequence_log_ratio_cap"] = checks.real(
+        "sequence_log_ratio_cap", self.sequence_log_ratio_cap, lo=0.0, lo_open=True
+      )
     # Python floats (not ints / numpy scalars), so that equal specs hash equal.
     for name, value in reals.items():
       object.__setattr__(self, name, value)
 
   @property
   def sequence_level(self) -> bool:
-    """True when a token's loss depends on other tokens of its sequence (GSPO or a sequence IS mode):
-    the loss weights of a token are then known only once the whole sequence's log-probs are."""
-    return self.importance_sampling_level == "sequence" or (
+    """True when a token's loss depends on other tokens of its sequence (GSPO, GSPO-token or a
+    sequence IS mode): the loss weights of a token are then known only once the whole sequence's
+    log-probs are (GSPO-token's gradient is per token, but its value is the sequence's ratio)."""
+    return self.importance_sampling_level != "token" or (
       self.is_mode is not None and self.is_mode.startswith("sequence")
     )
 

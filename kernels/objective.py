@@ -26,7 +26,7 @@ class Objective(NamedTuple):
   (finite) and every consumer selects them away."""
 
   per_token: jax.Array  # w * (-surrogate) + beta * kl
-  kl: jax.Array  # k3 KL(pi || ref), 0 when beta == 0
+  kl: jax.Array  # the KL(pi || ref) estimate (spec.kl_estimator), 0 when beta == 0
   is_clipped: jax.Array  # the ratio's gradient is cut by the PPO clip or the dual clip
   is_weight: jax.Array  # stop_gradient(w), 1 when is_mode is None
   sampler_log_ratio: jax.Array  # old - s, 0 without sampler log-probs
@@ -71,13 +71,16 @@ def policy_objective(
 
       token level:     r_t = logp_t - old_t
       sequence (GSPO): r_t = L_b = sum_t m_t (logp_t - old_t) / max(sum_t m_t, 1)   (grad through logp)
+      sequence_token:  r_t = logp_t - sg(logp_t) + sg(min(L'_b, cap)),  L'_b the same mean of
+                       clamp(logp_t - old_t, -M, M)   (GSPO-token; zero gradient where L'_b > cap)
       ratio     = exp(clamp(r, -M, M))
       surrogate = min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
       dual clip (epsilon_c = c): where A < 0, surrogate = max(surrogate, c * A)
       IS weight: rho_t = exp(old_t - s_t) (token modes) or exp(sum_t m_t (old_t - s_t)) (sequence
                  modes, shared by the sequence's tokens); truncate: w = min(rho, is_cap);
                  mask: w = rho if rho <= is_cap else 0; w = 1 without is_mode
-      per_token = -stop_gradient(w) * surrogate + beta * (exp(d) - d - 1),  d = clamp(ref - logp, -M, M)
+      per_token = -stop_gradient(w) * surrogate + beta * kl(d),  d = clamp(ref - logp, -M, M)
+      kl(d) = exp(d) - d - 1 (k3, default) | -d (k1) | d^2 / 2 (k2)
 
   ``clamp`` has zero gradient at and beyond the bound. With the defaults (token level, no IS, no dual
   clip) this is bit for bit the formula before these options existed.
@@ -93,6 +96,8 @@ def policy_objective(
   if spec.importance_sampling_level == "sequence":
     count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32), 1.0)
     log_ratio = jnp.broadcast_to(_masked_sum(log_ratio, mask) / count, logp.shape)
+  elif spec.importance_sampling_level == "sequence_token":
+    log_ratio = _sequence_token_log_ratio(logp, log_ratio, mask, spec)
   ratio = jnp.exp(clamp_log_ratio(log_ratio, bound))
   adv = advantages
   lo, hi = 1.0 - spec.epsilon_low, 1.0 + spec.epsilon_high
@@ -122,12 +127,36 @@ def policy_objective(
     per_token = per_token * is_weight
 
   if spec.beta != 0.0:
-    d = clamp_log_ratio(ref_logps - logp, bound)
-    kl = jnp.exp(d) - d - 1.0
+    kl = kl_divergence(ref_logps - logp, spec)
     per_token = per_token + spec.beta * kl
   else:
     kl = jnp.zeros_like(logp)
   return Objective(per_token, kl, is_clipped, is_weight, sampler_log_ratio)
+
+
+def kl_divergence(d, spec: LossSpec):
+  """The per-token KL estimate of d = ref - logp ([B, T] f32), clamped to +-max_log_ratio first:
+  k3 = exp(d) - d - 1, k1 = -d, k2 = d^2 / 2 (``spec.kl_estimator``)."""
+  d = clamp_log_ratio(d, spec.max_log_ratio)
+  if spec.kl_estimator == "k1":
+    return -d
+  if spec.kl_estimator == "k2":
+    return 0.5 * d * d
+  return jnp.exp(d) - d - 1.0
+
+
+def _sequence_token_log_ratio(logp, log_ratio, mask, spec: LossSpec):
+  """GSPO-token's log-ratio: in value the sequence's masked mean of the per-token log-ratios, each
+  clamped to +-max_log_ratio first (then capped above at ``sequence_log_ratio_cap``); in gradient
+  the token's own log p (d r_t / d logp_t = 1, zero beyond the cap). [B, T] f32 in and out."""
+  count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32), 1.0)
+  clamped = clamp_log_ratio(log_ratio, spec.max_log_ratio)
+  seq = jax.lax.stop_gradient(_masked_sum(clamped, mask) / count)  # [B, 1]
+  r = on_policy_log_ratio(logp) + seq
+  cap = spec.sequence_log_ratio_cap
+  if cap is None:
+    return r
+  return jnp.where(seq < cap, r, jnp.float32(cap))
 
 
 def token_coefficient(

@@ -183,3 +183,85 @@ def test_dapo_divides_by_num_items_in_batch():
   assert float(out) == pytest.approx(8.0 / 16.0)
   # a traced count <= 0 cannot be rejected: NaN, never +-inf
   assert np.isnan(reduce_loss(per_token, mask, loss_type="dapo", num_items_in_batch=0.0))
+
+
+def test_kl_estimators_by_hand():
+  """k1 / k2 / k3 on the two-token vocabulary (logp = ln 3/4) with ref = logp - ln 2 (d = -ln 2):
+  k3 = e^d - d - 1, k1 = -d, k2 = d^2 / 2, and their gradients d kl / d logp = 1 - e^d, 1, -d, times
+  (onehot - p) for the logits. Catches: estimators swapped or their sign flipped (k1's "logp - ref")."""
+  logits = jnp.array([[[0.0, math.log(3.0)]]])
+  ids, mask = jnp.array([[1]]), jnp.array([[True]])
+  ref = jnp.array([[math.log(0.75) - math.log(2.0)]])
+  d = -math.log(2.0)
+  expected = {"k3": (math.exp(d) - d - 1, 1 - math.exp(d)), "k1": (-d, 1.0), "k2": (d * d / 2, -d)}
+  onehot_minus_p = np.array([-0.25, 0.25])
+  for estimator, (kl, dkl) in expected.items():
+
+    def f(x, estimator=estimator):
+      return grpo_loss_reference(
+        x, ids, mask, jnp.array([0.0]), ref_logps=ref, beta=0.5, kl_estimator=estimator
+      )
+
+    (loss, aux), grad = jax.value_and_grad(f, has_aux=True)(logits)
+    assert float(aux.per_token_kl[0, 0]) == pytest.approx(kl, rel=1e-5), estimator
+    assert float(loss) == pytest.approx(0.5 * kl, rel=1e-5), estimator
+    np.testing.assert_allclose(grad[0, 0], 0.5 * dkl * onehot_minus_p, rtol=1e-5, err_msg=estimator)
+
+
+def test_kl_estimators_clamped():
+  """d = ref - logp beyond +-max_log_ratio is clamped in every estimator, with zero gradient:
+  a -inf ref (a sampler's masked token) gives a finite k1 / k2 like k3."""
+  logits = jnp.array([[[0.0, math.log(3.0)]]])
+  ids, mask = jnp.array([[1]]), jnp.array([[True]])
+  for estimator, kl in (("k1", 20.0), ("k2", 200.0), ("k3", math.exp(-20) + 19)):
+
+    def f(x, estimator=estimator):
+      out = grpo_loss_reference(
+        x, ids, mask, jnp.array([0.0]), ref_logps=jnp.array([[-jnp.inf]]), beta=1.0,
+        kl_estimator=estimator,
+      )  # fmt: skip
+      return out[0]
+
+    assert float(f(logits)) == pytest.approx(kl, rel=1e-5), estimator
+    np.testing.assert_array_equal(jax.grad(f)(logits), 0.0)
+
+
+def test_gspo_token_by_hand():
+  """GSPO-token on one sequence of two tokens with logp - old = (0.1, 0.5): the ratio is
+  exp(mean) = e^0.3 for both tokens (below 1 + epsilon_high: unclipped). With A = -1 the loss
+  (grpo's mean) is e^0.3 and each token's gradient its own, d loss / d logp_t = e^0.3 / 2. With
+  per-token A = (-1, -2) GSPO-token gives (0.5, 1.0) e^0.3 where GSPO's differentiable sequence
+  ratio spreads the sum, 0.75 e^0.3 each (catches GSPO-token computed as GSPO). The cap: a mean of
+  0.3 capped at 0.2 gives e^0.2 and no gradient."""
+  logits = jnp.array([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+  ids, mask = jnp.array([[1, 1]]), jnp.array([[True, True]])
+  lp = math.log(0.75)
+  old = jnp.array([[lp - 0.1, lp - 0.5]])
+  onehot_minus_p = np.array([-0.25, 0.25])
+  e = math.exp(0.3)
+
+  def f(x, adv=(-1.0,), level="sequence_token", **o):
+    adv = jnp.array([adv]) if len(adv) == 2 else jnp.array(adv)
+    kw = dict(old_logps=old, importance_sampling_level=level, epsilon_high=0.5)
+    return grpo_loss_reference(x, ids, mask, adv, **kw, **o)[0]
+
+  assert float(f(logits)) == pytest.approx(e, rel=1e-6)
+  np.testing.assert_allclose(jax.grad(f)(logits)[0], [e / 2 * onehot_minus_p] * 2, rtol=1e-6)
+  per_token = lambda level: jax.grad(lambda x: f(x, adv=(-1.0, -2.0), level=level))(logits)[0]
+  np.testing.assert_allclose(per_token("sequence_token"), [0.5 * e * onehot_minus_p, 1.0 * e * onehot_minus_p], rtol=1e-6)  # fmt: skip
+  np.testing.assert_allclose(per_token("sequence"), [0.75 * e * onehot_minus_p] * 2, rtol=1e-6)
+  assert float(f(logits, sequence_log_ratio_cap=0.2)) == pytest.approx(math.exp(0.2), rel=1e-6)
+  np.testing.assert_array_equal(jax.grad(lambda x: f(x, sequence_log_ratio_cap=0.2))(logits), 0.0)
+
+
+def test_new_spec_fields_validated():
+  from kernels import LossSpec
+
+  with pytest.raises(ValueError, match="kl_estimator must be one of"):
+    LossSpec(kl_estimator="k4")
+  with pytest.raises(ValueError, match="sequence_log_ratio_cap needs importance_sampling_level"):
+    LossSpec(sequence_log_ratio_cap=10.0)
+  with pytest.raises(ValueError, match="sequence_log_ratio_cap"):
+    LossSpec(importance_sampling_level="sequence_token", sequence_log_ratio_cap=0.0)
+  assert LossSpec(importance_sampling_level="sequence_token").sequence_level
+  assert hash(LossSpec(kl_estimator="k1")) == hash(LossSpec(kl_estimator="k1"))

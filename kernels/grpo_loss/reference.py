@@ -37,7 +37,7 @@ class GRPOAux(NamedTuple):
   per_token_logps: jax.Array  # [B, T] f32, log pi(completion_id); differentiable
   entropy: jax.Array  # [B, T] f32, entropy of softmax(logits / temperature); no gradient
   is_clipped: jax.Array  # [B, T] bool, the ratio's gradient is cut by the PPO clip or the dual clip
-  per_token_kl: jax.Array  # [B, T] f32, k3 KL(pi || ref), differentiable; 0 if beta == 0
+  per_token_kl: jax.Array  # [B, T] f32, KL(pi || ref) per spec.kl_estimator; 0 if beta == 0
   is_weight: jax.Array  # [B, T] f32, the importance weight w (1 when is_mode is None); no gradient
   sampler_log_ratio: jax.Array  # [B, T] f32, old - sampler_logps (0 without them); no gradient
 
