@@ -149,10 +149,11 @@ def grpo_loss(
     sharding.check_rows("logits", b)
   n = b * t // (1 if sharding is None else sharding.batch_shards)  # a kernel's rows: one shard's
   shape = dict(dtype=jnp.dtype(args.logits.dtype).name, tokens=n, vocab=v)
+  given = blocks  # the caller's own blocks are never silently replaced by the reference
   impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
   if target.platform == "tpu" and impl in ("auto", "pallas"):
     legal = _blocks.legal_on(target, blocks or default_blocks(target, n, v), shape)
-    impl = _blocks.checked_impl("grpo_loss", impl, legal)
+    impl = _blocks.checked_impl("grpo_loss", "pallas" if given else impl, legal) if legal else impl
   scale = checks.loss_scale(loss_scale)
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
     loss, aux = grpo_loss_reference(
