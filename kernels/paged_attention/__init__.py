@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import autotune, backend, checks
 from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
-from kernels.paged_attention.blocks import PagedBlocks, default_blocks
+from kernels.paged_attention.blocks import PagedBlocks, default_blocks, legal_on
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
 from kernels.paged_attention.reference import (
   combine_splits,
@@ -100,7 +100,10 @@ def paged_attention(
     out = _shard(sharding, kernel)(q, k_pages, v_pages, lengths, page_indices)
   else:
     blocks = blocks or default_blocks(target, b, hkv, pages_per_seq, page_size)
-    blocks.check(target, page_size, d, jnp.dtype(k_pages.dtype).itemsize)
+    shape = dict(dtype=k_pages.dtype, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size)
+    reason = legal_on(target, blocks, shape)  # tiles and, on TPU, a step's VMEM: before Mosaic
+    if reason:
+      raise ValueError(f"paged_attention blocks {blocks}: {reason}")
     if target.platform == "gpu" and d & (d - 1):
       raise ValueError(f"the GPU kernel needs a power-of-two head_dim, got {d}")
     cfg = PagedConfig(target, blocks, scale)
