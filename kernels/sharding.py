@@ -27,7 +27,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["KernelSharding", "shard_rows"]
+__all__ = ["KernelSharding", "local_batch", "shard_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,15 @@ class KernelSharding:
         f"{what}={size} is not divisible by the {n} shards of sharding.{field} "
         f"{getattr(self, field)!r}"
       )
+
+
+def local_batch(sharding: KernelSharding | None, name: str, b: int) -> int:
+  """One shard's batch: ``b`` over the batch axes (``b`` without a sharding); ValueError naming the
+  argument ``name`` when they do not divide it."""
+  if sharding is None:
+    return b
+  sharding.check_rows(name, b)
+  return b // sharding.batch_shards
 
 
 def shard_rows(sharding: KernelSharding | None, fn: Callable) -> Callable:

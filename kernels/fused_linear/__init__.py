@@ -20,7 +20,7 @@ from kernels.grpo_loss.args import LOGPS, LossArgs, validate_loss_args
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.grpo_loss.reference import GRPOAux
 from kernels.loss_spec import LossSpec
-from kernels.sharding import KernelSharding
+from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
   "IMPLS",
@@ -72,15 +72,12 @@ def fused_linear_grpo_loss(
       tuned cache's winner (:mod:`.tuned`), else ``xla`` on CPU, ``chunked`` on GPU and TPU.
     blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
       (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
-    sharding: inputs sharded over a mesh, e.g. ``KernelSharding(mesh, batch_axes=("dp", "fsdp"),
-      vocab_axis="tp")``: B split over ``batch_axes`` (B must divide evenly), ``lm_head`` over its
-      vocabulary on ``vocab_axis`` (V must divide evenly; tensor parallelism). The kernels run
-      shard-local in one ``shard_map``: each vocabulary shard's statistics are combined before the
-      loss, dhidden summed over vocabulary shards and dlm_head over batch shards; the loss's
-      reductions are taken on the whole [B, T] arrays outside it, so loss, aux and gradients equal
-      the unsharded call's. ``head_axis`` is unused here.
-    mesh, vocab_axis: the older spelling of ``sharding=KernelSharding(mesh, vocab_axis=...)``
-      (not together with ``sharding``).
+    sharding: e.g. ``KernelSharding(mesh, batch_axes=("dp", "fsdp"), vocab_axis="tp")``: B over
+      the batch axes, lm_head's V over ``vocab_axis`` (each must divide evenly). The kernels run
+      shard-local in one ``shard_map`` (V shards' statistics combined, dhidden summed over them,
+      dlm_head over the B shards); the loss's reductions stay on the whole arrays, so results equal
+      the unsharded call's. ``mesh`` / ``vocab_axis``: the older spelling of
+      ``KernelSharding(mesh, vocab_axis=...)`` (not with ``sharding``).
     loss_scale: multiplies the loss (a micro-batch's share), folded into each token's weight before
       the in-forward gradients, as in :func:`kernels.grpo_loss`. aux is not scaled.
 
@@ -100,9 +97,9 @@ def fused_linear_grpo_loss(
   logits = jax.ShapeDtypeStruct((b, t, v), hidden.dtype)
   args = validate_loss_args(logits, completion_ids, completion_mask, advantages, **logps, spec=spec, num_items_in_batch=num_items_in_batch)  # fmt: skip
   checks.positive_int("chunk_size", chunk_size, allow_none=True)
-  sharding = _sharding(sharding, mesh, vocab_axis, b, v)
+  sharding = _sharding(sharding, mesh, vocab_axis, v)
   tp = 1 if sharding is None else sharding.axis_size(sharding.vocab_axis)
-  n = b * t // (1 if sharding is None else sharding.batch_shards)  # a kernel's rows: one shard's
+  n = local_batch(sharding, "hidden", b) * t  # a kernel's rows: one shard's
   scale = checks.loss_scale(loss_scale)
   scale = jnp.float32(1.0) if scale is None else scale
   target = backend.resolve(platform, interpret)
@@ -162,9 +159,9 @@ def _check_head(hidden, lm_head):
   return hidden, lm_head
 
 
-def _sharding(sharding, mesh: Mesh | None, vocab_axis: str | None, b: int, v: int):
+def _sharding(sharding, mesh: Mesh | None, vocab_axis: str | None, v: int):
   """The call's KernelSharding (``mesh`` / ``vocab_axis`` are its older spelling), checked against
-  B and V; ValueError for an axis the mesh lacks or one that does not divide B or V."""
+  V; ValueError for an axis the mesh lacks or one that does not divide V."""
   if (mesh is None) != (vocab_axis is None):
     raise ValueError("pass mesh and vocab_axis together (or neither)")
   if mesh is not None:
@@ -174,7 +171,6 @@ def _sharding(sharding, mesh: Mesh | None, vocab_axis: str | None, b: int, v: in
       raise ValueError(f"vocab_axis {vocab_axis!r} is not an axis of the mesh {mesh.axis_names}")
     sharding = KernelSharding(mesh, vocab_axis=vocab_axis)
   if sharding is not None:
-    sharding.check_rows("hidden", b)
     sharding.check_axis("vocab_axis", "V", v)
   return sharding
 

@@ -62,7 +62,7 @@ from kernels.grpo_loss.reference import (
 )
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, LossSpec
 from kernels.objective import policy_objective
-from kernels.sharding import KernelSharding, shard_rows
+from kernels.sharding import KernelSharding, local_batch, shard_rows
 
 __all__ = [
   "DEFAULT_MAX_LOG_RATIO",
@@ -145,15 +145,10 @@ def grpo_loss(
   )
   target = backend.resolve(platform, interpret)
   b, t, v = args.logits.shape
-  if sharding is not None:
-    sharding.check_rows("logits", b)
-  n = b * t // (1 if sharding is None else sharding.batch_shards)  # a kernel's rows: one shard's
+  n = local_batch(sharding, "logits", b) * t  # a kernel's rows: one shard's
   shape = dict(dtype=jnp.dtype(args.logits.dtype).name, tokens=n, vocab=v)
-  given = blocks  # the caller's own blocks are never silently replaced by the reference
-  impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
-  if target.platform == "tpu" and impl in ("auto", "pallas"):
-    legal = _blocks.legal_on(target, blocks or default_blocks(target, n, v), shape)
-    impl = _blocks.checked_impl("grpo_loss", "pallas" if given else impl, legal) if legal else impl
+  tuned_impl, tuned_blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
+  impl, blocks = _legal_on_tpu(tuned_impl, tuned_blocks, blocks is not None, target, shape)
   scale = checks.loss_scale(loss_scale)
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
     loss, aux = grpo_loss_reference(
@@ -165,6 +160,19 @@ def grpo_loss(
     loss, aux = _sequence_level(impl, cfg, args, spec, num_items_in_batch, sharding)
     return (loss if scale is None else loss * scale), aux
   return _token_level(cfg, args, spec, num_items_in_batch, scale, sharding)
+
+
+def _legal_on_tpu(impl, blocks, given: bool, target, shape: dict):
+  """(impl, blocks), unless the TPU kernel cannot compile with them here (:func:`blocks.legal_on`):
+  then ``impl="auto"`` runs the reference (a warning says why) and an explicit impl or the caller's
+  own blocks are a ValueError, before anything reaches Mosaic."""
+  if target.platform != "tpu" or impl not in ("auto", "pallas"):
+    return impl, blocks
+  n, v = shape["tokens"], shape["vocab"]
+  reason = _blocks.legal_on(target, blocks or default_blocks(target, n, v), shape)
+  if reason is None:
+    return impl, blocks
+  return _blocks.checked_impl("grpo_loss", "pallas" if given else impl, reason), blocks
 
 
 def _logps(args: LossArgs) -> dict:

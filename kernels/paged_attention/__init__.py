@@ -18,7 +18,7 @@ from kernels.paged_attention.reference import (
   gather_pages,
   paged_attention_reference,
 )
-from kernels.sharding import KernelSharding
+from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
   "IMPLS",
@@ -118,10 +118,9 @@ def _local_sizes(sharding: KernelSharding | None, b: int, hq: int, hkv: int):
   """(B, Hq, Hkv) of one shard; ValueError when the batch or kv-head axes do not divide them."""
   if sharding is None:
     return b, hq, hkv
-  sharding.check_rows("q", b)
   sharding.check_axis("head_axis", "Hkv", hkv)
   heads = sharding.axis_size(sharding.head_axis)
-  return b // sharding.batch_shards, hq // heads, hkv // heads
+  return local_batch(sharding, "q", b), hq // heads, hkv // heads
 
 
 def _shard(sharding: KernelSharding | None, kernel):
