@@ -3,7 +3,8 @@
 default), ``nox -s parity`` (end-to-end parity of the loop's xla and pallas losses over seeds),
 ``nox -s profile`` (captured traces and their summaries), ``nox -s tensorboard -- <logdir>`` (a training
 run's scalars or a captured profile), ``nox -s sglang`` (the sglang-jax rollout backend's tests and its
-throughput vs our engines, Python 3.12).
+throughput vs our engines, Python 3.12), ``nox -s tpu_compile`` (every TPU kernel through libtpu's
+compiler for each generation, alone and sharded; its own environment with jax[tpu]).
 
 One environment for all of them: ``nox -s dev`` builds ``.nox/dev`` (the project with its ``dev``
 extra: jax, pytest, matplotlib, tensorboard + its profile plugin, ruff), and every session above except
@@ -240,6 +241,42 @@ def tunix(session: nox.Session):
     "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args,
     env={"JAX_PLATFORMS": "cpu"},
   )  # fmt: skip
+
+
+# pytest, xdist (two workers) and hypothesis, which tests/conftest.py imports
+TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hypothesis>=6.100")
+
+
+TPU_COMPILE_TESTS = (
+  "tests/test_tpu_compile.py",
+  "tests/rl/test_tpu_check.py",
+  "tests/test_optim_tiled.py",
+  "tests/test_tpu_targets.py",
+)
+
+
+@nox.session(python="3.11", default=False)
+def tpu_compile(session: nox.Session):
+  """Every TPU kernel and TPU config through libtpu's real compiler, no TPU needed:
+  tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
+  inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
+  tests/rl/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
+  twins); the TPU optimizer's and the slice table's compile tests. Its own environment: the project
+  + jax[tpu] at the version the project resolved (libtpu's compiler must match jaxlib). Pytest
+  arguments after --."""
+  session.install("-e", ".", *TPU_COMPILE_DEPS)
+  version = session.run("python", "-c", "import jax; print(jax.__version__)", silent=True).strip()
+  session.install(f"jax[tpu]=={version}")
+  # a CPU host: jax's own backend stays CPU while libtpu compiles for abstract TPU devices; the lock
+  # file would otherwise let one process on the machine load libtpu (xdist runs two)
+  session.env["JAX_PLATFORMS"] = "cpu"
+  session.env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+  args = session.posargs or [
+    *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "loadfile", "--max-worker-restart", "0"),
+    "--durations=10",
+    *TPU_COMPILE_TESTS,
+  ]
+  session.run("pytest", "-q", "-p", "no:cacheprovider", *args)
 
 
 @nox.session(venv_backend="none")

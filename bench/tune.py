@@ -32,12 +32,15 @@ from bench.cases import optim as optim_cases
 from bench.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
+from kernels.fused_linear import LinearBlocks
+from kernels.fused_linear import blocks as linear_blocks
 from kernels.fused_linear import mosaic_gpu as linear_mosaic
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
 from kernels.paged_attention import PagedBlocks
+from kernels.paged_attention import blocks as paged_blocks
 from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
 
 
@@ -285,6 +288,24 @@ def linear_candidates(problem: autotune.Problem, platform: str) -> list[autotune
 
 
 # -------------------------------------------------------------------------------------------- main
+LEGAL_ON = {  # per kernel family: why blocks cannot compile on a target (a TPU generation's VMEM, tiles)
+  "grpo_loss": (LossBlocks, loss_blocks.legal_on),
+  "paged_attention": (PagedBlocks, paged_blocks.legal_on),
+  "fused_linear": (LinearBlocks, linear_blocks.legal_on),
+}
+
+
+def legal_candidates(problem: autotune.Problem, cands, platform: str) -> list[autotune.Candidate]:
+  """``cands`` less those whose TPU blocks cannot compile on this device's generation, so that
+  ``impl="auto"`` can never pick one (GPU / CPU candidates are checked by their own grids)."""
+  kind, legal_on = LEGAL_ON.get(problem.op, (None, None))
+  if platform != "tpu" or legal_on is None:
+    return list(cands)
+  target = backend.resolve(platform)
+  ok = lambda b: not isinstance(b, kind) or legal_on(target, b, problem.shape) is None
+  return [c for c in cands if ok(c.blocks)]
+
+
 PROBLEMS = {
   "grpo_loss": (loss_problems, loss_candidates),
   "paged_attention": (paged_problems, paged_candidates),
@@ -312,7 +333,7 @@ def run(
     problems_of, candidates_of = PROBLEMS[op]
     path = autotune.tune(
       problems_of(size, platform),
-      lambda p, c=candidates_of: c(p, platform),
+      lambda p, c=candidates_of: legal_candidates(p, c(p, platform), platform),
       directory=out,
       repeats=repeats,
       log=log,

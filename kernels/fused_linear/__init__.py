@@ -12,7 +12,7 @@ from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas as _pallas
 from kernels.fused_linear import tuned as _tuned
 from kernels.fused_linear import vjp as _vjp
-from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk
+from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk, legal_on
 from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
 from kernels.grpo_loss import blocks as loss_blocks
@@ -20,6 +20,7 @@ from kernels.grpo_loss.args import LOGPS, LossArgs, validate_loss_args
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.grpo_loss.reference import GRPOAux
 from kernels.loss_spec import LossSpec
+from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
   "IMPLS",
@@ -55,6 +56,7 @@ def fused_linear_grpo_loss(
   mesh: Mesh | None = None,
   vocab_axis: str | None = None,
   loss_scale=None,  # scalar (may be traced) or None: the returned loss is loss * loss_scale
+  sharding: KernelSharding | None = None,  # B's and V's mesh axes: the kernels run shard-local
   **spec_fields,  # LossSpec fields as keywords (beta=..., loss_type=...); with spec= they must agree
 ) -> tuple[jax.Array, GRPOAux]:
   """``kernels.grpo_loss(hidden @ lm_head, ...)`` without the [B, T, V] logits; differentiable w.r.t.
@@ -70,8 +72,12 @@ def fused_linear_grpo_loss(
       tuned cache's winner (:mod:`.tuned`), else ``xla`` on CPU, ``chunked`` on GPU and TPU.
     blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
       (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
-    mesh, vocab_axis: tensor parallelism: ``lm_head`` split over its vocabulary on mesh axis
-      ``vocab_axis`` (``shard_map``; the shards' statistics are combined before the loss).
+    sharding: e.g. ``KernelSharding(mesh, batch_axes=("dp", "fsdp"), vocab_axis="tp")``: B over
+      the batch axes, lm_head's V over ``vocab_axis`` (each must divide evenly). The kernels run
+      shard-local in one ``shard_map`` (V shards' statistics combined, dhidden summed over them,
+      dlm_head over the B shards); the loss's reductions stay on the whole arrays, so results equal
+      the unsharded call's. ``mesh`` / ``vocab_axis``: the older spelling of
+      ``KernelSharding(mesh, vocab_axis=...)`` (not with ``sharding``).
     loss_scale: multiplies the loss (a micro-batch's share), folded into each token's weight before
       the in-forward gradients, as in :func:`kernels.grpo_loss`. aux is not scaled.
 
@@ -91,11 +97,13 @@ def fused_linear_grpo_loss(
   logits = jax.ShapeDtypeStruct((b, t, v), hidden.dtype)
   args = validate_loss_args(logits, completion_ids, completion_mask, advantages, **logps, spec=spec, num_items_in_batch=num_items_in_batch)  # fmt: skip
   checks.positive_int("chunk_size", chunk_size, allow_none=True)
-  tp = _vocab_shards(mesh, vocab_axis, v)
+  sharding = _sharding(sharding, mesh, vocab_axis, v)
+  tp = 1 if sharding is None else sharding.axis_size(sharding.vocab_axis)
+  n = local_batch(sharding, "hidden", b) * t  # a kernel's rows: one shard's
   scale = checks.loss_scale(loss_scale)
   scale = jnp.float32(1.0) if scale is None else scale
   target = backend.resolve(platform, interpret)
-  shape = _tuned.shape_key(b * t, hd, v // tp, hidden.dtype)
+  shape = _tuned.shape_key(n, hd, v // tp, hidden.dtype)
   choice = _tuned.choose(impl, blocks, chunk_size, target, shape)
   fallback = (
     "xla" if target.platform == "cpu" else "chunked"
@@ -109,7 +117,7 @@ def fused_linear_grpo_loss(
       hidden, lm_head, args.ids, args.mask, args.advantages, spec=spec, num_items_in_batch=num_items_in_batch, **logps
     )  # fmt: skip
     return loss * scale, jax.tree.map(jax.lax.stop_gradient, aux)
-  static = _static(impl, choice, target, args, hd, v // tp, spec, mesh, vocab_axis)
+  static = _static(impl, choice, target, args, hd, v // tp, spec, sharding, n)
   return _run(static, hidden, lm_head, args, num_items_in_batch, scale)
 
 
@@ -151,25 +159,26 @@ def _check_head(hidden, lm_head):
   return hidden, lm_head
 
 
-def _vocab_shards(mesh: Mesh | None, vocab_axis: str | None, v: int) -> int:
-  """How many vocabulary shards (1 without a mesh); ValueError for an axis the mesh lacks or one
-  that does not divide V."""
+def _sharding(sharding, mesh: Mesh | None, vocab_axis: str | None, v: int):
+  """The call's KernelSharding (``mesh`` / ``vocab_axis`` are its older spelling), checked against
+  V; ValueError for an axis the mesh lacks or one that does not divide V."""
   if (mesh is None) != (vocab_axis is None):
     raise ValueError("pass mesh and vocab_axis together (or neither)")
-  if mesh is None:
-    return 1
-  if vocab_axis not in mesh.axis_names:
-    raise ValueError(f"vocab_axis {vocab_axis!r} is not an axis of the mesh {mesh.axis_names}")
-  tp = mesh.shape[vocab_axis]
-  if v % tp:
-    raise ValueError(f"V={v} is not divisible by the {tp} shards of mesh axis {vocab_axis!r}")
-  return tp
+  if mesh is not None:
+    if sharding is not None:
+      raise ValueError("pass sharding= or mesh= / vocab_axis=, not both")
+    if vocab_axis not in mesh.axis_names:
+      raise ValueError(f"vocab_axis {vocab_axis!r} is not an axis of the mesh {mesh.axis_names}")
+    sharding = KernelSharding(mesh, vocab_axis=vocab_axis)
+  if sharding is not None:
+    sharding.check_axis("vocab_axis", "V", v)
+  return sharding
 
 
-def _static(impl, choice, target, args: LossArgs, hd, vs, spec, mesh, vocab_axis) -> _vjp.Static:
-  """The call's static half: the kernel configs of ``impl`` for one shard's [H, vs] head."""
+def _static(impl, choice, target, args: LossArgs, hd, vs, spec, sharding, n) -> _vjp.Static:
+  """The call's static half: the kernel configs of ``impl`` for one shard's n rows and [H, vs] head."""
   b, t, _ = args.logits.shape
-  n, blocks = b * t, choice.blocks
+  blocks = choice.blocks
   if impl == "pallas" and target.platform == "gpu":
     # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
     # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
@@ -178,10 +187,16 @@ def _static(impl, choice, target, args: LossArgs, hd, vs, spec, mesh, vocab_axis
   if impl == "mosaic_gpu":
     fused = _mosaic.make_config(target, blocks, n, hd, vs, args.logits.dtype, spec.temperature)
   elif impl == "pallas":
-    blocks = default_blocks(target, n, hd, vs) if blocks is None else blocks
-    blocks.check(target, n, hd, vs)
+    blocks = (
+      default_blocks(target, n, hd, vs, args.logits.dtype.itemsize) if blocks is None else blocks
+    )
+    reason = legal_on(target, blocks, _tuned.shape_key(n, hd, vs, args.logits.dtype))
+    if reason:  # tiles that cannot compile here: refused before anything compiles
+      raise ValueError(f"fused_linear_grpo_loss(impl='pallas'): {reason}")
     fused = _pallas.FusedConfig(target, blocks, vs, spec.temperature)
   chunk = default_chunk(n, vs) if choice.chunk_size is None else choice.chunk_size
   softmax = LossConfig(target, loss_blocks.default_blocks(target, chunk, vs), vs, spec.temperature)
   present = tuple(getattr(args, name) is not None for name in LOGPS)
-  return _vjp.Static(impl, fused, softmax, chunk, mesh, vocab_axis, b, t, spec, present)
+  mesh, axis = (None, None) if sharding is None else (sharding.mesh, sharding.vocab_axis)
+  rows = () if sharding is None else sharding.batch_axes
+  return _vjp.Static(impl, fused, softmax, chunk, mesh, axis, b, t, spec, present, rows)

@@ -25,8 +25,9 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.fused_linear.blocks import LinearBlocks
+from kernels.fused_linear.blocks import LinearBlocks, kernel_vmem_bytes
 from kernels.lse import NEG_BIG, online_update
+from kernels.tpu_vmem import vmem_limit
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -38,6 +39,14 @@ class FusedConfig:
   blocks: LinearBlocks
   vocab: int  # columns of this shard
   temperature: float
+
+
+def _params(cfg: FusedConfig, h, kernel: str, semantics):
+  """Compiler params of one kernel: its grid semantics and, where its step outgrows the scoped VMEM
+  default, the generation's VMEM as the limit (:func:`kernels.tpu_vmem.vmem_limit`)."""
+  need = kernel_vmem_bytes(cfg.blocks, h.shape[1], h.dtype.itemsize)[kernel]
+  limit = vmem_limit(cfg.target, need)
+  return backend.compiler_params(cfg.target, dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 
 def _cols(j, shape, cfg):
@@ -114,9 +123,7 @@ def stats(cfg: FusedConfig, h, w, ids):
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
     scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)]
     + [backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
-    compiler_params=backend.compiler_params(
-      cfg.target, dimension_semantics=("parallel", "arbitrary", "arbitrary")
-    ),
+    compiler_params=_params(cfg, h, "stats", ("parallel", "arbitrary", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_stats",
   )(h, w, ids.reshape(n, 1))
@@ -130,6 +137,21 @@ def _dlogits(h, w, ids, lse, g, col, valid, cfg):
   return jnp.where(valid, g * ((col == ids).astype(jnp.float32) - p), 0.0)
 
 
+def _zero_tail_columns(w_ref, j, cfg: FusedConfig):
+  """Zero the weight tile's columns past V in the last vocabulary step: its DMA left garbage there
+  (maybe NaN, and 0 * NaN is NaN in dl @ w^T). A store into the input window, in the tail step only;
+  a select over the whole [H, bv] tile with an iota mask is a relayout Mosaic rejects
+  (``vector<HxBVxi1>``), and would cost a pass over the tile at every step."""
+  bv = cfg.blocks.block_v
+  tail = cfg.vocab % bv
+  if tail == 0:
+    return
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _zero():
+    w_ref[:, tail:] = jnp.zeros((w_ref.shape[0], bv - tail), w_ref.dtype)
+
+
 def _dh_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, acc, *, cfg: FusedConfig):
   j = pl.program_id(1)
 
@@ -137,9 +159,9 @@ def _dh_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, acc, *, cfg: Fused
   def _init():
     acc[...] = jnp.zeros_like(acc)
 
-  h = h_ref[...]
+  _zero_tail_columns(w_ref, j, cfg)
+  h, w = h_ref[...], w_ref[...]
   col, valid = _cols(j, (h.shape[0], cfg.blocks.block_v), cfg)
-  w = jnp.where(valid[:1], w_ref[...], 0)  # the tail tile's columns past V hold garbage, maybe NaN
   dl = _dlogits(h, w, ids_ref[...], lse_ref[...], g_ref[...], col, valid, cfg)
   acc[...] += jax.lax.dot_general(dl.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
 
@@ -190,9 +212,7 @@ def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
     out_specs=pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
     out_shape=jax.ShapeDtypeStruct((n, hd), dh_dtype),
     scratch_shapes=[backend.scratch_vmem((bn, hd), jnp.float32)],
-    compiler_params=backend.compiler_params(
-      cfg.target, dimension_semantics=("parallel", "arbitrary")
-    ),
+    compiler_params=_params(cfg, h, "dhidden", ("parallel", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_dhidden",
   )(h, w, *per_token)
@@ -208,9 +228,7 @@ def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
     out_specs=pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
     out_shape=jax.ShapeDtypeStruct((hd, v), dw_dtype),
     scratch_shapes=[backend.scratch_vmem((hd, bv), jnp.float32)],
-    compiler_params=backend.compiler_params(
-      cfg.target, dimension_semantics=("parallel", "arbitrary")
-    ),
+    compiler_params=_params(cfg, h, "dweight", ("parallel", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_dweight",
   )(h, w, *per_token)

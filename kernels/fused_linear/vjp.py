@@ -36,6 +36,7 @@ class Static:
   seq: int
   loss: LossSpec
   present: tuple  # (old_logps, ref_logps, sampler_logps) given; absent ones are zero placeholders
+  rows: tuple[str, ...] = ()  # mesh axes splitting the tokens (with mesh): shard-local rows
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -117,19 +118,30 @@ def _compute(
 
 
 def _sharded(static: Static, local, with_grads: bool, h, w, ids, extra):
-  """``local(static, h, w_shard, ids_local, *extra)`` -> ((lse, logp, entropy) | (), dh, dw), run on
-  every vocabulary shard (shard_map) or on the whole vocabulary."""
+  """``local(static, h_rows, w_shard, ids_local, *extra)`` -> ((lse, logp, entropy) | (), dh, dw),
+  run on every (token rows, vocabulary) shard (shard_map) or on the whole problem. Every ``extra``
+  is per token ([n]); dh comes back split like h, dw like w (summed over the row shards)."""
   if static.mesh is None:
     return local(static, h, w, ids, *extra)
-  rep, by_vocab = P(), P(None, static.axis)
-  stats_out = () if local is _local_grads else (rep,) * 3
+  rows, by_vocab = P(static.rows or None), P(None, static.axis)
+  stats_out = () if local is _local_grads else (rows,) * 3
   return jax.shard_map(
     functools.partial(local, static),
     mesh=static.mesh,
-    in_specs=(rep, by_vocab, rep, *((rep,) * len(extra))),
-    out_specs=(stats_out, rep if with_grads else P(), by_vocab if with_grads else P()),
+    in_specs=(rows, by_vocab, rows, *((rows,) * len(extra))),
+    out_specs=(stats_out, rows if with_grads else P(), by_vocab if with_grads else P()),
     check_vma=False,
   )(h, w, ids, *extra)
+
+
+def _sum_shards(static: Static, dh, dw):
+  """A shard's (dh, dw) summed where other shards hold parts: dh over the vocabulary shards, dw
+  (f32) over the token-row shards."""
+  if static.axis is not None:
+    dh = jax.lax.psum(dh, static.axis)
+  if static.rows:
+    dw = jax.lax.psum(dw, static.rows)
+  return dh, dw
 
 
 def _shard_ids(static: Static, w, ids):
@@ -179,15 +191,14 @@ def _local_grads(static: Static, h, w, ids, lse, g, *stored):
   if static.impl == "chunked":
     dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g)
   else:
-    # Whole-vocabulary gradients are final: store them in the input dtypes; shards' dh parts sum in f32.
+    # Whole gradients are final: stored in the input dtypes; shards' parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
+    dw_dtype = jnp.float32 if static.rows else w.dtype
     if static.impl == "mosaic_gpu":
-      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype, stored or None)
+      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype, stored or None)
     else:
-      dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, w.dtype)
-  if static.axis is not None:
-    dh = jax.lax.psum(dh, static.axis)
-  return (), dh, dw
+      dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype)
+  return (), *_sum_shards(static, dh, dw)
 
 
 def _local_one_pass(static: Static, h, w, ids, mask, adv, old, ref, sampler, weights):
@@ -208,6 +219,4 @@ def _local_one_pass(static: Static, h, w, ids, mask, adv, old, ref, sampler, wei
   tok = (mask, adv, old, ref, sampler, weights)
   ids = _shard_ids(static, w, ids)
   stats, dh, dw = _chunked.run(static.softmax, static.chunk, h, w, ids, tok, finish, True)
-  if static.axis is not None:
-    dh = jax.lax.psum(dh, static.axis)
-  return stats, dh, dw
+  return stats, *_sum_shards(static, dh, dw)

@@ -40,10 +40,13 @@ concrete; under ``jax.jit`` an unmasked id outside [0, V), a NaN / inf advantage
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kernels import autotune, backend, checks, loss_spec
+from kernels.grpo_loss import blocks as _blocks
 from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
 from kernels.grpo_loss import train as _train
@@ -59,6 +62,7 @@ from kernels.grpo_loss.reference import (
 )
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, LossSpec
 from kernels.objective import policy_objective
+from kernels.sharding import KernelSharding, local_batch, shard_rows
 
 __all__ = [
   "DEFAULT_MAX_LOG_RATIO",
@@ -94,6 +98,7 @@ def grpo_loss(
   blocks: LossBlocks | None = None,
   reuse_logits_buffer: bool = False,
   loss_scale=None,  # scalar (may be traced) or None: the returned loss is loss * loss_scale
+  sharding: KernelSharding | None = None,  # B's mesh axes: the kernels run shard-local
   **spec_fields,  # LossSpec fields as keywords (beta=..., loss_type=...); with spec= they must agree
 ) -> tuple[jax.Array, GRPOAux]:
   """GRPO clipped-surrogate loss (TRL / Liger semantics; the formulas: this module's docstring),
@@ -116,6 +121,11 @@ def grpo_loss(
       rather than multiplied afterwards, the kernels fold it into each token's loss weight, so the
       training path's backward sees cotangent 1 and makes no pass over [N, V] (see
       :mod:`kernels.grpo_loss.vjp`). aux is not scaled.
+    sharding: inputs sharded over a mesh: ``KernelSharding(mesh, batch_axes=("dp", "fsdp"))`` splits
+      B over those axes (B must divide evenly; the other fields are unused here). The kernels run
+      shard-local in a ``shard_map`` (XLA cannot partition a Mosaic call) on B / shards rows each;
+      the loss's reductions (token counts, the mean over B) are taken on the whole arrays outside
+      it, so loss, aux and gradients equal the unsharded call's. None: no mesh (one device).
 
   Raises:
     ValueError: see :func:`kernels.grpo_loss.args.validate_loss_args` for the full list.
@@ -135,37 +145,53 @@ def grpo_loss(
   )
   target = backend.resolve(platform, interpret)
   b, t, v = args.logits.shape
-  shape = dict(dtype=jnp.dtype(args.logits.dtype).name, tokens=b * t, vocab=v)
-  impl, blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
+  n = local_batch(sharding, "logits", b) * t  # a kernel's rows: one shard's
+  shape = dict(dtype=jnp.dtype(args.logits.dtype).name, tokens=n, vocab=v)
+  tuned_impl, tuned_blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
+  impl, blocks = _legal_on_tpu(tuned_impl, tuned_blocks, blocks is not None, target, shape)
   scale = checks.loss_scale(loss_scale)
   if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
     loss, aux = grpo_loss_reference(
       args.logits, args.ids, args.mask, args.advantages, **_logps(args), spec=spec, num_items_in_batch=num_items_in_batch
     )  # fmt: skip
     return (loss if scale is None else loss * scale), aux
-  cfg = _kernel_config(impl, args, target, blocks, spec, reuse_logits_buffer)
+  cfg = _kernel_config(impl, args, target, blocks, spec, reuse_logits_buffer, n)
   if spec.sequence_level:
-    loss, aux = _sequence_level(impl, cfg, args, spec, num_items_in_batch)
+    loss, aux = _sequence_level(impl, cfg, args, spec, num_items_in_batch, sharding)
     return (loss if scale is None else loss * scale), aux
-  return _token_level(cfg, args, spec, num_items_in_batch, scale)
+  return _token_level(cfg, args, spec, num_items_in_batch, scale, sharding)
+
+
+def _legal_on_tpu(impl, blocks, given: bool, target, shape: dict):
+  """(impl, blocks), unless the TPU kernel cannot compile with them here (:func:`blocks.legal_on`):
+  then ``impl="auto"`` runs the reference (a warning says why) and an explicit impl or the caller's
+  own blocks are a ValueError, before anything reaches Mosaic."""
+  if target.platform != "tpu" or impl not in ("auto", "pallas"):
+    return impl, blocks
+  n, v = shape["tokens"], shape["vocab"]
+  reason = _blocks.legal_on(target, blocks or default_blocks(target, n, v), shape)
+  if reason is None:
+    return impl, blocks
+  return _blocks.checked_impl("grpo_loss", "pallas" if given else impl, reason), blocks
 
 
 def _logps(args: LossArgs) -> dict:
   return dict(old_logps=args.old_logps, ref_logps=args.ref_logps, sampler_logps=args.sampler_logps)
 
 
-def _kernel_config(impl, args: LossArgs, target, blocks, spec: LossSpec, reuse_logits_buffer: bool):
-  """The kernel's static config: Mosaic GPU (impl="mosaic_gpu") or the Pallas tiled / rowloop one."""
+def _kernel_config(impl, args: LossArgs, target, blocks, spec: LossSpec, reuse: bool, n: int):
+  """The kernel's static config for its ``n`` rows (one shard's): Mosaic GPU (impl="mosaic_gpu") or
+  the Pallas tiled / rowloop one; ``reuse``: reuse_logits_buffer."""
   b, t, v = args.logits.shape
   x = args.logits.reshape(b * t, v)
   if impl == "mosaic_gpu":  # the Hopper kernel; impl="pallas" is Triton on GPU
-    return _mosaic_gpu.make_config(x, target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse_logits_buffer)  # fmt: skip
-  blocks = default_blocks(target, b * t, v) if blocks is None else blocks
-  blocks.check(target, b * t, v)
-  return _pallas.LossConfig(target, blocks, v, spec.temperature, reuse_logits_buffer)
+    return _mosaic_gpu.make_config(x, target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse)  # fmt: skip
+  blocks = default_blocks(target, n, v) if blocks is None else blocks
+  blocks.check(target, n, v)
+  return _pallas.LossConfig(target, blocks, v, spec.temperature, reuse)
 
 
-def _token_level(kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, scale):
+def _token_level(kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, scale, sharding):
   """The two-pass training path (:mod:`kernels.grpo_loss.vjp`): a token's loss weight is a function
   of its own log p, so the forward writes dlogits in the same pass."""
   b, t, v = args.logits.shape
@@ -179,20 +205,18 @@ def _token_level(kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch,
   present = tuple(k for k in _train.TOKEN_FIELDS[3:] if data[k] is not None)
   cfg = _train.TrainConfig(kernel_cfg, spec, _train.TOKEN_FIELDS[:3] + present)
   x, ids = args.logits.reshape(b * t, v), args.ids.reshape(b * t)
-  loss, logp, entropy = _vjp.loss_logps(_vjp.Static(cfg, b, t), x, ids, data)
+  loss, logp, entropy = _vjp.loss_logps(_vjp.Static(cfg, b, t, sharding), x, ids, data)
   obj = policy_objective(logp.reshape(b, t), args.mask, args.advantages, spec, **_logps(args))
   return loss, make_aux(args.mask, logp.reshape(b, t), entropy.reshape(b, t), obj)
 
 
-def _sequence_level(impl, kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch):
+def _sequence_level(impl, kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, sharding):
   """GSPO / sequence IS modes: the statistics forward, the [B, T] objective, the backward kernel
   (three passes: a token's weight is known only once its whole sequence's log-probs are)."""
   b, t, v = args.logits.shape
   x, ids = args.logits.reshape(b * t, v), args.ids.reshape(b * t)
-  if impl == "mosaic_gpu":
-    logp, entropy = _mosaic_gpu.token_logps_cfg(kernel_cfg, x, ids)
-  else:
-    logp, entropy = _pallas.token_logps(kernel_cfg, x, ids)
+  kernel = _mosaic_gpu.token_logps_cfg if impl == "mosaic_gpu" else _pallas.token_logps
+  logp, entropy = shard_rows(sharding, functools.partial(kernel, kernel_cfg))(x, ids)
   return objective_and_loss(
     logp.reshape(b, t),
     entropy.reshape(b, t),

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+
+import jax.numpy as jnp
 
 from kernels import lse
 from kernels.backend import Target
+from kernels.tpu_vmem import scoped_vmem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +165,80 @@ def mosaic_budget(n: int, v: int, itemsize: int, blocks, hw: Hopper = Hopper()):
   )
 
 
-def tiled_train_rows(block_n: int, n: int, v: int, itemsize: int, target: Target) -> int:
-  """Rows per step of the tiled training kernel, whose [rows, V] block stays in VMEM (in and out,
-  double-buffered: 4 rows x V x itemsize): on TPU capped so that this is <= 48 MiB, a multiple of 8
-  (or all N); the interpreter takes block_n."""
+# ------------------------------------------------------------------- TPU VMEM (per generation)
+MiB = 2**20
+TRAIN_BLOCK_CAP = 48 * MiB  # the training kernel's row block in + dlogits out, double-buffered
+TRAIN_HEADROOM = 4 * MiB
+
+
+def train_vmem_bytes(rows: int, v: int, itemsize: int, bv: int) -> int:
+  """VMEM of one tiled training step: the [rows, V] block in and dlogits out, each double-buffered,
+  plus f32 chunk temporaries (8 [rows, bv]) and 4 MiB of headroom."""
+  return 4 * rows * v * itemsize + 8 * rows * bv * 4 + TRAIN_HEADROOM
+
+
+def tiled_train_rows(
+  block_n: int, n: int, v: int, itemsize: int, target: Target, block_v: int = 2048
+) -> int:
+  """Rows per step of the tiled training kernel, whose [rows, V] block stays in VMEM: on TPU the most
+  (a multiple of 8, at most block_n, or all N) whose blocks stay <= 48 MiB and whose step fits the
+  generation's VMEM (:func:`train_vmem_bytes`; v4's 16 MiB takes 8 rows of a 151936-wide bf16 row);
+  never below 8 (:func:`legal_on` refuses what 8 rows do not fit). The interpreter takes block_n."""
   if target.platform != "tpu" or target.interpret:
     return block_n
-  fit = max(8, (48 * 2**20 // (4 * v * itemsize)) // 8 * 8)
+  per_row = 4 * v * itemsize
+  fit = min(TRAIN_BLOCK_CAP // per_row, (target.vmem_bytes - TRAIN_HEADROOM) // (per_row + 32 * block_v))  # fmt: skip
+  fit = max(8, fit // 8 * 8)
   return n if n <= min(block_n, fit) else min(block_n, fit)
+
+
+def tile_vmem_bytes(bn: int, bv: int, itemsize: int) -> int:
+  """VMEM of the statistics / backward kernels' [bn, bv] step (a model, conservative against the
+  compiler's figures): the logits tile in and dlogits out, double-buffered, ~6 f32 tile temporaries,
+  and the [bn, 1] per-token blocks, each padded to a 128-lane tile (8 of them, double-buffered)."""
+  return 4 * bn * bv * itemsize + 6 * bn * bv * 4 + 16 * bn * 128 * 4
+
+
+def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
+  """Why ``blocks`` cannot compile for ``target`` at ``shape`` (the tuner's dict: tokens, vocab,
+  dtype), or None. TPU: Mosaic's (8, 128) tile rule, the statistics / backward tile within the scoped
+  VMEM default (those kernels pass no limit), and the training kernel's 8-row block (its minimum)
+  within the generation's VMEM. Other targets: :meth:`LossBlocks.check`."""
+  n, v = shape["tokens"], shape["vocab"]
+  itemsize = _itemsize(shape["dtype"])
+  try:
+    blocks.check(target, n, v)
+  except ValueError as e:
+    return str(e)
+  if target.platform != "tpu" or target.interpret:
+    return None
+  bn, bv = min(blocks.block_n, n), min(blocks.block_v, v)
+  where = f"TPU {target.generation or '(any generation)'}"
+  tile = tile_vmem_bytes(bn, bv, itemsize)
+  if tile > scoped_vmem(target):
+    return f"{where}: a [{bn}, {bv}] tile needs ~{tile / MiB:.1f} MiB of VMEM, over the {scoped_vmem(target) / MiB:.0f} MiB scoped default"  # fmt: skip
+  rows = tiled_train_rows(blocks.block_n, n, v, itemsize, target, blocks.block_v)
+  need = train_vmem_bytes(rows, v, itemsize, blocks.block_v)
+  if need > target.vmem_bytes:
+    return (
+      f"{where}: the training kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of VMEM, "
+      f"over the {target.vmem_bytes / MiB:.0f} MiB there (a narrower vocabulary or bf16 logits fit)"
+    )
+  return None
+
+
+def checked_impl(op: str, impl: str, reason: str | None) -> str:
+  """``impl`` where the kernel's blocks are legal (``reason`` None); else ``impl="auto"`` falls back
+  to the XLA reference with a warning naming the reason, and an explicit impl is a ValueError: a
+  kernel that cannot compile here is refused before anything compiles, never a compile error."""
+  if reason is None:
+    return impl
+  if impl != "auto":
+    raise ValueError(f"{op}(impl={impl!r}): {reason}")
+  msg = f"{op}: the kernel cannot run here ({reason}); impl='auto' runs the XLA reference"
+  warnings.warn(msg, stacklevel=3)
+  return "xla"
+
+
+def _itemsize(dtype) -> int:
+  return jnp.dtype(dtype).itemsize

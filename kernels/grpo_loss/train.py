@@ -31,7 +31,7 @@ from jax.extend import core as jax_core
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas as _pallas
-from kernels.grpo_loss.blocks import tiled_train_rows
+from kernels.grpo_loss.blocks import tiled_train_rows, train_vmem_bytes
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.loss_spec import LossSpec
 from kernels.objective import token_coefficient
@@ -165,7 +165,8 @@ def _tiled_train_kernel(x_ref, ids_ref, tok_ref, *out_refs, cfg: TrainConfig):
 
 def _tiled_train(cfg: TrainConfig, x, ids, tok):
   n, v = x.shape
-  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target)
+  bv = cfg.loss.blocks.block_v
+  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target, bv)
   row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
   block = pl.BlockSpec((bn, v), lambda i: (i, 0))
   outs = pl.pallas_call(
@@ -188,10 +189,9 @@ def _tiled_train(cfg: TrainConfig, x, ids, tok):
 
 
 def tiled_vmem_bytes(bn: int, v: int, dtype, bv: int) -> int:
-  """VMEM of one tiled training step: the row block in and dlogits out, each double-buffered, plus
-  f32 chunk temporaries and 4 MiB of headroom (:func:`tiled_train_rows` keeps the blocks <= 48 MiB)."""
-  block = bn * v * jnp.dtype(dtype).itemsize
-  return 4 * block + 8 * bn * bv * 4 + (4 << 20)
+  """VMEM of one tiled training step (:func:`kernels.grpo_loss.blocks.train_vmem_bytes`, whose rows
+  rule :func:`tiled_train_rows` fits it to the generation's VMEM)."""
+  return train_vmem_bytes(bn, v, jnp.dtype(dtype).itemsize, bv)
 
 
 # ---------------------------------------------------------------------------------- rowloop family

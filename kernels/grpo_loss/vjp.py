@@ -36,6 +36,7 @@ from kernels.grpo_loss import pallas as _pallas
 from kernels.grpo_loss import train as _train
 from kernels.grpo_loss.reference import reduce_loss
 from kernels.objective import policy_objective
+from kernels.sharding import KernelSharding, shard_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Static:
   kernel: object
   batch: int
   seq: int
+  sharding: KernelSharding | None = None  # the kernels run shard-local over its batch axes
 
 
 def loss_value(static: Static, logp, data: dict):
@@ -87,7 +89,8 @@ def token_inputs(static: Static, data: dict):
 
 def _kernels(static: Static):
   """(stats, train, grad) of the impl: stats(x, ids) -> (logp, ent, res); train(x, ids, tok) ->
-  (logp, ent, res, dlogits); grad(x, ids, res, g) -> dlogits."""
+  (logp, ent, res, dlogits); grad(x, ids, res, g) -> dlogits. Every argument and result is per row;
+  with a sharding each runs shard-local over its batch axes (a Mosaic call cannot be partitioned)."""
   cfg = static.kernel
   if isinstance(cfg.loss, _pallas.LossConfig):
     loss = cfg.loss
@@ -96,8 +99,9 @@ def _kernels(static: Static):
       _train.train_fwd(cfg, x, ids, tok)
     )
     grad = lambda x, ids, res, g: _pallas._bwd_call(loss, x, ids, *res, g)
-    return stats, train, grad
-  return _mosaic_train.train_kernels(cfg)
+  else:
+    stats, train, grad = _mosaic_train.train_kernels(cfg)
+  return tuple(shard_rows(static.sharding, f) for f in (stats, train, grad))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

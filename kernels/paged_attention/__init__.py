@@ -7,16 +7,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kernels import autotune, backend, checks
 from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
-from kernels.paged_attention.blocks import PagedBlocks, default_blocks
+from kernels.paged_attention.blocks import PagedBlocks, default_blocks, legal_on
 from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
 from kernels.paged_attention.reference import (
   combine_splits,
   gather_pages,
   paged_attention_reference,
 )
+from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
   "IMPLS",
@@ -45,6 +47,7 @@ def paged_attention(
   platform: backend.Platform | None = None,
   interpret: bool | None = None,
   blocks: PagedBlocks | None = None,
+  sharding: KernelSharding | None = None,  # sequences' and kv heads' mesh axes: runs shard-local
 ):  # -> [B, Hq, D] in q's dtype
   """Grouped-query softmax attention of each sequence's query over its first ``lengths[b]`` tokens.
 
@@ -69,6 +72,12 @@ def paged_attention(
       interpreter is only a correctness tool, else pallas.
     platform, interpret: the kernel target (see :func:`kernels.backend.resolve`).
     blocks: override the block heuristic (:func:`default_blocks`).
+    sharding: inputs sharded over a mesh, e.g. ``KernelSharding(mesh, batch_axes=("dp",),
+      head_axis="tp")``: the sequences (q, lengths, page_indices) split over ``batch_axes``, the kv
+      heads (k_pages, v_pages; q's heads with their kv head) over ``head_axis``; the page pool is
+      not split over the batch axes (any sequence may use any page). B and Hkv must divide evenly.
+      The kernel runs shard-local in a ``shard_map`` (XLA cannot partition a Mosaic call) with
+      blocks for the local B / Hkv; ``vocab_axis`` is unused here. The xla impl ignores it.
   """
   checks.choice("impl", impl, IMPLS)
   q, k_pages, v_pages = (checks.as_array(n, a) for n, a in zip(_KV_NAMES, (q, k_pages, v_pages)))
@@ -80,24 +89,54 @@ def paged_attention(
     lengths, page_indices, k_pages.shape[1], page_size
   )
   target = backend.resolve(platform, interpret)
+  b, _hq, hkv = _local_sizes(sharding, b, _hq, hkv)  # what one shard's kernel sees
   impl, blocks = autotune.resolve("paged_attention", impl, blocks, target, dict(dtype=jnp.dtype(k_pages.dtype).name, batch=b, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size, ctx=pages_per_seq * page_size))  # fmt: skip
   if impl == "auto":
     impl = "xla" if target.platform == "cpu" else "pallas"
   if impl == "xla":
     out = paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, scale=scale)
   elif impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
-    out = _mosaic_gpu.paged_attention(q, k_pages, v_pages, lengths, page_indices, scale=scale, target=target, blocks=blocks)  # fmt: skip
+    kernel = functools.partial(_mosaic_gpu.paged_attention, scale=scale, target=target, blocks=blocks)  # fmt: skip
+    out = _shard(sharding, kernel)(q, k_pages, v_pages, lengths, page_indices)
   else:
     blocks = blocks or default_blocks(target, b, hkv, pages_per_seq, page_size)
-    blocks.check(target, page_size, d, jnp.dtype(k_pages.dtype).itemsize)
+    shape = dict(dtype=k_pages.dtype, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size)
+    reason = legal_on(target, blocks, shape)  # tiles and, on TPU, a step's VMEM: before Mosaic
+    if reason:
+      raise ValueError(f"paged_attention blocks {blocks}: {reason}")
     if target.platform == "gpu" and d & (d - 1):
       raise ValueError(f"the GPU kernel needs a power-of-two head_dim, got {d}")
     cfg = PagedConfig(target, blocks, scale)
-    out = _pallas(cfg, q, k_pages, v_pages, lengths, page_indices)
+    out = _shard(sharding, functools.partial(_pallas, cfg))(q, k_pages, v_pages, lengths, page_indices)  # fmt: skip
   return jnp.where(poisoned[:, None, None], jnp.nan, out).astype(out.dtype)
 
 
 _KV_NAMES = ("q", "k_pages", "v_pages")
+
+
+def _local_sizes(sharding: KernelSharding | None, b: int, hq: int, hkv: int):
+  """(B, Hq, Hkv) of one shard; ValueError when the batch or kv-head axes do not divide them."""
+  if sharding is None:
+    return b, hq, hkv
+  sharding.check_axis("head_axis", "Hkv", hkv)
+  heads = sharding.axis_size(sharding.head_axis)
+  return local_batch(sharding, "q", b), hq // heads, hkv // heads
+
+
+def _shard(sharding: KernelSharding | None, kernel):
+  """``kernel(q, k_pages, v_pages, lengths, page_indices)`` run shard-local: sequences over the batch
+  axes, kv heads (and their q heads) over the head axis."""
+  if sharding is None:
+    return kernel
+  rows, heads = sharding.batch_axes or None, sharding.head_axis
+  kv = P(heads)
+  return jax.shard_map(
+    kernel,
+    mesh=sharding.mesh,
+    in_specs=(P(rows, heads), kv, kv, P(rows), P(rows)),
+    out_specs=P(rows, heads),
+    check_vma=False,
+  )
 
 
 def _checked_table(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from kernels.backend import Target
 from kernels.paged_attention import plan as plan_lib
+from kernels.tpu_vmem import scoped_vmem
 
 GPU_TILE_TOKENS = 64  # Triton K / V tile: 4 pages of 16; 32 KiB of bf16 K + V per stage at D = 128
 GPU_STAGES = 4  # Triton software-pipeline depth: 3 tiles (96 KiB) requested while one is computed
@@ -91,6 +94,37 @@ class PagedBlocks:
       stages=self.num_stages,
       smem_per_cta=smem,
     )
+
+
+def tile_vmem_bytes(blocks: PagedBlocks, page_size: int, head_dim: int, group: int, itemsize: int):
+  """VMEM of one TPU grid step (a model, conservative): the block's K and V pages double-buffered,
+  their concatenated [bk, D] copies, the position iota and masked V ([bk, D] 32-bit each), the
+  [G, bk] f32 scores / probabilities, and the [G, D] / [G, 128] query, output and scratch tiles."""
+  bk = blocks.pages_per_block * page_size
+  g = max(group, 8)  # a [G, x] tile occupies at least 8 sublanes
+  return 4 * bk * head_dim * itemsize + 2 * bk * head_dim * itemsize + 2 * bk * head_dim * 4 + 3 * g * bk * 4 + 8 * g * max(head_dim, 128) * 4  # fmt: skip
+
+
+def legal_on(target: Target, blocks: PagedBlocks, shape: dict) -> str | None:
+  """Why ``blocks`` cannot compile for ``target`` at ``shape`` (the tuner's dict: dtype, batch,
+  q_heads, kv_heads, head_dim, page_size, ctx), or None: :meth:`PagedBlocks.check`, and on TPU one
+  grid step within the scoped VMEM default (the kernel passes no limit)."""
+  itemsize = jnp.dtype(shape["dtype"]).itemsize
+  try:
+    blocks.check(target, shape["page_size"], shape["head_dim"], itemsize)
+  except ValueError as e:
+    return str(e)
+  if target.platform != "tpu" or target.interpret:
+    return None
+  group = shape["q_heads"] // shape["kv_heads"]
+  need = tile_vmem_bytes(blocks, shape["page_size"], shape["head_dim"], group, itemsize)
+  if need > scoped_vmem(target):
+    return (
+      f"TPU {target.generation or '(any generation)'}: a step of {blocks.pages_per_block} pages "
+      f"needs ~{need / 2**20:.1f} MiB of VMEM, over the {scoped_vmem(target) / 2**20:.0f} MiB "
+      "scoped default (fewer pages_per_block fit)"
+    )
+  return None
 
 
 def default_blocks(
