@@ -72,14 +72,11 @@ def run_optimizer(cfg: GRPOConfig, params, mesh=None):
 
 def loss_settings(cfg: GRPOConfig, impl: str, mesh=None) -> LossSettings:
   """The GRPO loss settings as rl.step.GRPOStep builds them for a run on `mesh`."""
-  tp = mesh is not None and cfg.mesh.tp > 1
   return LossSettings(
     completion_len=cfg.sampling.max_new_tokens,
     spec=cfg.loss_spec,
     impl=impl,
     fused_lm_head=cfg.train.fused_lm_head,
-    mesh=mesh if tp else None,
-    vocab_axis="tp" if tp else None,
     remat=cfg.train.remat,
     kernel_sharding=kernel_sharding.batch_sharding(mesh),
   )

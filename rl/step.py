@@ -215,14 +215,11 @@ class GRPOStep:
   def __init__(self, setup: Setup, policy: Policy):
     self.setup, self.policy = setup, policy
     cfg = setup.cfg
-    tp = cfg.mesh.tp > 1
     self.loss = LossSettings(
       completion_len=cfg.sampling.max_new_tokens,
       spec=cfg.loss_spec,
       impl=setup.loss_impl,
       fused_lm_head=cfg.train.fused_lm_head,
-      mesh=setup.mesh if tp else None,
-      vocab_axis="tp" if tp else None,
       remat=cfg.train.remat,
       kernel_sharding=kernel_sharding.batch_sharding(setup.mesh),
     )

@@ -36,7 +36,7 @@ from flax import nnx
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import kernel_sharding, mismatch
+from rl import mismatch
 from rl.optimizer import Optimizer, _global_norm
 
 # The optimizer's names, as rl.update always offered them (rl.setup, rl.run, rl.check, bench, tests)
@@ -98,11 +98,9 @@ class LossSettings:
   spec: kernels.LossSpec = dataclasses.field(default_factory=kernels.LossSpec)
   impl: str = "auto"  # kernels.grpo_loss / fused_linear_grpo_loss impl
   fused_lm_head: bool = False
-  vocab_axis: str | None = None  # tensor-parallel vocabulary axis of the fused loss (with `mesh`)
-  mesh: Any = None
   remat: str = "none"  # rl.model.qwen.REMAT: what each decoder layer keeps for the backward
-  # The loss kernels' layout over the run's mesh (rl.kernel_sharding.batch_sharding; None: one
-  # device, or kernels without shard-local entries): hashable, compiled into the step.
+  # The loss kernels' layout over the run's mesh (rl.kernel_sharding.batch_sharding: rows over the
+  # batch axes, the fused loss's vocabulary over tp; None: one device): hashable, compiled in.
   kernel_sharding: Any = None
 
   def __post_init__(self):
@@ -227,7 +225,7 @@ def policy_loss(
     # the scale goes into the kernels' per-token weights (loss_scale): the loss's cotangent stays 1,
     # so the gradients written in the forward need no rescaling pass over [N, V] (or [H, V])
     loss_scale=scale,
-    **kernel_sharding.kernel_kwargs(settings.kernel_sharding),
+    sharding=settings.kernel_sharding,
   )
   if settings.fused_lm_head:
     weight = model.lm_head_weight()
@@ -237,8 +235,6 @@ def policy_loss(
       ids,
       mask,
       mb.advantages,
-      mesh=settings.mesh,
-      vocab_axis=settings.vocab_axis,
       **kw,
     )
   return kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
