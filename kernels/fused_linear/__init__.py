@@ -103,12 +103,7 @@ def fused_linear_grpo_loss(
   scale = checks.loss_scale(loss_scale)
   scale = jnp.float32(1.0) if scale is None else scale
   target = backend.resolve(platform, interpret)
-  shape = _tuned.shape_key(n, hd, v // tp, hidden.dtype)
-  choice = _tuned.choose(impl, blocks, chunk_size, target, shape)
-  fallback = (
-    "xla" if target.platform == "cpu" else "chunked"
-  )  # the interpreter is a correctness tool
-  impl = fallback if choice.impl == "auto" else choice.impl
+  impl, choice = _choose(impl, blocks, chunk_size, target, _tuned.shape_key(n, hd, v // tp, hidden.dtype))  # fmt: skip
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
   hidden = jnp.where(args.mask[..., None], hidden, jnp.zeros((), hidden.dtype))
   if impl == "xla":
@@ -119,6 +114,14 @@ def fused_linear_grpo_loss(
     return loss * scale, jax.tree.map(jax.lax.stop_gradient, aux)
   static = _static(impl, choice, target, args, hd, v // tp, spec, sharding, n)
   return _run(static, hidden, lm_head, args, num_items_in_batch, scale)
+
+
+def _choose(impl, blocks, chunk_size, target, shape: dict) -> tuple[str, _tuned.Choice]:
+  """The impl to run and the tiles (:mod:`.tuned`: the cache's winner or the caller's); ``auto``
+  without a cache entry: ``xla`` on CPU (the interpreter is a correctness tool), else ``chunked``."""
+  choice = _tuned.choose(impl, blocks, chunk_size, target, shape)
+  fallback = "xla" if target.platform == "cpu" else "chunked"
+  return (fallback if choice.impl == "auto" else choice.impl), choice
 
 
 def _run(static: _vjp.Static, hidden, lm_head, args: LossArgs, num_items_in_batch, scale):
