@@ -53,9 +53,12 @@ class LossBlocks:
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   """The heuristic. Why these numbers:
 
-  * TPU: 128 x 2048 tiles keep a bf16 logits tile at 512 KiB (double-buffered by the pipeline) and the
-    f32 temporaries of one tile at about 1 MiB each, well inside the default scoped VMEM of v4-v6; the
-    vocabulary tail is masked in-kernel, so V = 151936 (= 74 * 2048 + 384) needs no padding.
+  * TPU: block_n 128 caps the rows per step (the statistics and training kernels hold [rows, V]
+    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.tiles.stats_rows); block_v 4096 is
+    the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
+    enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
+    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
+    in-kernel, so V = 151936 needs no padding.
   * GPU: one row per program, 8192-wide chunks over 16 warps (16 contiguous elements, two 16-byte
     loads per thread per chunk), two pipeline stages: :func:`rowloop_budget` gives one resident
     program per SM (so the rows being swept, 132 x 297 KB = 39 MB, fit the 50 MB L2 that the training
@@ -71,7 +74,7 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
     warps = max(1, min(16, bv // 512))
     return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
-    return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 2048 else 2048)
+    return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 4096 else 4096)
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
 
 

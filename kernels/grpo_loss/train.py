@@ -27,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jax_core
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas as _pallas
-from kernels.grpo_loss.blocks import tiled_train_rows
+from kernels.grpo_loss import tiles
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.loss_spec import LossSpec
 from kernels.objective import token_coefficient
@@ -122,76 +123,59 @@ def _replay(jaxpr, consts, args):
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_sweep(cfg: LossConfig, fold, carry):
-  """fold(start, width, carry) over the row block's full chunks (a loop) and its tail (static)."""
-  bv = cfg.blocks.block_v
-  full, tail = divmod(cfg.vocab, bv)
-  if full:
-    carry = jax.lax.fori_loop(0, full, lambda k, c: fold(pl.multiple_of(k * bv, bv), bv, c), carry)
-  return fold(full * bv, tail, carry) if tail else carry
-
-
-def _tiled_train_kernel(x_ref, ids_ref, tok_ref, *out_refs, cfg: TrainConfig):
+def _tiled_train_kernel(ids_ref, x_ref, chosen_ref, tok_ref, *out_refs, cfg, rows_per_step):
+  """Per group of rows (:mod:`kernels.grpo_loss.tiles`): the statistics sweeps, log p, the
+  coefficient g, the dlogits sweep, then each row's chosen column; all from the [bn, V] block in
+  VMEM. ids_ref: all N ids in SMEM (the chosen columns' addresses)."""
   logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
-  loss, inv_t = cfg.loss, 1.0 / cfg.loss.temperature
-  ids = ids_ref[...]  # [bn, 1]
+  bn, v = x_ref.shape
+  sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v)
 
-  def chunk(start, width):
-    x = x_ref[:, pl.ds(start, width)].astype(jnp.float32) * inv_t
-    return x, start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  def rows_body(rows, size):
+    m, l, s = lse.merge(*tiles.lane_stats(x_ref, rows, sw, size), axis=1)
+    logp, ent, lse_rel, shift = tiles.finalize(m, l, s, chosen_ref[rows, :], 1.0)
+    tok = {k: tok_ref[rows, i : i + 1] for i, k in enumerate(cfg.fields)}
+    g = coefficient(cfg, logp, tok)
+    tiles.write_grads(x_ref, dx_ref, rows, sw, m, l, g)
+    # the chosen column: g * onehot - g * softmax, in the order the sweep's formula had it
+    value = jnp.where(g == 0, 0.0, g + (-g / l) * jnp.exp(chosen_ref[rows, :] - m))
+    first = pl.program_id(0) * rows_per_step + rows.start
+    tiles.patch_chosen(dx_ref, rows, size, first, ids_ref, value, sw)
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
+      ref[rows, :] = val
 
-  def stats(start, width, carry):
-    z, col = chunk(start, width)
-    return lse.online_update(z, col == ids, col < loss.vocab, *carry, axis=1)
-
-  col_vec = jnp.zeros(ids.shape, jnp.float32)
-  init = (jnp.full(ids.shape, lse.NEG_BIG, jnp.float32),) + (col_vec,) * 4
-  logp, ent, lse_rel, shift = _pallas.finalize(*_tiled_sweep(loss, stats, init))
-  tok = {k: tok_ref[:, i : i + 1] for i, k in enumerate(cfg.fields)}
-  g = coefficient(cfg, logp, tok)
-
-  def grads(start, width, carry):
-    z, col = chunk(start, width)
-    d = jnp.where(
-      g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp((z - shift) - lse_rel))
-    )
-    dx_ref[:, pl.ds(start, width)] = d.astype(dx_ref.dtype)
-    return carry
-
-  _tiled_sweep(loss, grads, 0)
-  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
-    ref[...] = val
+  tiles.for_row_groups(bn, tiles.row_group(bn, x_ref.dtype), rows_body)
 
 
 def _tiled_train(cfg: TrainConfig, x, ids, tok):
   n, v = x.shape
-  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target)
-  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
-  block = pl.BlockSpec((bn, v), lambda i: (i, 0))
-  outs = pl.pallas_call(
-    functools.partial(_tiled_train_kernel, cfg=cfg),
+  bn = tiles.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
+  chosen = tiles.chosen_logit(x, ids, v, cfg.loss.temperature).reshape(n, 1)
+  # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
+  row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
+  block = pl.BlockSpec((bn, v), lambda i, ids: (i, 0))
+  grid = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
     grid=(pl.cdiv(n, bn),),
-    in_specs=[block, row_spec, pl.BlockSpec((bn, tok.shape[1]), lambda i: (i, 0))],
+    in_specs=[block, row_spec, pl.BlockSpec((bn, tok.shape[1]), lambda i, ids: (i, 0))],
     out_specs=[row_spec] * 4 + [block],
+  )
+  outs = pl.pallas_call(
+    functools.partial(_tiled_train_kernel, cfg=cfg, rows_per_step=bn),
+    grid_spec=grid,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4
     + [jax.ShapeDtypeStruct((n, v), x.dtype)],
-    input_output_aliases={0: 4} if cfg.loss.reuse_logits_buffer else {},
+    # operand 0 is the prefetched ids: the logits are operand 1
+    input_output_aliases={1: 4} if cfg.loss.reuse_logits_buffer else {},
     compiler_params=backend.compiler_params(
       cfg.loss.target,
       dimension_semantics=("parallel",),
-      vmem_limit_bytes=tiled_vmem_bytes(bn, v, x.dtype, cfg.loss.blocks.block_v),
+      vmem_limit_bytes=tiles.vmem_bytes(bn, v, x.dtype, blocks=2),
     ),
     interpret=cfg.loss.target.interpret,
     name="grpo_loss_train",
-  )(x, ids.reshape(n, 1), tok)
+  )(ids, x, chosen, tok)
   return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)
-
-
-def tiled_vmem_bytes(bn: int, v: int, dtype, bv: int) -> int:
-  """VMEM of one tiled training step: the row block in and dlogits out, each double-buffered, plus
-  f32 chunk temporaries and 4 MiB of headroom (:func:`tiled_train_rows` keeps the blocks <= 48 MiB)."""
-  block = bn * v * jnp.dtype(dtype).itemsize
-  return 4 * block + 8 * bn * bv * 4 + (4 << 20)
 
 
 # ---------------------------------------------------------------------------------- rowloop family
