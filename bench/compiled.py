@@ -260,5 +260,80 @@ def merge_modelled(measured: list, compiled: list[dict]) -> list[dict]:
   return [dict(as_dict(r), compiled=by_name.get(as_dict(r)["name"])) for r in measured]
 
 
+# ------------------------------------------------------------- the compile-checked tuner (TPU)
+def evaluate_modelled(slice_name: str, dump: pathlib.Path):
+  """``kernels.autotune.tune``'s ``evaluate`` for a TPU generation on a host without it: every
+  candidate compiled (nothing runs: parity is not checked here, only the interpreter tests check
+  the kernels), those that fail dropped with the compiler's reason, the rest ranked by modelled time
+  (:func:`model`). The heuristic row is compiled and modelled too, as the baseline."""
+  import jax
+
+  from kernels import autotune, backend, tpu_targets
+
+  gen = tpu_targets.Slice.parse(slice_name).generation
+  sharding = jax.sharding.SingleDeviceSharding(backend.tpu_devices(slice_name)[0])
+
+  def evaluate(problem, candidates, deadline, log):
+    abstract = jax.eval_shape(problem.make_inputs)
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    specs = jax.tree.map(spec, abstract)
+    todo = (
+      [autotune.Candidate(autotune.HEURISTIC, None, problem.heuristic)] if problem.heuristic else []
+    )
+    rows = []
+    with backend.use_target("tpu", interpret=False, generation=gen.name):
+      for cand in [*todo, *candidates]:
+        side = compile_side(cand.fn, specs, (), dump)
+        m = model({"bytes": problem.ideal_bytes}, side, gen)
+        row = dict(impl=cand.impl, blocks=autotune.blocks_to_json(cand.blocks), label=cand.label)
+        row.update(ok=m["modelled_s"] is not None, time_s=m["modelled_s"], parity_error=None,
+                   source="modelled", bound=m["bound"])  # fmt: skip
+        if side["status"] != "ok" or m["modelled_s"] is None:
+          row["error"] = side.get("error") or m["why"]
+        rows.append(row)
+        t = "-" if row["time_s"] is None else f"{row['time_s'] * 1e3:.3f} ms modelled"
+        log(f"  {problem.op} {cand.label}: {t}{' ' + row['error'] if row.get('error') else ''}")
+    passing = [r for r in rows if r["ok"] and r["impl"] != autotune.HEURISTIC]
+    winner = min(passing, key=lambda r: r["time_s"]) if passing else None
+    entry = dict(
+      shape=problem.shape,
+      winner=None if winner is None else dict(impl=winner["impl"], blocks=winner["blocks"]),
+      candidates=[r for r in rows if r["impl"] != autotune.HEURISTIC],
+    )
+    base = next((r for r in rows if r["impl"] == autotune.HEURISTIC), None)
+    if base is not None:
+      entry["heuristic"] = base
+    return entry
+
+  return gen, evaluate
+
+
+def tune_in_process(slice_name, size, out, ops, run_modelled_op):
+  """The op subprocess of :func:`tune_modelled`: its libtpu dumps to $BENCH_TPU_DUMP."""
+  gen, evaluate = evaluate_modelled(slice_name, pathlib.Path(os.environ["BENCH_TPU_DUMP"]))
+  log = lambda line: print(line, flush=True)
+  return run_modelled_op(size, out, ops, log=log, platform="tpu", kind=gen.device_kind,
+                         evaluate=evaluate, source="modelled")  # fmt: skip
+
+
+def tune_modelled(target: str, size: str, out, ops, timeout_s: float = 3600.0):
+  """``python -m bench.tune --target``: one subprocess per op (libtpu's dump flag is per process);
+  returns the cache file of the generation's device kind."""
+  from kernels import autotune, tpu_targets
+
+  name = target[4:] if target.lower().startswith("tpu-") else target
+  gen = tpu_targets.Slice.parse(name).generation
+  for op in dict.fromkeys(ops):
+    with tempfile.TemporaryDirectory(prefix="tpu-tune-") as dump:
+      env = tpu_schedule.dump_env(dump)
+      env["BENCH_TPU_DUMP"] = dump
+      env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+      cmd = [sys.executable, "-m", "bench.tune", "--target", name, "--in-process", "--op", op,
+             "--size", size] + (["--out", str(out)] if out else [])  # fmt: skip
+      print(f"[tune] {op}: compiling candidates for {name}", flush=True)
+      subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s, check=False)
+  return autotune.cache_path(gen.device_kind, out)
+
+
 if __name__ == "__main__":
   raise SystemExit(_suite_main())
