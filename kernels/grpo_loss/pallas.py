@@ -13,13 +13,16 @@ path for token-level specs is :mod:`kernels.grpo_loss.train` (one kernel: statis
 coefficient, dlogits) under the custom VJP of :mod:`kernels.grpo_loss.vjp`.
 
 Two families:
-  tiled   (TPU, CPU interpreter): grid (rows / bn, V / bv), the vocab axis a sequential reduction.
+  tiled   (TPU, CPU interpreter): statistics over grid (rows / bn,), a [bn, V] row block in VMEM
+                                  swept in register-sized slabs (:mod:`kernels.grpo_loss.tiles`);
+                                  backward over grid (rows / bn, V / bv) tiles.
   rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores;
                                   one block-wide max per chunk, per-lane sums reduced once per row
                                   (launch model: :func:`kernels.grpo_loss.blocks.rowloop_budget`).
 
 All per-token inputs and outputs are flat f32 [N] (rowloop) or [N, 1] (tiled: a (bn, 1) block spans
-the last dim, which satisfies Mosaic's tiling rule) arrays.
+the last dim, which satisfies Mosaic's tiling rule) arrays; the tiled kernels also take all N ids
+in SMEM (scalar prefetch) to read each row's chosen logit from its 128-lane window.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels import backend, lse
 from kernels.backend import Target
@@ -52,13 +56,16 @@ finalize = tiles.finalize  # the rowloop kernels and train.py finish rows with i
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg):
-  """A [bn, V] row block, row group by row group: one sweep each (:func:`tiles.row_stats`)."""
+def _tiled_fwd_kernel(ids_ref, x_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg, rows_per_step):
+  """A [bn, V] row block, row group by row group (:func:`tiles.row_stats`); ids_ref: all N ids in
+  SMEM (each row's chosen logit is read from its window of the block: no [N, V] gather outside)."""
   bn, v = x_ref.shape
   sw = tiles.sweep_of(v, cfg.temperature, cfg.blocks.block_v)
 
   def rows_body(rows, size):
-    stats = tiles.row_stats(x_ref, rows, size, sw, chosen_ref[rows, :])
+    first = pl.program_id(0) * rows_per_step + rows.start
+    chosen = tiles.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
+    stats = tiles.row_stats(x_ref, rows, size, sw, chosen)
     for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
       ref[rows, :] = val
 
@@ -80,13 +87,16 @@ def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg:
 def _tiled_fwd(cfg: LossConfig, x, ids):
   n, v = x.shape
   bn = tiles.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
-  chosen = tiles.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
-  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
-  outs = pl.pallas_call(
-    functools.partial(_tiled_fwd_kernel, cfg=cfg),
+  row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
+  grid = pltpu.PrefetchScalarGridSpec(  # the ids ride in SMEM (N x 4 bytes)
+    num_scalar_prefetch=1,
     grid=(pl.cdiv(n, bn),),
-    in_specs=[pl.BlockSpec((bn, v), lambda i: (i, 0)), row_spec],
+    in_specs=[pl.BlockSpec((bn, v), lambda i, ids: (i, 0))],
     out_specs=[row_spec] * 4,
+  )
+  outs = pl.pallas_call(
+    functools.partial(_tiled_fwd_kernel, cfg=cfg, rows_per_step=bn),
+    grid_spec=grid,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
     compiler_params=backend.compiler_params(
       cfg.target,
@@ -95,7 +105,7 @@ def _tiled_fwd(cfg: LossConfig, x, ids):
     ),
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd",
-  )(x, chosen)
+  )(ids, x)
   return tuple(o.reshape(n) for o in outs)
 
 

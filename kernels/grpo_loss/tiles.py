@@ -253,31 +253,82 @@ def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g):
     block(first, _scaled(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
 
 
-def patch_chosen(dx_ref, rows, size: int, first_row, ids_ref, value, sw: Sweep):
-  """Overwrite each row's chosen column of dx with ``value`` ([size, 1] f32: g * (1 - p_chosen),
-  computed once per row in f32 and rounded once). ids_ref: the step's ids in SMEM; first_row: the
-  group's first row in the block. A row at a time: load the [size, lanes] window holding its id,
-  select its one element, store (ids outside [0, V) write nothing, as the onehot never matched)."""
-  row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
-  lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+def _row_windows(ids_ref, first_row, size: int, sw: Sweep, visit) -> None:
+  """visit(r, c, start, ok) for each row r of a group: its id c (SMEM), the lane-aligned start of
+  the [size, lanes] window holding column c (the block's last window for an id in a tail narrower
+  than a slab) and whether c is in [0, V). Rows past N (a partial last block) read the last id."""
+  last = ids_ref.shape[0] - 1
   aligned = sw.full * sw.lanes  # ids below it lie in a whole slab; the rest in the last window
-  last = ids_ref.shape[0] - 1  # rows past N (a partial last block) read the last id, write nothing
   for r in range(size):
     c = ids_ref[jnp.minimum(first_row + r, last)]
     ok = (c >= 0) & (c < sw.width)
-
-    def put(start, c=c, r=r, ok=ok):
-      old = dx_ref[rows, pl.ds(start, sw.lanes)]
-      hit = (row == r) & (lane == c - start) & ok
-      new = jnp.where(hit, value[r : r + 1, :], old.astype(jnp.float32))
-      dx_ref[rows, pl.ds(start, sw.lanes)] = new.astype(dx_ref.dtype)
-
     if aligned:
-      cc = jnp.clip(c, 0, aligned - 1)  # >= 0: lax.rem is the floor remainder (no sign op)
-      start = pl.multiple_of(cc - jax.lax.rem(cc, sw.lanes), sw.lanes)
+      cc = jnp.clip(c, 0, aligned - 1)
+      if sw.lanes & (sw.lanes - 1) == 0:  # a power of two (128): one AND, no scalar division
+        start = pl.multiple_of(cc & -sw.lanes, sw.lanes)
+      else:  # cc >= 0: lax.rem is the floor remainder (jnp's // would need a sign op)
+        start = pl.multiple_of(cc - jax.lax.rem(cc, sw.lanes), sw.lanes)
       if sw.tail:
-        pl.when(c < aligned)(lambda start=start, put=put: put(start))
+        pl.when(c < aligned)(lambda r=r, c=c, s=start, ok=ok: visit(r, c, s, ok))
       else:
-        put(start)
+        visit(r, c, start, ok)
     if sw.tail:
-      pl.when(c >= aligned)(lambda put=put: put(sw.width - sw.lanes))
+      pl.when(c >= aligned)(lambda r=r, c=c, ok=ok: visit(r, c, sw.width - sw.lanes, ok))
+
+
+def gather_chosen(x_ref, rows, size: int, first_row, ids_ref, sw: Sweep):
+  """[size, 1] f32: each row's scaled logit at its id, NaN for an id outside [0, V) (it poisons,
+  never hides). Per row: the [size, lanes] window holding the id with all but its one element
+  zeroed (NaN in lane 0 when the id is out of range); the rows' windows summed pairwise (independent
+  rows, no chain) and across lanes once: every other element is 0, so the sum is the element."""
+  if sw.tail:  # two windows per row, chosen by pl.when, cannot hand values back
+    return _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw)
+  row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+  picked = []
+
+  def visit(r, c, start, ok):
+    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)
+    kept = jnp.where((row == r) & (lane == c - start), w, 0.0)
+    picked.append(jnp.where((row == r) & (lane == 0) & ~ok, jnp.nan, kept))
+
+  _row_windows(ids_ref, first_row, size, sw, visit)
+  chosen = jnp.sum(_tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
+  return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
+
+
+def _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw: Sweep):
+  """gather_chosen for a vocabulary with a tail narrower than a slab (two windows, chosen per row
+  by pl.when): each row's value is read one element at a time from its window instead."""
+  vals = []
+  last = ids_ref.shape[0] - 1
+  for r in range(size):
+    c = ids_ref[jnp.minimum(first_row + r, last)]
+    ok = (c >= 0) & (c < sw.width)
+    col = jnp.clip(c, 0, sw.width - 1)
+    # the window starting at the row's column clipped to the block: [rows, lanes] at a dynamic,
+    # possibly unaligned start (the interpreter and narrow vocabularies only: V % 128 != 0)
+    start = jnp.minimum(col, sw.width - sw.lanes)
+    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)[r : r + 1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    v = jnp.sum(jnp.where(lane == col - start, w, 0.0), axis=1, keepdims=True)
+    vals.append(jnp.where(ok, v, jnp.nan))
+  chosen = jnp.concatenate(vals, axis=0)
+  return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
+
+
+def patch_chosen(dx_ref, rows, size: int, first_row, ids_ref, value, sw: Sweep):
+  """Overwrite each row's chosen column of dx with ``value`` ([size, 1] f32: g * (1 - p_chosen),
+  computed once per row in f32 and rounded once). ids_ref: all N ids in SMEM; first_row: the
+  group's first row in the whole array. A row at a time: load the [size, lanes] window holding its
+  id, select its one element, store (ids outside [0, V) write nothing, as the onehot never matched)."""
+  row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+
+  def visit(r, c, start, ok):
+    old = dx_ref[rows, pl.ds(start, sw.lanes)]
+    hit = (row == r) & (lane == c - start) & ok
+    new = jnp.where(hit, value[r : r + 1, :], old.astype(jnp.float32))
+    dx_ref[rows, pl.ds(start, sw.lanes)] = new.astype(dx_ref.dtype)
+
+  _row_windows(ids_ref, first_row, size, sw, visit)

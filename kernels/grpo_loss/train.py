@@ -9,9 +9,11 @@ one read of the logits and one write of dlogits; the backward only applies the l
 (:mod:`kernels.grpo_loss.vjp`).
 
 Two families, as :mod:`kernels.grpo_loss.pallas`:
-  tiled   (TPU, CPU interpreter): grid (rows / bn,); a [bn, V] row block stays in VMEM (a bf16
-          151936-wide block of 8 rows is 2.4 MB), swept twice from VMEM in block_v-wide chunks: the
-          logits leave HBM once.
+  tiled   (TPU, CPU interpreter): grid (rows / bn,); a [bn, V] row block stays in VMEM (in and
+          out, double-buffered: bn from :func:`kernels.grpo_loss.tiles.stats_rows`) and each
+          group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
+          (:func:`kernels.grpo_loss.tiles.lane_stats`), then -g * softmax written, then each row's
+          chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
   rowloop (GPU / Triton): grid (rows,); the stats sweep, then the dlogits sweep in reverse chunk
           order, so it starts on the chunks the first sweep read last, the ones still in L2 (a
           297 KB row; :func:`kernels.grpo_loss.blocks.rowloop_budget` models whether the rows
@@ -123,7 +125,7 @@ def _replay(jaxpr, consts, args):
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_train_kernel(ids_ref, x_ref, chosen_ref, tok_ref, *out_refs, cfg, rows_per_step):
+def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
   """Per group of rows (:mod:`kernels.grpo_loss.tiles`): the statistics sweeps, log p, the
   coefficient g, the dlogits sweep, then each row's chosen column; all from the [bn, V] block in
   VMEM. ids_ref: all N ids in SMEM (the chosen columns' addresses)."""
@@ -132,14 +134,15 @@ def _tiled_train_kernel(ids_ref, x_ref, chosen_ref, tok_ref, *out_refs, cfg, row
   sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v)
 
   def rows_body(rows, size):
+    first = pl.program_id(0) * rows_per_step + rows.start
+    chosen = tiles.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
     m, l, s = lse.merge(*tiles.lane_stats(x_ref, rows, sw, size), axis=1)
-    logp, ent, lse_rel, shift = tiles.finalize(m, l, s, chosen_ref[rows, :], 1.0)
+    logp, ent, lse_rel, shift = tiles.finalize(m, l, s, chosen, 1.0)
     tok = {k: tok_ref[rows, i : i + 1] for i, k in enumerate(cfg.fields)}
     g = coefficient(cfg, logp, tok)
     tiles.write_grads(x_ref, dx_ref, rows, sw, m, l, g)
     # the chosen column: g * onehot - g * softmax, in the order the sweep's formula had it
-    value = jnp.where(g == 0, 0.0, g + (-g / l) * jnp.exp(chosen_ref[rows, :] - m))
-    first = pl.program_id(0) * rows_per_step + rows.start
+    value = jnp.where(g == 0, 0.0, g + (-g / l) * jnp.exp(chosen - m))
     tiles.patch_chosen(dx_ref, rows, size, first, ids_ref, value, sw)
     for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
       ref[rows, :] = val
@@ -150,14 +153,13 @@ def _tiled_train_kernel(ids_ref, x_ref, chosen_ref, tok_ref, *out_refs, cfg, row
 def _tiled_train(cfg: TrainConfig, x, ids, tok):
   n, v = x.shape
   bn = tiles.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
-  chosen = tiles.chosen_logit(x, ids, v, cfg.loss.temperature).reshape(n, 1)
   # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
   row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
   block = pl.BlockSpec((bn, v), lambda i, ids: (i, 0))
   grid = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     grid=(pl.cdiv(n, bn),),
-    in_specs=[block, row_spec, pl.BlockSpec((bn, tok.shape[1]), lambda i, ids: (i, 0))],
+    in_specs=[block, pl.BlockSpec((bn, tok.shape[1]), lambda i, ids: (i, 0))],
     out_specs=[row_spec] * 4 + [block],
   )
   outs = pl.pallas_call(
@@ -174,7 +176,7 @@ def _tiled_train(cfg: TrainConfig, x, ids, tok):
     ),
     interpret=cfg.loss.target.interpret,
     name="grpo_loss_train",
-  )(ids, x, chosen, tok)
+  )(ids, x, tok)
   return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)
 
 
