@@ -164,7 +164,9 @@ def _loop_spans(bundles, problems) -> list[tuple[int, int, int, str | None]]:
     else:
       for _ in range(DELAY_SLOTS):
         nxt = end + 1
-        if nxt < len(bundles) and (bundles[nxt][1] >= depth or _empty(bundles[nxt])):
+        if nxt >= len(bundles) or bundles[nxt][0] == "LB":  # the next loop starts: no more slots
+          break
+        if bundles[nxt][1] >= depth or _empty(bundles[nxt]):
           end = nxt
     spans.append((i, end, depth, pred))
   return spans
