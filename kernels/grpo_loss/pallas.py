@@ -21,8 +21,8 @@ Two families:
                                   (launch model: :func:`kernels.grpo_loss.blocks.rowloop_budget`).
 
 All per-token inputs and outputs are flat f32 [N] (rowloop) or [N, 1] (tiled: a (bn, 1) block spans
-the last dim, which satisfies Mosaic's tiling rule) arrays; the tiled kernels also take all N ids
-in SMEM (scalar prefetch) to read each row's chosen logit from its 128-lane window.
+the last dim, which satisfies Mosaic's tiling rule) arrays. The tiled statistics kernel takes the
+chosen logits gathered outside (N elements); the training kernel reads them in-kernel (ids in SMEM).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from kernels import backend, lse
 from kernels.backend import Target
@@ -56,16 +55,14 @@ finalize = tiles.finalize  # the rowloop kernels and train.py finish rows with i
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_fwd_kernel(ids_ref, x_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg, rows_per_step):
-  """A [bn, V] row block, row group by row group (:func:`tiles.row_stats`); ids_ref: all N ids in
-  SMEM (each row's chosen logit is read from its window of the block: no [N, V] gather outside)."""
+def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg):
+  """A [bn, V] row block, row group by row group (:func:`tiles.row_stats`); chosen_ref: [bn, 1] the
+  rows' chosen logits, gathered outside (N elements; the training kernel reads them in-kernel)."""
   bn, v = x_ref.shape
   sw = tiles.sweep_of(v, cfg.temperature, cfg.blocks.block_v)
 
   def rows_body(rows, size):
-    first = pl.program_id(0) * rows_per_step + rows.start
-    chosen = tiles.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
-    stats = tiles.row_stats(x_ref, rows, size, sw, chosen)
+    stats = tiles.row_stats(x_ref, rows, size, sw, chosen_ref[rows, :])
     for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
       ref[rows, :] = val
 
@@ -87,16 +84,13 @@ def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg:
 def _tiled_fwd(cfg: LossConfig, x, ids):
   n, v = x.shape
   bn = tiles.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
-  row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
-  grid = pltpu.PrefetchScalarGridSpec(  # the ids ride in SMEM (N x 4 bytes)
-    num_scalar_prefetch=1,
-    grid=(pl.cdiv(n, bn),),
-    in_specs=[pl.BlockSpec((bn, v), lambda i, ids: (i, 0))],
-    out_specs=[row_spec] * 4,
-  )
+  chosen = tiles.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
+  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
   outs = pl.pallas_call(
-    functools.partial(_tiled_fwd_kernel, cfg=cfg, rows_per_step=bn),
-    grid_spec=grid,
+    functools.partial(_tiled_fwd_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn),),
+    in_specs=[pl.BlockSpec((bn, v), lambda i: (i, 0)), row_spec],
+    out_specs=[row_spec] * 4,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
     compiler_params=backend.compiler_params(
       cfg.target,
@@ -105,7 +99,7 @@ def _tiled_fwd(cfg: LossConfig, x, ids):
     ),
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd",
-  )(ids, x)
+  )(x, chosen)
   return tuple(o.reshape(n) for o in outs)
 
 

@@ -132,9 +132,11 @@ def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
   logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
   bn, v = x_ref.shape
   sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v)
+  # read at the kernel's top level: the interpreter has no rule for program_id inside its loops
+  step_row = pl.program_id(0) * rows_per_step
 
   def rows_body(rows, size):
-    first = pl.program_id(0) * rows_per_step + rows.start
+    first = step_row + rows.start
     chosen = tiles.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
     m, l, s = lse.merge(*tiles.lane_stats(x_ref, rows, sw, size), axis=1)
     logp, ent, lse_rel, shift = tiles.finalize(m, l, s, chosen, 1.0)
