@@ -55,8 +55,13 @@ class BenchConfig:
   plots: bool = True
   history: pathlib.Path | None = loop_bench.HISTORY  # the loop suite's rows (None: keep none)
   memory_limit_gib: float | None = None  # skip cases XLA says need more (None: the device's limit)
+  target: str | None = None  # a TPU generation / slice to compile for ("tpu-v6e", "v5litepod-8")
 
   def __post_init__(self):
+    if self.target is not None:
+      from kernels import tpu_targets
+
+      tpu_targets.Slice.parse(tpu_slice(self.target))  # ValueError naming the known generations
     if self.repeats < 1 or self.warmup < 0 or self.rollout_repeats < 1:
       raise ValueError("repeats and rollout_repeats must be >= 1 and warmup >= 0")
     if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
@@ -101,6 +106,12 @@ def parse_args(argv=None) -> BenchConfig:
     metavar="DIR",
     help="capture a profiler trace (default DIR: profiles/bench-<time>)",
   )
+  p.add_argument(
+    "--target",
+    help="a TPU generation or slice (tpu-v6e, v5e, v4-8): without that TPU here, compile every case "
+    "for it and write the compiled report (compiled / modelled figures); on it, measure as usual and "
+    "add the modelled times",
+  )
   a = p.parse_args(argv)
   try:
     return BenchConfig(
@@ -116,9 +127,16 @@ def parse_args(argv=None) -> BenchConfig:
       not a.no_plots,
       None if a.no_history else loop_bench.HISTORY,
       a.memory_limit_gib,
+      a.target,
     )
   except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
     p.error(str(e))
+
+
+def tpu_slice(target: str) -> str:
+  """A --target value as a slice name: "tpu-v6e" -> "v6e" ("tpu7x-8" is a slice name already)."""
+  t = target.strip().lower()
+  return t[4:] if t.startswith("tpu-") else t
 
 
 def device_slug(device_kind: str) -> str:
@@ -148,123 +166,207 @@ def case_line(r) -> str:
   )
 
 
-def main(argv=None) -> int:
-  cfg = parse_args(argv)
+@dataclasses.dataclass
+class Run:
+  """One bench run's state: what is planned, what finished, where the report goes."""
+
+  cfg: BenchConfig
+  env: dict
+  peaks: roofline.DevicePeaks
+  stamp: str
+  out: pathlib.Path
+  sizes: tuple[str, ...]
+  suites: tuple[str, ...]
+  cases: list
+  pending: list[str]
+  results: list = dataclasses.field(default_factory=list)
+  rollout_runs: list = dataclasses.field(default_factory=list)
+  mismatch_runs: list = dataclasses.field(default_factory=list)
+
+  def save(self, done: str | None = None, final: bool = False):
+    """After every case and suite: a run killed by a time limit leaves a valid, partial report."""
+    if done is not None:
+      self.pending.remove(done)
+    remaining = None if final else list(self.pending)
+    report.write(
+      self.out, self.env, self.results, self.rollout_runs, final and self.cfg.plots,
+      self.mismatch_runs, remaining,
+    )  # fmt: skip
+
+
+def _plan(cfg: BenchConfig) -> Run:
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
   kernel_suites = tuple(s for s in suites if s not in (PEERS, ROLLOUT, MISMATCH, LOOP))
-  cases = (
-    [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
-    if kernel_suites
-    else []
-  )
+  cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
+  from bench.cases import peers
+
+  pending = [c.name for c in cases]
+  pending += [peers.row_name(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []  # fmt: skip
+  pending += [f"rollout/{s}" for s in sizes if ROLLOUT in suites] + (
+    ["loop"] if LOOP in suites else []
+  )
+  pending += [f"mismatch/{s}" for s in sizes if MISMATCH in suites and s in mismatch_bench.SIZES]
   print(
     f"{len(cases)} kernel cases{' + the rollout suite' if ROLLOUT in suites else ''} at size "
     f"{'+'.join(sizes)} on {env['device_kind']} (jax {env['jax']}, kernel target {target.platform}"
     f"{', interpret mode' if target.interpret else ''})",
     flush=True,
   )
-  results, rollout_runs, mismatch_runs = [], [], []
+  return Run(cfg, env, peaks, stamp, out, sizes, suites, cases, pending)
+
+
+def _kernel_cases(run: Run) -> None:
+  cfg = run.cfg
+  limit = None if cfg.memory_limit_gib is None else int(cfg.memory_limit_gib * 2**30)
+  peaks = run.peaks
+  quiet = not sys.stderr.isatty()  # a log file gets the per-case lines, not a progress bar
+  for case in (bar := tqdm(run.cases, unit="case", file=sys.stderr, disable=quiet)):
+    bar.set_description(case.name)
+    t0 = time.perf_counter()
+    r = run_case(
+      case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats, memory_limit=limit
+    )
+    run.results.append(r)
+    print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    run.save(case.name)
+
+
+def _peer_cases(run: Run) -> None:
   from bench.cases import peers
 
-  peer_rows = [(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []
-  pending = [c.name for c in cases] + [peers.row_name(p, s) for p, s in peer_rows]
-  pending += [f"rollout/{s}" for s in sizes if ROLLOUT in suites] + (
-    ["loop"] if LOOP in suites else []
-  )
-  pending += [f"mismatch/{s}" for s in sizes if MISMATCH in suites and s in mismatch_bench.SIZES]
+  platform = backend.resolve().platform
+  for peer, shape in [(p, s) for size in run.sizes for p, s in peers.rows(size)]:
+    t0 = time.perf_counter()
+    r = peers.run_peer(peer, shape, platform, seed=run.cfg.seed, warmup=run.cfg.warmup,
+                       repeats=run.cfg.repeats)  # fmt: skip
+    release()
+    run.results.append(r)
+    print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    run.save(r.name)
 
-  def save(done: str | None = None, final: bool = False):
-    # after every case and suite: a run killed by a time limit leaves a valid, partial report
-    if done is not None:
-      pending.remove(done)
-    remaining = None if final else list(pending)
-    report.write(out, env, results, rollout_runs, final and cfg.plots, mismatch_runs, remaining)
 
-  limit = None if cfg.memory_limit_gib is None else int(cfg.memory_limit_gib * 2**30)
-  save()
-  with _profiling(cfg.profile, stamp) as profile_dir:
-    quiet = not sys.stderr.isatty()  # a log file gets the per-case lines, not a progress bar
-    for case in (bar := tqdm(cases, unit="case", file=sys.stderr, disable=quiet)):
-      bar.set_description(case.name)
-      t0 = time.perf_counter()
-      r = run_case(
-        case, peaks, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats, memory_limit=limit
+def _rollout_suite(run: Run) -> None:
+  for size in run.sizes:
+    print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
+    # the run's rows grow as they are measured; the report is rewritten after each one
+    entry = dict(size=size, config=rollout_bench.SIZES[size], rows=[])
+    run.rollout_runs.append(entry)
+
+    def on_row(row, size=size, entry=entry):
+      entry["rows"].append(row)
+      print(
+        f"[rollout] {size}/{row.workload}/{row.backend}: {row.tokens_per_s:.1f} tokens/s, "
+        f"{'ok' if row.ok else 'PARITY FAILED'}",
+        flush=True,
       )
-      results.append(r)
-      print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
-      save(case.name)
-    for peer, shape in peer_rows:
-      t0 = time.perf_counter()
-      r = peers.run_peer(
-        peer, shape, target.platform, seed=cfg.seed, warmup=cfg.warmup, repeats=cfg.repeats
-      )
-      release()
-      results.append(r)
-      print(f"[case] {case_line(r)} ({time.perf_counter() - t0:.1f} s)", flush=True)
-      save(r.name)
-    if ROLLOUT in suites:
-      for size in sizes:
-        print(f"rollout suite ({size}): paged vs dense generation ...", file=sys.stderr, flush=True)
-        # the run's rows grow as they are measured; the report is rewritten after each one
-        entry = dict(size=size, config=rollout_bench.SIZES[size], rows=[])
-        rollout_runs.append(entry)
+      run.save()
 
-        def on_row(row, size=size, entry=entry):
-          entry["rows"].append(row)
-          print(
-            f"[rollout] {size}/{row.workload}/{row.backend}: {row.tokens_per_s:.1f} tokens/s, "
-            f"{'ok' if row.ok else 'PARITY FAILED'}",
-            flush=True,
-          )
-          save()
+    rows, extra = rollout_bench.run(size, run.cfg.rollout_repeats, on_row=on_row)
+    entry.update(rows=rows, **extra)  # the table's order and the greedy agreement
+    run.save(f"rollout/{size}")
 
-        rows, extra = rollout_bench.run(size, cfg.rollout_repeats, on_row=on_row)
-        entry.update(rows=rows, **extra)  # the table's order and the greedy agreement
-        save(f"rollout/{size}")
-    if LOOP in suites:
-      print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)
-      row, cmp = loop_bench.run(history=cfg.history)
-      env["loop"] = {"row": row, "comparison": cmp}
-      save("loop")
-    if MISMATCH in suites:
-      for size in (s for s in sizes if s in mismatch_bench.SIZES):
-        print(f"mismatch suite ({size}): engines vs the trainer ...", file=sys.stderr, flush=True)
-        rows = mismatch_bench.run(size)
-        mismatch_runs.append(dict(size=size, config=mismatch_bench.SIZES[size], rows=rows))
-        save(f"mismatch/{size}")
+
+def _loop_suite(run: Run) -> None:
+  print(f"loop suite: {loop_bench.DEFAULT_CONFIG}, GRPO steps ...", file=sys.stderr, flush=True)
+  row, cmp = loop_bench.run(history=run.cfg.history)
+  run.env["loop"] = {"row": row, "comparison": cmp}
+  run.save("loop")
+
+
+def _mismatch_suite(run: Run) -> None:
+  for size in (s for s in run.sizes if s in mismatch_bench.SIZES):
+    print(f"mismatch suite ({size}): engines vs the trainer ...", file=sys.stderr, flush=True)
+    rows = mismatch_bench.run(size)
+    run.mismatch_runs.append(dict(size=size, config=mismatch_bench.SIZES[size], rows=rows))
+    run.save(f"mismatch/{size}")
+
+
+def _finish(run: Run, profile_dir) -> int:
+  """The final (complete) report, the tables on stdout, the exit status (1: a parity failure)."""
   if profile_dir:
-    env["profile"] = str(profile_dir)
-  save(final=True)  # complete: the partial marker goes
-  print(report.markdown_table(results))
-  for run in rollout_runs:
-    print(f"\nrollout ({run['size']}):\n" + rollout_bench.markdown(run["rows"], run))
-  for run in mismatch_runs:
-    print(f"\nengine mismatch ({run['size']}):\n" + mismatch_bench.markdown(run["rows"]))
-  print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
+    run.env["profile"] = str(profile_dir)
+  if run.cfg.target and run.results:  # on the TPU itself: the modelled times beside the measured
+    from bench import compiled
+
+    rows = [r for s in _kernel_suites(run) for r in compiled.run_suite(tpu_slice(run.cfg.target), s, run.sizes[0])]  # fmt: skip
+    run.results = compiled.merge_modelled(run.results, rows)
+  run.save(final=True)  # complete: the partial marker goes
+  print(report.markdown_table(run.results))
+  for r in run.rollout_runs:
+    print(f"\nrollout ({r['size']}):\n" + rollout_bench.markdown(r["rows"], r))
+  for r in run.mismatch_runs:
+    print(f"\nengine mismatch ({r['size']}):\n" + mismatch_bench.markdown(r["rows"]))
+  print(f"\nwrote {run.out}/ (results.json, summary.md{', plots' if run.cfg.plots else ''})")
   if profile_dir:
     print(
       f"profile: python -m bench.trace {profile_dir}   |   nox -s tensorboard -- {profile_dir} "
       "(or tensorboard --logdir with the dev extra installed)"
     )
-  failed = [r.name for r in results if not r.ok]
-  failed += [
-    f"rollout/{run['size']}/{r.workload}/{r.backend}"
-    for run in rollout_runs
-    for r in run["rows"]
-    if not r.ok
-  ]
-  if LOOP in suites:
-    print("\n" + loop_bench.describe(env["loop"]["row"], env["loop"]["comparison"]))
+  failed = [report.as_dict(r)["name"] for r in run.results if not report.as_dict(r)["ok"]]
+  failed += [f"rollout/{x['size']}/{r.workload}/{r.backend}" for x in run.rollout_runs
+             for r in x["rows"] if not r.ok]  # fmt: skip
+  if LOOP in run.suites:
+    print("\n" + loop_bench.describe(run.env["loop"]["row"], run.env["loop"]["comparison"]))
   if failed:
     print(f"FAILED (parity or error): {failed}", file=sys.stderr)
   return 1 if failed else 0
+
+
+def _kernel_suites(run_or_cfg) -> tuple[str, ...]:
+  suites = run_or_cfg.suites if isinstance(run_or_cfg, Run) else (run_or_cfg.suites or ALL_SUITES)
+  return tuple(s for s in suites if s in SUITES and s != "mosaic_gpu")
+
+
+def compiled_main(cfg: BenchConfig) -> int:
+  """--target without that TPU here: every kernel suite compiled for it, one subprocess per suite
+  (libtpu's schedule dump is switched on per process), the report labelled compiled / modelled."""
+  from bench import compiled
+
+  name = tpu_slice(cfg.target)
+  sizes = cfg.sizes or ("large",)
+  env = compiled.environment(name)
+  env["sizes"] = list(sizes)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  out = (
+    cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-compiled-{stamp}"
+  )
+  print(f"compiling every case for {name} ({env['label']})", flush=True)
+  rows, todo = [], [(s, z) for z in sizes for s in _kernel_suites(cfg)]
+  for i, (suite, size) in enumerate(todo):
+    new = compiled.run_suite(name, suite, size)
+    rows += new
+    print("\n".join(f"[compiled] {compiled.describe_row(r)}" for r in new), flush=True)
+    report.write(out, env, rows, plots=False, remaining=[f"{s}/{z}" for s, z in todo[i + 1 :]])
+  report.write(out, env, rows, plots=cfg.plots)
+  print(report.compiled_table(rows))
+  print(f"\nwrote {out}/ (results.json, summary.md{', plots' if cfg.plots else ''})")
+  return 0 if all(r["ok"] for r in rows) else 1
+
+
+def main(argv=None) -> int:
+  cfg = parse_args(argv)
+  if cfg.target and backend.host_platform() != "tpu":
+    return compiled_main(cfg)
+  run = _plan(cfg)
+  run.save()
+  with _profiling(cfg.profile, run.stamp) as profile_dir:
+    _kernel_cases(run)
+    if PEERS in run.suites:
+      _peer_cases(run)
+    if ROLLOUT in run.suites:
+      _rollout_suite(run)
+    if LOOP in run.suites:
+      _loop_suite(run)
+    if MISMATCH in run.suites:
+      _mismatch_suite(run)
+  return _finish(run, profile_dir)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import jax
 
-from bench.report import git_commit
+from bench.provenance import git_commit
 from rl import train
 from rl.metrics import read_metrics
 

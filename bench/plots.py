@@ -79,10 +79,7 @@ def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathli
   bw, fl = peaks.get("hbm_bytes_per_s"), peaks.get("bf16_flops_per_s")
   with_flops = [c for c in timed(cases) if c["flops"] and c["bytes"]]
   bytes_only = [c for c in timed(cases) if c["bytes"] and not c["flops"]]
-  by_op = collections.defaultdict(list)
-  for c in with_flops:
-    by_op[c["op"]].append(c)
-  n_top = max(len(by_op), 1) if with_flops else 0
+  n_top = max(len({c["op"] for c in with_flops}), 1) if with_flops else 0
   top_h, bottom_h = (4.2 if n_top else 0), (1.2 + 0.32 * len(bytes_only) if bytes_only else 0)
   fig = plt.figure(
     figsize=(max(5.0 * n_top, 9.0), top_h + bottom_h + 0.9), dpi=DPI, layout="constrained"
@@ -91,76 +88,118 @@ def roofline_chart(cases: list[dict], peaks: dict, path: pathlib.Path) -> pathli
     2 if n_top and bytes_only else 1, 1, height_ratios=[h for h in (top_h, bottom_h) if h] or None
   )
   subfigs = list(subfigs) if hasattr(subfigs, "__len__") else [subfigs]
-  roof = []
-  if n_top:
-    sub = subfigs.pop(0)
-    sub.suptitle("ops with a flop count: achieved FLOP/s vs arithmetic intensity", fontsize=10)
-    axes = sub.subplots(1, n_top, sharex=True, sharey=True, squeeze=False)[0]
-    xs = [c["flops"] / c["bytes"] for c in with_flops]
-    lo, hi = min(xs) / 10, max(xs) * 10  # a decade each side: room for the outer labels
-    if bw and fl:
-      lo, hi = min(lo, fl / bw / 3), max(hi, fl / bw * 3)
-    for ax, (op, rows) in zip(axes, sorted(by_op.items())):
-      shapes = collections.defaultdict(list)
-      for c in rows:
-        x = c["flops"] / c["bytes"]
-        yk, yr = c["flops"] / _median(c, "kernel"), c["flops"] / _median(c, "reference")
-        marker = MODE_MARKER.get(c["mode"], "D")
-        ax.plot([x, x], [yk, yr], color="0.6", lw=1, zorder=1)
-        ax.plot([x], [yr], **dict(REFERENCE, marker=marker), zorder=2)
-        ax.plot([x], [yk], **dict(KERNEL, marker=marker), zorder=3)
-        shapes[c["shape"]].append((x, yk))
-      # one label per shape (its modes differ by marker), shapes alternating left and right in
-      # order of intensity, so a label does not run into the next shape's points
-      for j, (shape, pts) in enumerate(sorted(shapes.items(), key=lambda kv: min(kv[1])[0])):
-        side = 1 if j % 2 else -1
-        x = max(p[0] for p in pts) if side > 0 else min(p[0] for p in pts)
-        y = math.exp(sum(math.log(p[1]) for p in pts) / len(pts))
-        ax.annotate(
-          shape, (x, y), xytext=(9 * side, 0), textcoords="offset points", va="center",
-          ha="left" if side > 0 else "right", fontsize=7,
-        )  # fmt: skip
-      if bw and fl:
-        ax.plot([lo, fl / bw, hi], [lo * bw, fl, fl], "k--", lw=1, zorder=0)
-      ax.set(xscale="log", yscale="log", xlim=(lo, hi), title=op, xlabel="flop / ideal byte")
-      ax.title.set_fontsize(9)
-      ax.grid(True, which="major", alpha=0.3)
-      ax.margins(y=0.25)
-    axes[0].set_ylabel("achieved FLOP/s")
-    fig.canvas.draw()  # text extents exist only after a draw
-    for ax in axes:
-      _declutter(ax, list(ax.texts))
-    modes = dict.fromkeys(c["mode"] for c in with_flops)
-    roof += [
-      Line2D([], [], marker=MODE_MARKER.get(m, "D"), color="0.45", ls="none", label=m)
-      for m in modes
-    ]
-    if bw and fl:
-      roof.append(Line2D([], [], color="k", ls="--", lw=1, label=f"roofs ({peaks.get('source')})"))
+  roof = _flops_panels(fig, subfigs.pop(0), with_flops, peaks) if n_top else []
   if bytes_only:
     if bw and not (n_top and fl):  # else the roofs entry stands for this line too
       roof.append(
         Line2D([], [], color="k", ls="--", lw=1, label=f"bandwidth ({peaks.get('source')})")
       )
-    sub = subfigs.pop(0)
-    sub.suptitle("bandwidth-bound ops (no flop count): ideal bytes / median time", fontsize=10)
-    ax = sub.subplots()
-    rows = list(reversed(bytes_only))  # first case at the top
-    for i, c in enumerate(rows):
-      xk, xr = c["bytes"] / _median(c, "kernel"), c["bytes"] / _median(c, "reference")
-      ax.plot([xk, xr], [i, i], color="0.6", lw=1, zorder=1)
-      ax.plot([xr], [i], **REFERENCE, zorder=2)
-      ax.plot([xk], [i], **KERNEL, zorder=3)
-    if bw:
-      ax.axvline(bw, color="k", ls="--", lw=1)
-    ax.set_yticks(range(len(rows)), [c["name"] for c in rows], fontsize=8)
-    ax.set(xscale="log", xlabel="achieved bytes/s", ylim=(-0.7, len(rows) - 0.3))
-    ax.grid(True, which="major", axis="x", alpha=0.3)
+    _bytes_panel(subfigs.pop(0), bytes_only, bw)
   note = "" if (bw or fl) else "  —  no device peaks known (CPU, interpreter): no roofs"
   fig.legend(
     handles=_legend_handles(roof), loc="outside upper center", ncols=min(len(roof) + 2, 6), fontsize=8,
     title=f"same case: kernel and reference joined by a line{note}", title_fontsize=8,
   )  # fmt: skip
+  fig.savefig(path)
+  plt.close(fig)
+  return path
+
+
+def _flops_panels(fig, sub, with_flops: list[dict], peaks: dict) -> list:
+  """One roofline panel per op (cases with a flop count); returns the legend's extra handles."""
+  bw, fl = peaks.get("hbm_bytes_per_s"), peaks.get("bf16_flops_per_s")
+  by_op = collections.defaultdict(list)
+  for c in with_flops:
+    by_op[c["op"]].append(c)
+  sub.suptitle("ops with a flop count: achieved FLOP/s vs arithmetic intensity", fontsize=10)
+  axes = sub.subplots(1, len(by_op), sharex=True, sharey=True, squeeze=False)[0]
+  xs = [c["flops"] / c["bytes"] for c in with_flops]
+  lo, hi = min(xs) / 10, max(xs) * 10  # a decade each side: room for the outer labels
+  if bw and fl:
+    lo, hi = min(lo, fl / bw / 3), max(hi, fl / bw * 3)
+  for ax, (op, rows) in zip(axes, sorted(by_op.items())):
+    _roofline_panel(ax, op, rows)
+    if bw and fl:
+      ax.plot([lo, fl / bw, hi], [lo * bw, fl, fl], "k--", lw=1, zorder=0)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), title=op, xlabel="flop / ideal byte")
+    ax.title.set_fontsize(9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.margins(y=0.25)
+  axes[0].set_ylabel("achieved FLOP/s")
+  fig.canvas.draw()  # text extents exist only after a draw
+  for ax in axes:
+    _declutter(ax, list(ax.texts))
+  modes = dict.fromkeys(c["mode"] for c in with_flops)
+  roof = [
+    Line2D([], [], marker=MODE_MARKER.get(m, "D"), color="0.45", ls="none", label=m) for m in modes
+  ]
+  if bw and fl:
+    roof.append(Line2D([], [], color="k", ls="--", lw=1, label=f"roofs ({peaks.get('source')})"))
+  return roof
+
+
+def _roofline_panel(ax, op: str, rows: list[dict]) -> None:
+  """One op's cases: kernel (filled) and reference (hollow) joined, one label per shape."""
+  shapes = collections.defaultdict(list)
+  for c in rows:
+    x = c["flops"] / c["bytes"]
+    yk, yr = c["flops"] / _median(c, "kernel"), c["flops"] / _median(c, "reference")
+    marker = MODE_MARKER.get(c["mode"], "D")
+    ax.plot([x, x], [yk, yr], color="0.6", lw=1, zorder=1)
+    ax.plot([x], [yr], **dict(REFERENCE, marker=marker), zorder=2)
+    ax.plot([x], [yk], **dict(KERNEL, marker=marker), zorder=3)
+    shapes[c["shape"]].append((x, yk))
+  # one label per shape (its modes differ by marker), shapes alternating left and right in order
+  # of intensity, so a label does not run into the next shape's points
+  for j, (shape, pts) in enumerate(sorted(shapes.items(), key=lambda kv: min(kv[1])[0])):
+    side = 1 if j % 2 else -1
+    x = max(p[0] for p in pts) if side > 0 else min(p[0] for p in pts)
+    y = math.exp(sum(math.log(p[1]) for p in pts) / len(pts))
+    ax.annotate(
+      shape, (x, y), xytext=(9 * side, 0), textcoords="offset points", va="center",
+      ha="left" if side > 0 else "right", fontsize=7,
+    )  # fmt: skip
+
+
+def _bytes_panel(sub, bytes_only: list[dict], bw) -> None:
+  """Bandwidth-bound ops (no flop count): achieved bytes/s per case against the bandwidth line."""
+  sub.suptitle("bandwidth-bound ops (no flop count): ideal bytes / median time", fontsize=10)
+  ax = sub.subplots()
+  rows = list(reversed(bytes_only))  # first case at the top
+  for i, c in enumerate(rows):
+    xk, xr = c["bytes"] / _median(c, "kernel"), c["bytes"] / _median(c, "reference")
+    ax.plot([xk, xr], [i, i], color="0.6", lw=1, zorder=1)
+    ax.plot([xr], [i], **REFERENCE, zorder=2)
+    ax.plot([xk], [i], **KERNEL, zorder=3)
+  if bw:
+    ax.axvline(bw, color="k", ls="--", lw=1)
+  ax.set_yticks(range(len(rows)), [c["name"] for c in rows], fontsize=8)
+  ax.set(xscale="log", xlabel="achieved bytes/s", ylim=(-0.7, len(rows) - 0.3))
+  ax.grid(True, which="major", axis="x", alpha=0.3)
+
+
+def modelled_chart(cases: list[dict], env: dict, path: pathlib.Path) -> pathlib.Path:
+  """A compiled report's times, all *modelled* or XLA's *compiled* cost model, never measured: per
+  case the kernel's compute floor (static schedule) and memory floor (ideal bytes / bandwidth), and
+  XLA's optimal time for the reference, on one log axis."""
+  rows = [c for c in cases if (c.get("compiled") or {}).get("model", {}).get("modelled_s")]
+  fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(rows)), dpi=DPI, layout="constrained")
+  series = (
+    ("kernel compute floor (modelled: bundles / clock)", "tab:blue", lambda m, c: m["compute_s"]),
+    ("memory floor (modelled: ideal bytes / HBM bandwidth)", "0.5", lambda m, c: m["memory_s"]),
+    ("reference: XLA optimal time (compiled cost model)", "tab:orange",
+     lambda m, c: c["reference"].get("cost", {}).get("optimal_s")),
+  )  # fmt: skip
+  for j, (label, color, get) in enumerate(series):
+    ys = [i + (j - 1) * 0.25 for i in range(len(rows))]
+    vals = [get(r["compiled"]["model"], r["compiled"]) or 0 for r in rows]
+    ax.barh(ys, vals, height=0.25, color=color, label=label)
+  ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=8)
+  ax.invert_yaxis()
+  ax.set(xscale="log", xlabel="seconds (modelled / compiled; not measured)")
+  ax.set_title(f"compiled for {env['target']}: {env['label']}", fontsize=9)
+  ax.legend(fontsize=7, loc="lower right")
+  ax.grid(True, which="major", axis="x", alpha=0.3)
   fig.savefig(path)
   plt.close(fig)
   return path

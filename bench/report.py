@@ -13,28 +13,14 @@ import json
 import os
 import pathlib
 import platform as _platform
-import subprocess
 import tempfile
 
 import jax
 
 from bench import mismatch, rollout
+from bench.provenance import git_commit
 from bench.roofline import DevicePeaks
 from bench.run import CaseResult
-
-
-def git_commit() -> str | None:
-  root = pathlib.Path(__file__).resolve().parents[1]
-  try:
-    sha = subprocess.run(
-      ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-      ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True
-    ).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-  return sha + ("-dirty" if dirty else "")
 
 
 def environment(peaks: DevicePeaks, target_platform: str, interpret: bool) -> dict:
@@ -197,6 +183,8 @@ def partial_note(payload: dict) -> str:
 def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
   """summary.md and the figures from `out_dir`/results.json (nothing is measured)."""
   payload = json.loads((out_dir / "results.json").read_text())
+  if payload["environment"].get("measurement") == "compiled":
+    return _render_compiled(out_dir, payload, plots)
   env, cases, rollout_runs = payload["environment"], payload["cases"], payload.get("rollout", [])
   note = (
     "\n\n> Kernel timings here come from the Pallas **interpreter** on CPU: they check the harness "
@@ -213,12 +201,14 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
     if cases
     else "(no kernel cases selected)"
   )
+  if any(c.get("compiled") for c in cases):  # a TPU run with --target: modelled beside measured
+    body += "\n\n## Compiled and modelled beside measured\n\n" + compiled_table(cases)
   for run in rollout_runs:
     rows = [rollout.RolloutBenchRow(**r) for r in run["rows"]]
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
     body += rollout.markdown(rows, run)
   if env.get("loop"):
-    from bench import loop  # it imports this module (git_commit)
+    from bench import loop  # lazily: it runs the GRPO loop (rl.train)
 
     body += "\n\n## GRPO loop step time (regression benchmark, `bench/history/loop.jsonl`)\n\n"
     body += loop.describe(env["loop"]["row"], env["loop"]["comparison"]) + "\n"
@@ -229,6 +219,91 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
     )
     body += f"\n\n{mismatch.NOTE}\n\n" + mismatch.markdown(rows)
   figures = _plots(out_dir, env, cases, rollout_runs) if plots else []
+  body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
+  write_atomic(out_dir / "summary.md", header + body + "\n")
+  return out_dir
+
+
+def _ms(s) -> str:
+  return "-" if s is None else f"{s * 1e3:.3f} ms"
+
+
+def _compiled_kernel_cells(k: dict) -> tuple[str, str, str]:
+  """(VMEM, bundles per step x steps, spills per step) over a side's Mosaic kernels."""
+  ks = k.get("kernels") or []
+  if not ks:
+    return "-", "no Mosaic kernel (XLA only)", "-"
+  vmem = ", ".join(_fmt_bytes(x["vmem_bytes"]) for x in ks)
+  sched = ", ".join(
+    f"{x['name']}: {x['step_bundles']} x {x['grid']}" if x["step_bundles"] is not None
+    else f"{x['name']}: not readable ({'; '.join(x['problems'])})"
+    for x in ks
+  )  # fmt: skip
+  spills = ", ".join(f"{x['step_spill_loads']} / {x['step_spill_stores']}" for x in ks)
+  return vmem, sched, spills
+
+
+def compiled_table(results) -> str:
+  """One row per case of a compiled report (or of a TPU run with its modelled figures beside)."""
+  head = (
+    "| case | kernel compiles | kernel VMEM (compiled) | bundles per grid step x grid (compiled) "
+    "| spill loads / stores per step (compiled) | HBM peak kernel / reference (compiled) "
+    "| compute floor (modelled) | memory floor (modelled) | kernel time (modelled) "
+    "| reference: XLA bytes accessed / ideal (compiled) | reference: XLA optimal time (compiled) "
+    "| measured kernel |"
+  )
+  rows = [head, "|" + "---|" * 12]
+  for r in map(as_dict, results):
+    c = r.get("compiled")
+    if not c:
+      rows.append(f"| {r['name']} | failed: {r.get('error')} |" + " - |" * 10)
+      continue
+    k, ref, m = c["kernel"], c["reference"], c["model"]
+    status = "yes" if k["status"] == "ok" else f"no: {k['error']}"
+    vmem, sched, spills = _compiled_kernel_cells(k) if k["status"] == "ok" else ("-",) * 3
+    peak = lambda side: _fmt_bytes(_peak(side.get("memory")))
+    cost = ref.get("cost", {})
+    ratio = (
+      f"{cost['bytes_accessed'] / 1e9:.2f} GB / {r['bytes'] / 1e9:.2f} GB "
+      f"({cost['bytes_accessed'] / r['bytes']:.1f}x)"
+      if cost.get("bytes_accessed") and r.get("bytes") else "-"
+    )  # fmt: skip
+    t = _ms(m["modelled_s"]) + (f" ({m['bound']})" if m["bound"] else f" ({m['why']})")
+    measured = _fmt_time(r["kernel"]["timing"]["median_s"]) if r.get("kernel") else "-"
+    rows.append(
+      f"| {r['name']} | {status} | {vmem} | {sched} | {spills} | {peak(k)} / {peak(ref)} "
+      f"| {_ms(m['compute_s'])} | {_ms(m['memory_s'])} | {t} | {ratio} "
+      f"| {_ms(cost.get('optimal_s'))} | {measured} |"
+    )
+  return "\n".join(rows)
+
+
+def _peak(mem: dict | None):
+  if not mem or any(mem.get(k) is None for k in ("temp_bytes", "argument_bytes", "output_bytes")):
+    return None
+  return (
+    mem["temp_bytes"] + mem["argument_bytes"] + mem["output_bytes"] - (mem.get("alias_bytes") or 0)
+  )
+
+
+def _render_compiled(out_dir: pathlib.Path, payload: dict, plots: bool) -> pathlib.Path:
+  env, cases = payload["environment"], payload["cases"]
+  gen = env["target"]
+  header = (
+    f"# Compiled report: {env['device_kind']} ({gen}), jax {env['jax']}, libtpu {env['libtpu']}, "
+    f"{env['date']}, commit {env['git_commit']}\n\n{partial_note(payload)}"
+    f"> **{env['label']}.** Compiled: what libtpu's compiler reports (compile status, memory "
+    "analysis, XLA's cost model, the Mosaic kernels' static schedules). Modelled: time derived from "
+    f"them, max(bundles / clock + XLA's optimal time for the other ops, ideal bytes / HBM "
+    f"bandwidth) at {env['clock_hz'] / 1e9:.2f} GHz and {_bw(env['peaks'])} (datasheet; "
+    "kernels.tpu_targets); a stall-free schedule, so a floor, not a prediction.\n\n"
+  )
+  body = compiled_table(cases) + "\n\n" + sizes_section(env, cases) if cases else "(no cases)"
+  figures = []
+  if plots and any((c.get("compiled") or {}).get("model", {}).get("modelled_s") for c in cases):
+    from bench import plots as plots_mod
+
+    figures.append(plots_mod.modelled_chart(cases, env, out_dir / "modelled.png"))
   body += "".join(f"\n\n![{f.stem}]({f.name})" for f in figures)
   write_atomic(out_dir / "summary.md", header + body + "\n")
   return out_dir

@@ -65,6 +65,7 @@ def loss_problems(size: str, platform: str) -> list[autotune.Problem]:
         functools.partial(_loss_fwd_bwd, "xla", platform, None),
         case.checks,
         functools.partial(_loss_fwd_bwd, "auto", platform, None),
+        ideal_bytes=case.bytes,
       )
     )
   return out
@@ -90,7 +91,9 @@ def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.C
       if loss_blocks.rowloop_budget(tokens, vocab, itemsize, blocks).resident_per_sm >= 1:
         pallas.append(blocks)
   elif platform == "tpu":
-    pallas = [None] + [LossBlocks(bn, 2048) for bn in (8, 32) if bn < tokens]
+    # rows per step (the row blocks' VMEM) x columns per unrolled sweep iteration (schedule slots)
+    pallas = [None] + [LossBlocks(bn, bv) for bn, bv in ((16, 2048), (32, 8192), (64, 4096))
+                       if bn < tokens]  # fmt: skip
   cands += [autotune.Candidate("pallas", b, fn("pallas", b)) for b in pallas]
   if platform in ("gpu", "cpu"):
     unit = 128 // itemsize  # swizzle width in elements
@@ -146,6 +149,7 @@ def paged_problems(size: str, platform: str) -> list[autotune.Problem]:
         functools.partial(_paged, "xla", platform, None),
         case.checks,
         functools.partial(_paged, "auto", platform, None),
+        ideal_bytes=case.bytes,
       )
     )
   return out
@@ -219,6 +223,7 @@ def optim_problems(size: str, platform: str) -> list[autotune.Problem]:
         case.reference,
         case.checks,
         step("auto"),
+        ideal_bytes=case.bytes,
       )
     )
   return out
@@ -264,6 +269,7 @@ def linear_problems(size: str, platform: str) -> list[autotune.Problem]:
         functools.partial(_linear, "xla", platform, None),
         case.checks,
         functools.partial(_linear, "auto", platform, None),
+        ideal_bytes=case.bytes,
       )
     )
   return out
@@ -321,13 +327,16 @@ def run(
   repeats: int = 5,
   log=print,
   budget_s: float | None = None,
+  **search,
 ) -> Path:
   """Tune ``ops`` at the bench's ``size`` on this host, one op after the other (each within
-  ``budget_s`` seconds of candidates); returns the cache file, rewritten after every problem."""
+  ``budget_s`` seconds of candidates); returns the cache file, rewritten after every problem.
+  ``search``: :func:`kernels.autotune.tune`'s platform / kind / evaluate / source, for the modelled
+  search of ``--target`` (bench.compiled.tune_in_process)."""
   unknown = sorted(set(ops) - set(PROBLEMS))
   if unknown:
     raise ValueError(f"ops must be among {tuple(PROBLEMS)}, got {unknown}")
-  platform = backend.host_platform()
+  platform = search.pop("platform", None) or backend.host_platform()
   path = None
   for op in ops:
     problems_of, candidates_of = PROBLEMS[op]
@@ -338,6 +347,7 @@ def run(
       repeats=repeats,
       log=log,
       budget_s=budget_s,
+      **search,
     )
   return path
 
@@ -349,7 +359,26 @@ def main(argv=None):
   ap.add_argument("--out", type=Path, help=f"cache directory (default {autotune.TUNING_DIR})")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--budget-s", type=float, help="seconds of candidates per op (default: no limit)")
+  ap.add_argument(
+    "--target",
+    help="a TPU generation / slice (tpu-v6e, v5e) to tune for without one: each candidate compiled "
+    "for it, those that do not compile dropped with the compiler's reason, the rest ranked by "
+    "modelled time; the cache (its device kind's) marked modelled. A measured entry always wins.",
+  )
+  ap.add_argument(
+    "--in-process", action="store_true", help=argparse.SUPPRESS
+  )  # the op's subprocess
   args = ap.parse_args(argv)
+  if args.target:
+    from bench import compiled
+
+    if args.in_process:
+      ops = tuple(dict.fromkeys(args.op or autotune.OPS))
+      path = compiled.tune_in_process(args.target, args.size, args.out, ops, run_modelled_op=run)
+    else:
+      path = compiled.tune_modelled(args.target, args.size, args.out, args.op or autotune.OPS)
+    print(f"wrote {path}")
+    return
   if args.repeats < 1 or (args.budget_s is not None and args.budget_s <= 0):
     ap.error("--repeats must be >= 1 and --budget-s > 0")
   log = lambda line: print(line, flush=True)  # a killed tune's log shows where it was

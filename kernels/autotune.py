@@ -17,13 +17,10 @@ are recorded as not tried), and the cache file is rewritten (atomically) after e
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import datetime
 import json
 import math
-import re
 import subprocess
 import time
 import warnings
@@ -35,164 +32,48 @@ import numpy as np
 
 from kernels import backend
 
-SCHEMA = 1
-TUNING_DIR = Path(__file__).parent / "tuning"
-OPS = ("grpo_loss", "paged_attention", "optim", "fused_linear")
-HEURISTIC = "heuristic"  # the baseline row: what impl="auto" with default blocks runs today
-
-_CACHE_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("tuning_dir", default=None)
-
-
-@contextlib.contextmanager
-def use_cache_dir(path):
-  """Read and write tuning caches under ``path`` inside the block (tests; ``bench.device``'s run)."""
-  token = _CACHE_DIR.set(Path(path))
-  _load.cache_clear()
-  try:
-    yield
-  finally:
-    _CACHE_DIR.reset(token)
-    _load.cache_clear()
-
-
-def cache_dir() -> Path:
-  return _CACHE_DIR.get() or TUNING_DIR
+# the cache's data half lives in kernels.autotune_cache; its names stay importable from here
+from kernels.autotune_cache import (  # noqa: F401
+  HEURISTIC,
+  OPS,
+  SCHEMA,
+  TUNING_DIR,
+  ChunkBlocks,
+  _load,
+  _load_file,
+  blocks_from_json,
+  blocks_to_json,
+  bucket,
+  cache_dir,
+  cache_path,
+  device_kind,
+  lookup,
+  use_cache_dir,
+)
 
 
-def device_kind() -> str:
-  return jax.devices()[0].device_kind
+def _cache_kind(target: backend.Target) -> str | None:
+  """The device kind whose cache a call on ``target`` reads, or None (no cache applies).
 
-
-def cache_path(kind: str, directory: Path | None = None) -> Path:
-  slug = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
-  return (directory or cache_dir()) / f"{slug}.json"
-
-
-# ------------------------------------------------------------------------------------ shape buckets
-def _pow2(x: int) -> int:
-  return 1 << max(int(x) - 1, 0).bit_length()
-
-
-def bucket(op: str, shape: dict) -> str:
-  """The cache key of one problem. Token / batch / context counts are rounded up to powers of two
-  (timings scale smoothly there); vocabulary, heads, head_dim and page size are exact (they change
-  which blocks are legal)."""
-  if op == "grpo_loss":
-    return f"{shape['dtype']}/n{_pow2(shape['tokens'])}/v{shape['vocab']}"
-  if op == "paged_attention":
-    return (
-      f"{shape['dtype']}/b{_pow2(shape['batch'])}/hq{shape['q_heads']}/hkv{shape['kv_heads']}"
-      f"/d{shape['head_dim']}/ps{shape['page_size']}/ctx{_pow2(shape['ctx'])}"
-    )
-  if op == "optim":  # a whole parameter tree per rule: its size decides launch count vs bandwidth
-    return f"{shape['rule']}/{shape['dtype']}/p{_pow2(shape['params'])}"
-  if op == "fused_linear":
-    return f"{shape['dtype']}/n{_pow2(shape['tokens'])}/h{shape['hidden']}/v{shape['vocab']}"
-  raise ValueError(f"op must be one of {OPS}, got {op!r}")
-
-
-# ----------------------------------------------------------------------------------- blocks <-> JSON
-@dataclasses.dataclass(frozen=True)
-class ChunkBlocks:
-  """The chunked fused LM-head path's one tile: tokens per chunk (``chunk_size``)."""
-
-  chunk_size: int
-
-  def __post_init__(self):
-    if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-      raise ValueError(f"ChunkBlocks.chunk_size must be a positive int, got {self.chunk_size!r}")
-
-
-def _blocks_types():
-  from kernels.fused_linear.blocks import LinearBlocks
-  from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
-  from kernels.grpo_loss.blocks import LossBlocks
-  from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
-  from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
-  from kernels.optim.multi import MultiTensorBlocks
-  from kernels.optim.pallas import ElementwiseBlocks
-  from kernels.paged_attention.blocks import PagedBlocks
-  from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
-
-  return {
-    # TPU tiles (ElementwiseBlocks) or the GPU multi-tensor launch (MultiTensorBlocks)
-    ("optim", "pallas"): (ElementwiseBlocks, MultiTensorBlocks),
-    ("fused_linear", "pallas"): LinearBlocks,
-    ("fused_linear", "mosaic_gpu"): MosaicLinearBlocks,
-    ("fused_linear", "chunked"): ChunkBlocks,
-    ("grpo_loss", "pallas"): LossBlocks,
-    # the row kernel's tiles, or the cluster-split kernels' (rows, cluster, chunk)
-    ("grpo_loss", "mosaic_gpu"): (MosaicLossBlocks, ClusterLossBlocks),
-    ("paged_attention", "pallas"): PagedBlocks,
-    ("paged_attention", "mosaic_gpu"): MosaicPagedBlocks,
-  }
-
-
-def blocks_to_json(blocks) -> dict | None:
-  return None if blocks is None else dataclasses.asdict(blocks)
-
-
-def blocks_from_json(op: str, impl: str, data: dict | None):
-  if data is None:
+  A real target on this host's own platform reads its device's cache: timings of one device say
+  nothing about another, nor about the interpreter. A TPU target of a named generation compiled on
+  a host without a TPU reads that generation's cache (modelled entries, from ``python -m bench.tune
+  --target``, or measured ones copied from a TPU): the cache is per device kind either way."""
+  if target.interpret:
     return None
-  types = _blocks_types()[(op, impl)]
-  if isinstance(types, tuple):  # one impl, per-backend blocks: the class whose fields the data has
-    types = next(c for c in types if set(data) == {f.name for f in dataclasses.fields(c)})
-  return types(**data)
-
-
-# ------------------------------------------------------------------------------------------ reading
-def _load_file(path: Path) -> dict | None:
-  if not path.exists():
-    return None
-  data = json.loads(path.read_text())
-  if data.get("schema") != SCHEMA:  # an older layout: ignore rather than misread
-    return None
-  return data
-
-
-def _load_uncached(kind: str, directory: str) -> dict | None:
-  return _load_file(cache_path(kind, Path(directory)))
-
-
-class _Loader:
-  """Memoised cache reads, cleared when the cache directory changes or a cache is written."""
-
-  def __init__(self):
-    self._memo: dict[tuple[str, str], dict | None] = {}
-
-  def __call__(self, kind: str) -> dict | None:
-    key = (kind, str(cache_dir()))
-    if key not in self._memo:
-      self._memo[key] = _load_uncached(*key)
-    return self._memo[key]
-
-  def cache_clear(self):
-    self._memo.clear()
-
-
-_load = _Loader()
-
-
-def lookup(op: str, shape: dict, kind: str | None = None) -> dict | None:
-  """The cached entry (``winner`` and ``candidates``) of ``op`` at ``shape`` on ``kind``, or None."""
-  data = _load(kind or device_kind())
-  if data is None:
-    return None
-  return data.get("entries", {}).get(op, {}).get(bucket(op, shape))
+  if target.platform == backend.host_platform():
+    return device_kind()
+  if target.platform == "tpu" and target.tpu is not None:
+    return target.tpu.device_kind
+  return None
 
 
 def resolve(op: str, impl: str, blocks, target: backend.Target, shape: dict):
   """(impl, blocks) for one call: what the caller passed, with ``impl="auto"`` and ``blocks=None``
-  filled from the tuned cache of this host's device when there is an entry for ``shape``.
-
-  Only a real (non-interpreted) target on this host's own platform reads the cache: timings of one
-  device say nothing about another, nor about the interpreter. Returns the arguments unchanged
-  otherwise, so the ops' heuristics apply.
-  """
-  if target.interpret or target.platform != backend.host_platform():
-    return impl, blocks
-  return apply_entry(op, impl, blocks, lookup(op, shape))
+  filled from the tuned cache of the target's device kind (:func:`_cache_kind`) when it has an entry
+  for ``shape``; the arguments unchanged otherwise, so the ops' heuristics apply."""
+  kind = _cache_kind(target)
+  return (impl, blocks) if kind is None else apply_entry(op, impl, blocks, lookup(op, shape, kind))
 
 
 def apply_entry(op: str, impl: str, blocks, entry: dict | None):
@@ -234,15 +115,16 @@ def apply_checked(op: str, impl: str, blocks, entry: dict | None, legal=None):
 def resolve_checked(op: str, impl: str, blocks, target: backend.Target, shape: dict, legal=None):
   """:func:`resolve` through :func:`apply_checked`; an unreadable or corrupt cache file is ignored
   with a warning (the caller's arguments, which the heuristics then fill)."""
-  if target.interpret or target.platform != backend.host_platform():
+  kind = _cache_kind(target)
+  if kind is None:
     return impl, blocks
-  return from_cache_checked(op, impl, blocks, shape, legal)
+  return from_cache_checked(op, impl, blocks, shape, legal, kind)
 
 
-def from_cache_checked(op: str, impl: str, blocks, shape: dict, legal=None):
-  """:func:`apply_checked` with this host's device's entry at ``shape``, whatever the target."""
+def from_cache_checked(op: str, impl: str, blocks, shape: dict, legal=None, kind=None):
+  """:func:`apply_checked` with ``kind``'s (default: this host's device's) entry at ``shape``."""
   try:
-    entry = lookup(op, shape)
+    entry = lookup(op, shape, kind)
   except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
     warnings.warn(f"ignoring the tuning cache ({type(e).__name__}: {e})", stacklevel=2)
     return impl, blocks
@@ -275,6 +157,7 @@ class Problem:
   reference: Callable
   checks: tuple
   heuristic: Callable | None = None
+  ideal_bytes: float | None = None  # the op's ideal HBM traffic (a modelled search's memory floor)
 
 
 def _timed(fn, args, repeats: int) -> float:
@@ -379,10 +262,17 @@ def tune(
   repeats: int = 5,
   log: Callable[[str], None] = print,
   budget_s: float | None = None,
+  evaluate: Callable | None = None,
+  source: str = "measured",
 ) -> Path:
   """Tune every problem and merge the results into the device's cache file, rewritten after each
   problem (a killed tune keeps what it finished); returns its path. ``budget_s``: seconds per op
-  (counted from its first problem) after which its remaining candidates are not tried."""
+  (counted from its first problem) after which its remaining candidates are not tried.
+
+  ``evaluate(problem, candidates, deadline, log) -> entry`` replaces the measuring search
+  (:func:`tune_problem`): ``bench.tune --target`` compiles each candidate for a TPU generation and
+  ranks by modelled time, with ``source="modelled"``. A measured entry always wins: a modelled one
+  never replaces it (a measured one replaces anything)."""
   kind = kind or device_kind()
   path = cache_path(kind, directory)
   data = _load_file(path) or dict(schema=SCHEMA, entries={})
@@ -392,9 +282,18 @@ def tune(
       deadlines[problem.op] = None if budget_s is None else time.perf_counter() + budget_s
       log(f"[tune] {problem.op}" + ("" if budget_s is None else f" (budget {budget_s:.0f} s)"))
     cands = candidates_for(problem)
-    entry = tune_problem(problem, cands, repeats, deadline=deadlines[problem.op], log=log)
-    data["entries"].setdefault(problem.op, {})[bucket(problem.op, problem.shape)] = entry
-    log(f"[tune] {problem.op} {bucket(problem.op, problem.shape)}: winner {entry['winner']}")
+    if evaluate is None:
+      entry = tune_problem(problem, cands, repeats, deadline=deadlines[problem.op], log=log)
+    else:
+      entry = evaluate(problem, cands, deadlines[problem.op], log)
+    entry["source"] = source
+    key = bucket(problem.op, problem.shape)
+    old = data["entries"].setdefault(problem.op, {}).get(key)
+    if old is not None and old.get("source", "measured") == "measured" and source != "measured":
+      log(f"[tune] {problem.op} {key}: kept the measured entry (a modelled one never replaces it)")
+    else:
+      data["entries"][problem.op][key] = entry
+    log(f"[tune] {problem.op} {key}: {source} winner {entry['winner']}")
     _write(path, data, kind, repeats)
   if not problems:
     _write(path, data, kind, repeats)
@@ -402,9 +301,11 @@ def tune(
 
 
 def _write(path: Path, data: dict, kind: str, repeats: int) -> None:
+  sources = {e.get("source", "measured") for op in data["entries"].values() for e in op.values()}
   data.update(
     repeats=repeats,
     device_kind=kind,
+    sources=sorted(sources),  # "modelled": compiled for the device kind on a host without it
     platform=backend.host_platform(),
     jax_version=jax.__version__,
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -22,26 +22,52 @@ def lse_shift(m):
   return jnp.where(jnp.abs(m) < SHIFT_AT, 0.0, m)
 
 
+# exp(LOG_FLOOR) is 0 in f32 (e^-128 < 2^-149 / 2): clamping z - m there changes no p, and makes a
+# -inf (masked) column give p = 0 and p * (z - m) = 0 * LOG_FLOOR = 0, not 0 * -inf = NaN.
+LOG_FLOOR = -128.0
+
+
 def online_step(z, valid, m, l, s, *, rmax, rsum, expand=lambda x: x):
   """The one online log-sum-exp step every loss kernel folds a tile with: (m, l, s, p) after tile z.
 
   z: scaled logits (invalid columns already -inf); m: running max; l: sum exp(z - m); s: sum
   p * (z - m) (the entropy's term). How a tile reduces and broadcasts is the caller's layout:
-  rmax / rsum reduce the tile's vocabulary axis (identity rsum: per-lane sums), expand broadcasts a
-  reduced max back over the tile (the Mosaic GPU row layouts need an explicit broadcast). p is the
-  tile's exp(z - m_new), for callers that store it.
+  rmax / rsum reduce the tile's vocabulary axis (identity rsum: per-lane sums; the TPU sweeps reduce
+  a stack of slabs over its leading axis), expand broadcasts a reduced max back over the tile. p is
+  the tile's exp(z - m_new), for callers that store it. ``rmax=None``: m is already at least z's
+  max (a sweep that took the max first), so nothing is rescaled. ``valid`` is not read: invalid columns are
+  -inf in z, which the LOG_FLOOR clamp already sends to p = 0 and p * (z - m) = 0 (one max per
+  element instead of two selects and a compare); callers may pass None.
   """
-  m_new = jnp.maximum(m, rmax(z))
+  del valid
+  if rmax is None:  # m is z's max already (a two-pass sweep): nothing to rescale
+    m_new = m
+  else:
+    m_new = jnp.maximum(m, rmax(z))
+  # 0 * log 0 = 0: below LOG_FLOOR p is 0 and the term 0 * LOG_FLOOR (a NaN z stays NaN: maximum
+  # propagates it)
+  d = z - expand(m_new)
+  p = jnp.exp(d)
+  zc = jnp.maximum(d, LOG_FLOOR)  # clamped for the product only: exp(d) is 0 below it anyway
+  if rmax is None:
+    return m_new, l + rsum(p), s + rsum(p * zc), p
   alpha = jnp.exp(m - m_new)
-  mb = expand(m_new)
-  p = jnp.exp(z - mb)
-  zc = jnp.where(valid, z - mb, 0.0)
-  # 0 * log 0 = 0: where p underflows (or z = -inf) the term is 0, not 0 * -inf; when alpha underflows
-  # (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish instead of forming 0 * -inf.
-  pz = jnp.where(p == 0, 0.0, p * zc)
-  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + rsum(pz)
+  # when alpha underflows (a max jump past ~88, e.g. from -3e38 to 3e38) the old terms vanish
+  # instead of forming 0 * -inf
+  s = jnp.where(alpha == 0, 0.0, alpha * (s + (m - m_new) * l)) + rsum(p * zc)
   l = alpha * l + rsum(p)
   return m_new, l, s, p
+
+
+def merge(m, l, s, axis):
+  """Merge partial statistics (m, l, s as from :func:`online_step`) along ``axis`` (keepdims): the
+  lanes of a row (TPU sweeps) or the splits of one (the rowloop split kernel). A part that saw no
+  column (m = NEG_BIG) has weight exp(m - top) = 0 and its terms are dropped."""
+  top = jnp.max(m, axis=axis, keepdims=True)
+  a = jnp.exp(m - top)
+  l_all = jnp.sum(a * l, axis=axis, keepdims=True)
+  s_all = jnp.sum(jnp.where(a == 0, 0.0, a * (s + (m - top) * l)), axis=axis, keepdims=True)
+  return top, l_all, s_all
 
 
 def row_reductions(expand):

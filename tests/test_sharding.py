@@ -17,7 +17,7 @@ from bench.tolerances import tolerance
 from kernels import backend
 from kernels.fused_linear import LinearBlocks
 from kernels.fused_linear import blocks as linear_blocks
-from kernels.grpo_loss import LossBlocks
+from kernels.grpo_loss import LossBlocks, tiles
 from kernels.grpo_loss import blocks as loss_blocks
 from kernels.paged_attention import PagedBlocks
 from kernels.paged_attention import blocks as paged_blocks
@@ -186,14 +186,15 @@ V4, V6E = (backend.make_target("tpu", interpret=False, generation=g) for g in ("
 
 
 def test_loss_blocks_legal_on_each_generation():
-  """The training kernel keeps a [rows, V] block in VMEM: at V = 151936 bf16 v4's 16 MiB takes 8
-  rows (compiled: 40 rows need 24.3 MB windows there), f32 not even 8; v6e takes 40 (the 48 MiB
-  cap). Catches: a heuristic sized for v6e on v4, a legal_on that passes what cannot compile."""
+  """The training kernel keeps a [rows, V] block in and its dlogits out in VMEM: at V = 151936 bf16
+  v4's 16 MiB takes 8 rows (compiled: 40 rows need 24.3 MB windows there), f32 not even 8; v6e takes
+  16 (half its VMEM, at most 24 MiB of blocks). Catches: a heuristic sized for v6e on v4, a legal_on
+  that passes what cannot compile."""
   shape = dict(tokens=8192, vocab=151936, dtype="bfloat16")
   heuristic = loss_blocks.default_blocks(V4, 8192, 151936)
   assert loss_blocks.legal_on(V4, heuristic, shape) is None
-  assert loss_blocks.tiled_train_rows(128, 8192, 151936, 2, V4) == 8
-  assert loss_blocks.tiled_train_rows(128, 8192, 151936, 2, V6E) == 40
+  assert tiles.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
+  assert tiles.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
   assert "16 MiB" in loss_blocks.legal_on(V4, heuristic, dict(shape, dtype="float32"))
   assert loss_blocks.legal_on(V6E, heuristic, dict(shape, dtype="float32")) is None
   assert "scoped default" in loss_blocks.legal_on(V4, LossBlocks(512, 16384), shape)

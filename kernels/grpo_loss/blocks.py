@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from kernels import lse
 from kernels.backend import Target
+from kernels.grpo_loss import tiles
 from kernels.tpu_vmem import scoped_vmem
 
 
@@ -57,9 +58,12 @@ class LossBlocks:
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   """The heuristic. Why these numbers:
 
-  * TPU: 128 x 2048 tiles keep a bf16 logits tile at 512 KiB (double-buffered by the pipeline) and the
-    f32 temporaries of one tile at about 1 MiB each, well inside the default scoped VMEM of v4-v6; the
-    vocabulary tail is masked in-kernel, so V = 151936 (= 74 * 2048 + 384) needs no padding.
+  * TPU: block_n 128 caps the rows per step (the statistics and training kernels hold [rows, V]
+    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.tiles.stats_rows); block_v 4096 is
+    the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
+    enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
+    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
+    in-kernel, so V = 151936 needs no padding.
   * GPU: one row per program, 8192-wide chunks over 16 warps (16 contiguous elements, two 16-byte
     loads per thread per chunk), two pipeline stages: :func:`rowloop_budget` gives one resident
     program per SM (so the rows being swept, 132 x 297 KB = 39 MB, fit the 50 MB L2 that the training
@@ -75,7 +79,7 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
     warps = max(1, min(16, bv // 512))
     return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
-    return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 2048 else 2048)
+    return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 4096 else 4096)
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
 
 
@@ -167,29 +171,6 @@ def mosaic_budget(n: int, v: int, itemsize: int, blocks, hw: Hopper = Hopper()):
 
 # ------------------------------------------------------------------- TPU VMEM (per generation)
 MiB = 2**20
-TRAIN_BLOCK_CAP = 48 * MiB  # the training kernel's row block in + dlogits out, double-buffered
-TRAIN_HEADROOM = 4 * MiB
-
-
-def train_vmem_bytes(rows: int, v: int, itemsize: int, bv: int) -> int:
-  """VMEM of one tiled training step: the [rows, V] block in and dlogits out, each double-buffered,
-  plus f32 chunk temporaries (8 [rows, bv]) and 4 MiB of headroom."""
-  return 4 * rows * v * itemsize + 8 * rows * bv * 4 + TRAIN_HEADROOM
-
-
-def tiled_train_rows(
-  block_n: int, n: int, v: int, itemsize: int, target: Target, block_v: int = 2048
-) -> int:
-  """Rows per step of the tiled training kernel, whose [rows, V] block stays in VMEM: on TPU the most
-  (a multiple of 8, at most block_n, or all N) whose blocks stay <= 48 MiB and whose step fits the
-  generation's VMEM (:func:`train_vmem_bytes`; v4's 16 MiB takes 8 rows of a 151936-wide bf16 row);
-  never below 8 (:func:`legal_on` refuses what 8 rows do not fit). The interpreter takes block_n."""
-  if target.platform != "tpu" or target.interpret:
-    return block_n
-  per_row = 4 * v * itemsize
-  fit = min(TRAIN_BLOCK_CAP // per_row, (target.vmem_bytes - TRAIN_HEADROOM) // (per_row + 32 * block_v))  # fmt: skip
-  fit = max(8, fit // 8 * 8)
-  return n if n <= min(block_n, fit) else min(block_n, fit)
 
 
 def tile_vmem_bytes(bn: int, bv: int, itemsize: int) -> int:
@@ -217,13 +198,17 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   tile = tile_vmem_bytes(bn, bv, itemsize)
   if tile > scoped_vmem(target):
     return f"{where}: a [{bn}, {bv}] tile needs ~{tile / MiB:.1f} MiB of VMEM, over the {scoped_vmem(target) / MiB:.0f} MiB scoped default"  # fmt: skip
-  rows = tiled_train_rows(blocks.block_n, n, v, itemsize, target, blocks.block_v)
-  need = train_vmem_bytes(rows, v, itemsize, blocks.block_v)
-  if need > target.vmem_bytes:
-    return (
-      f"{where}: the training kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of VMEM, "
-      f"over the {target.vmem_bytes / MiB:.0f} MiB there (a narrower vocabulary or bf16 logits fit)"
-    )
+  # the forward (one [rows, V] block) and the training kernel (block in + dlogits out), each
+  # double-buffered, at tiles.stats_rows' rows (8 at least) within the generation's VMEM
+  for kernel, count in (("statistics", 1), ("training", 2)):
+    rows = tiles.stats_rows(blocks.block_n, n, v, shape["dtype"], target, blocks=count)
+    need = tiles.vmem_bytes(rows, v, shape["dtype"], count)
+    if need > target.vmem_bytes:
+      return (
+        f"{where}: the {kernel} kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of "
+        f"VMEM, over the {target.vmem_bytes / MiB:.0f} MiB there (a narrower vocabulary or bf16 "
+        "logits fit)"
+      )
   return None
 
 

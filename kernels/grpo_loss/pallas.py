@@ -13,13 +13,16 @@ path for token-level specs is :mod:`kernels.grpo_loss.train` (one kernel: statis
 coefficient, dlogits) under the custom VJP of :mod:`kernels.grpo_loss.vjp`.
 
 Two families:
-  tiled   (TPU, CPU interpreter): grid (rows / bn, V / bv), the vocab axis a sequential reduction.
+  tiled   (TPU, CPU interpreter): statistics over grid (rows / bn,), a [bn, V] row block in VMEM
+                                  swept in register-sized slabs (:mod:`kernels.grpo_loss.tiles`);
+                                  backward over grid (rows / bn, V / bv) tiles.
   rowloop (GPU / Triton):         grid (rows,), a fori_loop over vocab chunks with masked loads/stores;
                                   one block-wide max per chunk, per-lane sums reduced once per row
                                   (launch model: :func:`kernels.grpo_loss.blocks.rowloop_budget`).
 
 All per-token inputs and outputs are flat f32 [N] (rowloop) or [N, 1] (tiled: a (bn, 1) block spans
-the last dim, which satisfies Mosaic's tiling rule) arrays.
+the last dim, which satisfies Mosaic's tiling rule) arrays. The tiled statistics kernel takes the
+chosen logits gathered outside (N elements); the training kernel reads them in-kernel (ids in SMEM).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from kernels import backend, lse
 from kernels.backend import Target
+from kernels.grpo_loss import tiles
 from kernels.grpo_loss.blocks import LossBlocks
 
 
@@ -47,55 +51,22 @@ class LossConfig:
   reuse_logits_buffer: bool = False
 
 
-def finalize(m, l, s, chosen, found):
-  """(logp, entropy, lse_rel, shift): the log-sum-exp is shift + lse_rel."""
-  shift = lse.lse_shift(m)
-  lse_rel = (m - shift) + jnp.log(l)
-  entropy = jnp.log(l) - s / l
-  # an id outside [0, V) poisons, never hides
-  logp = jnp.where(found > 0, (chosen - shift) - lse_rel, jnp.nan)
-  return logp, entropy, lse_rel, shift
+finalize = tiles.finalize  # the rowloop kernels and train.py finish rows with it too
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_fwd_kernel(
-  x_ref,
-  ids_ref,  # in
-  logp_ref,
-  ent_ref,
-  lse_ref,
-  shift_ref,  # out
-  m_sc,
-  l_sc,
-  s_sc,
-  c_sc,
-  f_sc,
-  *,
-  cfg: LossConfig,
-):
-  j = pl.program_id(1)
-  bv = cfg.blocks.block_v
+def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg):
+  """A [bn, V] row block, row group by row group (:func:`tiles.row_stats`); chosen_ref: [bn, 1] the
+  rows' chosen logits, gathered outside (N elements; the training kernel reads them in-kernel)."""
+  bn, v = x_ref.shape
+  sw = tiles.sweep_of(v, cfg.temperature, cfg.blocks.block_v)
 
-  @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full_like(m_sc, lse.NEG_BIG)
-    for ref in (l_sc, s_sc, c_sc, f_sc):
-      ref[...] = jnp.zeros_like(ref)
+  def rows_body(rows, size):
+    stats = tiles.row_stats(x_ref, rows, size, sw, chosen_ref[rows, :])
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
+      ref[rows, :] = val
 
-  x = x_ref[...].astype(jnp.float32)  # [bn, bv]
-  col = j * bv + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-  valid = col < cfg.vocab
-  z = jnp.where(valid, x * (1.0 / cfg.temperature), -jnp.inf)
-  hit = col == ids_ref[...]  # [bn, bv] vs [bn, 1]
-  m, l, s, c, f = lse.online_update(
-    z, hit, valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...], axis=1
-  )
-  m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...] = m, l, s, c, f
-
-  @pl.when(j == pl.num_programs(1) - 1)
-  def _finish():
-    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), finalize(m, l, s, c, f)):
-      ref[...] = val
+  tiles.for_row_groups(bn, tiles.row_group(bn, x_ref.dtype), rows_body)
 
 
 def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
@@ -112,22 +83,23 @@ def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg:
 
 def _tiled_fwd(cfg: LossConfig, x, ids):
   n, v = x.shape
-  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
-  col = lambda a: a.reshape(n, 1)
-  row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
+  bn = tiles.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
+  chosen = tiles.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
+  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
   outs = pl.pallas_call(
     functools.partial(_tiled_fwd_kernel, cfg=cfg),
-    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-    in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j)), row_spec],
+    grid=(pl.cdiv(n, bn),),
+    in_specs=[pl.BlockSpec((bn, v), lambda i: (i, 0)), row_spec],
     out_specs=[row_spec] * 4,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
-    scratch_shapes=[backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
     compiler_params=backend.compiler_params(
-      cfg.target, dimension_semantics=("parallel", "arbitrary")
+      cfg.target,
+      dimension_semantics=("parallel",),
+      vmem_limit_bytes=tiles.vmem_bytes(bn, v, x.dtype, blocks=1),
     ),
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd",
-  )(x, col(ids))
+  )(x, chosen)
   return tuple(o.reshape(n) for o in outs)
 
 
@@ -259,14 +231,10 @@ def _rowloop_split_fwd(cfg: LossConfig, x, ids):
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd_split",
   )(x)
-  top = jnp.max(m, axis=1, keepdims=True)
-  a = jnp.exp(m - top)  # 0 for an empty split (m = NEG_BIG), whose terms are then dropped
-  l_row = jnp.sum(a * l, axis=1)
-  s_row = jnp.sum(jnp.where(a == 0, 0.0, a * (s + (m - top) * l)), axis=1)
-  found = (ids >= 0) & (ids < v)  # an id outside [0, V) poisons (NaN), never hides
-  picked = jnp.take_along_axis(x, jnp.where(found, ids, 0)[:, None], axis=1)[:, 0]
-  chosen = picked.astype(jnp.float32) * (1.0 / cfg.temperature)
-  return finalize(top[:, 0], l_row, s_row, chosen, found.astype(jnp.float32))
+  top, l_row, s_row = lse.merge(m, l, s, axis=1)
+  found = (ids >= 0) & (ids < v)
+  chosen = tiles.chosen_logit(x, ids, v, cfg.temperature)
+  return finalize(top[:, 0], l_row[:, 0], s_row[:, 0], chosen, found.astype(jnp.float32))
 
 
 def _rowloop_bwd(cfg: LossConfig, x, ids, lse, shift, g):

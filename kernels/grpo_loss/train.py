@@ -9,9 +9,11 @@ one read of the logits and one write of dlogits; the backward only applies the l
 (:mod:`kernels.grpo_loss.vjp`).
 
 Two families, as :mod:`kernels.grpo_loss.pallas`:
-  tiled   (TPU, CPU interpreter): grid (rows / bn,); a [bn, V] row block stays in VMEM (a bf16
-          151936-wide block of 8 rows is 2.4 MB), swept twice from VMEM in block_v-wide chunks: the
-          logits leave HBM once.
+  tiled   (TPU, CPU interpreter): grid (rows / bn,); a [bn, V] row block stays in VMEM (in and
+          out, double-buffered: bn from :func:`kernels.grpo_loss.tiles.stats_rows`) and each
+          group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
+          (:func:`kernels.grpo_loss.tiles.lane_stats`), then -g * softmax written, then each row's
+          chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
   rowloop (GPU / Triton): grid (rows,); the stats sweep, then the dlogits sweep in reverse chunk
           order, so it starts on the chunks the first sweep read last, the ones still in L2 (a
           297 KB row; :func:`kernels.grpo_loss.blocks.rowloop_budget` models whether the rows
@@ -27,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jax_core
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas as _pallas
-from kernels.grpo_loss.blocks import tiled_train_rows, train_vmem_bytes
+from kernels.grpo_loss import tiles
 from kernels.grpo_loss.pallas import LossConfig
 from kernels.loss_spec import LossSpec
 from kernels.objective import token_coefficient
@@ -122,76 +125,61 @@ def _replay(jaxpr, consts, args):
 
 
 # ------------------------------------------------------------------------------------ tiled family
-def _tiled_sweep(cfg: LossConfig, fold, carry):
-  """fold(start, width, carry) over the row block's full chunks (a loop) and its tail (static)."""
-  bv = cfg.blocks.block_v
-  full, tail = divmod(cfg.vocab, bv)
-  if full:
-    carry = jax.lax.fori_loop(0, full, lambda k, c: fold(pl.multiple_of(k * bv, bv), bv, c), carry)
-  return fold(full * bv, tail, carry) if tail else carry
-
-
-def _tiled_train_kernel(x_ref, ids_ref, tok_ref, *out_refs, cfg: TrainConfig):
+def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
+  """Per group of rows (:mod:`kernels.grpo_loss.tiles`): the statistics sweeps, log p, the
+  coefficient g, the dlogits sweep, then each row's chosen column; all from the [bn, V] block in
+  VMEM. ids_ref: all N ids in SMEM (the chosen columns' addresses)."""
   logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
-  loss, inv_t = cfg.loss, 1.0 / cfg.loss.temperature
-  ids = ids_ref[...]  # [bn, 1]
+  bn, v = x_ref.shape
+  sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v)
+  # read at the kernel's top level: the interpreter has no rule for program_id inside its loops
+  step_row = pl.program_id(0) * rows_per_step
 
-  def chunk(start, width):
-    x = x_ref[:, pl.ds(start, width)].astype(jnp.float32) * inv_t
-    return x, start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  def rows_body(rows, size):
+    first = step_row + rows.start
+    chosen = tiles.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
+    m, l, s = lse.merge(*tiles.lane_stats(x_ref, rows, sw, size), axis=1)
+    logp, ent, lse_rel, shift = tiles.finalize(m, l, s, chosen, 1.0)
+    tok = {k: tok_ref[rows, i : i + 1] for i, k in enumerate(cfg.fields)}
+    g = coefficient(cfg, logp, tok)
+    tiles.write_grads(x_ref, dx_ref, rows, sw, m, l, g)
+    # the chosen column: g * onehot - g * softmax, in the order the sweep's formula had it
+    value = jnp.where(g == 0, 0.0, g + (-g / l) * jnp.exp(chosen - m))
+    tiles.patch_chosen(dx_ref, rows, size, first, ids_ref, value, sw)
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
+      ref[rows, :] = val
 
-  def stats(start, width, carry):
-    z, col = chunk(start, width)
-    return lse.online_update(z, col == ids, col < loss.vocab, *carry, axis=1)
-
-  col_vec = jnp.zeros(ids.shape, jnp.float32)
-  init = (jnp.full(ids.shape, lse.NEG_BIG, jnp.float32),) + (col_vec,) * 4
-  logp, ent, lse_rel, shift = _pallas.finalize(*_tiled_sweep(loss, stats, init))
-  tok = {k: tok_ref[:, i : i + 1] for i, k in enumerate(cfg.fields)}
-  g = coefficient(cfg, logp, tok)
-
-  def grads(start, width, carry):
-    z, col = chunk(start, width)
-    d = jnp.where(
-      g == 0, 0.0, g * ((col == ids).astype(jnp.float32) - jnp.exp((z - shift) - lse_rel))
-    )
-    dx_ref[:, pl.ds(start, width)] = d.astype(dx_ref.dtype)
-    return carry
-
-  _tiled_sweep(loss, grads, 0)
-  for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
-    ref[...] = val
+  tiles.for_row_groups(bn, tiles.row_group(bn, x_ref.dtype), rows_body)
 
 
 def _tiled_train(cfg: TrainConfig, x, ids, tok):
   n, v = x.shape
-  bv = cfg.loss.blocks.block_v
-  bn = tiled_train_rows(cfg.loss.blocks.block_n, n, v, x.dtype.itemsize, cfg.loss.target, bv)
-  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
-  block = pl.BlockSpec((bn, v), lambda i: (i, 0))
-  outs = pl.pallas_call(
-    functools.partial(_tiled_train_kernel, cfg=cfg),
+  bn = tiles.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
+  # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
+  row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
+  block = pl.BlockSpec((bn, v), lambda i, ids: (i, 0))
+  grid = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
     grid=(pl.cdiv(n, bn),),
-    in_specs=[block, row_spec, pl.BlockSpec((bn, tok.shape[1]), lambda i: (i, 0))],
+    in_specs=[block, pl.BlockSpec((bn, tok.shape[1]), lambda i, ids: (i, 0))],
     out_specs=[row_spec] * 4 + [block],
+  )
+  outs = pl.pallas_call(
+    functools.partial(_tiled_train_kernel, cfg=cfg, rows_per_step=bn),
+    grid_spec=grid,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4
     + [jax.ShapeDtypeStruct((n, v), x.dtype)],
-    input_output_aliases={0: 4} if cfg.loss.reuse_logits_buffer else {},
+    # operand 0 is the prefetched ids: the logits are operand 1
+    input_output_aliases={1: 4} if cfg.loss.reuse_logits_buffer else {},
     compiler_params=backend.compiler_params(
       cfg.loss.target,
       dimension_semantics=("parallel",),
-      vmem_limit_bytes=tiled_vmem_bytes(bn, v, x.dtype, cfg.loss.blocks.block_v),
+      vmem_limit_bytes=tiles.vmem_bytes(bn, v, x.dtype, blocks=2),
     ),
     interpret=cfg.loss.target.interpret,
     name="grpo_loss_train",
-  )(x, ids.reshape(n, 1), tok)
+  )(ids, x, tok)
   return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)
-
-
-def tiled_vmem_bytes(bn: int, v: int, dtype, bv: int) -> int:
-  """VMEM of one tiled training step (:func:`kernels.grpo_loss.blocks.train_vmem_bytes`, whose rows
-  rule :func:`tiled_train_rows` fits it to the generation's VMEM)."""
-  return train_vmem_bytes(bn, v, jnp.dtype(dtype).itemsize, bv)
 
 
 # ---------------------------------------------------------------------------------- rowloop family
