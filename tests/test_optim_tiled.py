@@ -63,8 +63,11 @@ def test_plan_windows_cover_every_element_once_hypothesis(shapes, bf16, elems):
     start += seg.count
     cls = plan.classes[seg.cls]
     assert seg.window[1] <= cls.tile[0] and seg.window[2] == cls.tile[1]
-    # a buffer row count off the tile only as a packed class's exact rows
-    assert cls.tile[0] % cls.sub == 0 or (cls.sub > 8 and seg.window[1] == cls.tile[0])
+    # a buffer row count off the sublane tile only as a class's exact rows (a ragged window is
+    # never a prefix of a taller buffer: Mosaic slices rows at whole tiles only)
+    assert cls.tile[0] % cls.sub == 0 or seg.window[1] == cls.tile[0]
+    if seg.window[1] % cls.sub:
+      assert seg.window[1] == cls.tile[0], (seg.window, cls.tile)
   assert plan.items == start and plan.splits[0] == 0 and plan.splits[-1] == start
 
 
@@ -189,6 +192,30 @@ def test_tpu_step_is_one_launch_at_ideal_bytes_for_0_5b_leaf_kinds(gen):
   XLA's bytes within 1.3x of 7 words per parameter, and no relayout of any leaf: a per-leaf launch
   or a flat [n / 2048, 2048] view (the previous kernel: 290 launches, 4.2x) fails here."""
   launches, nbytes, ideal, relayouts = _compiled_step(gen, _reduced_0_5b(), "adamw")
+  assert launches == 1
+  assert ideal <= nbytes <= 1.3 * ideal, nbytes / ideal
+  assert not relayouts, relayouts
+
+
+# The loop's stacked tree (rl.model: one leaf per kind, layers stacked on a leading axis) at the
+# 1.5B config's 28 layers: [28, 1536] norms are row counts off the 8-row sublane tile.
+STACKED_1_5B = {
+  "embed": (151936, 1536),
+  "final_norm": (1536,),
+  "layers.input_norm": (28, 1536),
+  "layers.k_bias": (28, 256),
+  "layers.q": (28, 1536, 1536),
+  "layers.down": (28, 8960, 1536),
+}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("gen", ["v6e", "v4"])
+def test_tpu_step_on_the_loops_stacked_tree_with_ragged_layer_count(gen):
+  """Catches: a window of 28 rows sliced out of a shared 64-row f32 buffer, which Mosaic rejects
+  ("Slice sizes along tiled dimensions must be aligned to tiles"): the 1.5B config's train step did
+  not compile until ragged row counts got buffers of their own rows (kernels.optim.tiles._plan)."""
+  launches, nbytes, ideal, relayouts = _compiled_step(gen, STACKED_1_5B, "adamw")
   assert launches == 1
   assert ideal <= nbytes <= 1.3 * ideal, nbytes / ideal
   assert not relayouts, relayouts

@@ -216,14 +216,16 @@ def _plan(specs, tile_elems: int, max_cols, slots: int, cores: int) -> Plan:
   # classes are keyed by window width, not by leaf: Mosaic slices a VMEM buffer's lanes only at
   # whole (8, 128) tiles or to its end, so a ragged last column window (C % 128 != 0) gets buffers
   # of its own width, and a buffer is never narrower or wider than a window's unaligned width
-  # ... and a packed (16-bit) buffer only at whole tiles of rows too: a window of such a class with
-  # a ragged row count gets buffers of exactly its rows (32-bit buffers take any row prefix)
+  # ... and a buffer's rows only at whole sublane tiles too (8 rows for 32-bit, 16 for packed 16-bit
+  # dtypes; compiled: a [28, 1536] f32 window of a [64, 1536] buffer is "Slice sizes along tiled
+  # dimensions must be aligned to tiles"): a window with a ragged row count gets buffers of exactly
+  # its rows
   keys, rows, segments, start = {}, [], [], 0
   for i, spec in enumerate(specs):
     sub = sublanes(spec.in_dtypes + spec.out_dtypes)
     for seg in _segments(i, spec.view, _leaf_tile(spec, tile_elems, max_cols), start):
       h, w = seg.window[1:]
-      exact = h if sub > 8 and h % sub else None
+      exact = h if h % sub else None
       key = (w, exact, spec.in_dtypes, spec.out_dtypes, spec.body_key)
       if key not in keys:
         keys[key] = (len(rows), i)
