@@ -58,7 +58,8 @@ class LossBlocks:
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   """The heuristic. Why these numbers:
 
-  * TPU: block_n 128 caps the rows per step (the statistics and training kernels hold [rows, V]
+  * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
+    step (the statistics and training kernels hold [rows, V]
     blocks and take fewer rows where VMEM asks: kernels.grpo_loss.tiles.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
@@ -79,7 +80,12 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
     warps = max(1, min(16, bv // 512))
     return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
-    return LossBlocks(block_n=n if n <= 128 else 128, block_v=v if v <= 4096 else 4096)
+    bn, bv = (n if n <= 128 else 128), (v if v <= 4096 else 4096)
+    # the backward kernel's [bn, bv] tile within the scoped VMEM default (it passes no limit): v4's
+    # (and an unnamed generation's) 16 MiB takes 64 rows of a 4096-wide bf16 tile, not 128
+    while bn > 8 and bn % 16 == 0 and tile_vmem_bytes(bn, bv, 4) > scoped_vmem(target):
+      bn //= 2
+    return LossBlocks(block_n=bn, block_v=bv)
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
 
 
