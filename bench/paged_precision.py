@@ -27,7 +27,7 @@ from bench.mismatch import trainer_logps
 from bench.rollout import SIZES, bench_engine, greedy_agreement, workload
 from rl.model import init_model, preset, scale_weights
 from rl.rollout.paged import PagedEngine
-from rl.rollout.paged_cache import PagedKVCache
+from rl.rollout.paged_cache import PYTREE_FIELDS, PagedKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +39,15 @@ class KernelReferenceCache(PagedKVCache):
     return False
 
 
-jax.tree_util.register_dataclass(
-  KernelReferenceCache,
-  data_fields=["k", "v", "page_table"],
-  meta_fields=["attn_impl", "num_layers", "value_dtype"],
-)
+jax.tree_util.register_dataclass(KernelReferenceCache, **PYTREE_FIELDS)
 
 
 class KernelReferenceEngine(PagedEngine):
   def _new_cache(self) -> PagedKVCache:
     c = super()._new_cache()
-    return KernelReferenceCache(c.k, c.v, c.page_table, "xla", c.num_layers, c.value_dtype)
+    # Every field carried over (a new cache field is not silently dropped), attn_impl forced to "xla".
+    fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+    return KernelReferenceCache(**(fields | {"attn_impl": "xla"}))
 
 
 VARIANTS = ("model attention", "kernel xla reference", "pallas kernel")

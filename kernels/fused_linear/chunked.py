@@ -29,7 +29,10 @@ def chunk_pass(loss_cfg: loss_pallas.LossConfig, h, w, ids, finish, with_grads: 
   """
   logits = jnp.dot(h, w, preferred_element_type=jnp.float32)  # [c, V]
   lse, logp, entropy = loss_pallas.row_stats(loss_cfg, logits, ids)
-  found = logp == logp  # NaN marks an id outside this shard
+  # the ids this shard holds, from the ids themselves: a NaN test of logp (logp == logp) lost the
+  # NaN under jit on XLA:CPU once row_stats' NaN came from a select outside the kernel (an id
+  # outside [0, V) then gave a finite loss: tests/test_fused_linear.py's bad-ids test)
+  found = (ids >= 0) & (ids < w.shape[1])
   chosen = jnp.where(found, logp + lse, 0.0)
   lse_global, g, outputs = finish(lse, chosen, found.astype(jnp.float32), lse - entropy)
   if not with_grads:

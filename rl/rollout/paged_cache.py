@@ -185,11 +185,13 @@ def _store(
   return pool.at[heads, rows[..., None], slots[..., None]].set(new)
 
 
-jax.tree_util.register_dataclass(
-  PagedKVCache,
+# The cache's pytree split, one list for the class and every subclass a bench or test registers (a
+# new field added here reaches them all).
+PYTREE_FIELDS = dict(
   data_fields=["k", "v", "page_table"],
   meta_fields=["attn_impl", "num_layers", "value_dtype", "kernel_sharding"],
 )
+jax.tree_util.register_dataclass(PagedKVCache, **PYTREE_FIELDS)
 
 
 class PagePool:

@@ -14,7 +14,7 @@ from bench import rollout
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, make_engine
 from rl.rollout.paged import PagedEngine
-from rl.rollout.paged_cache import PagedKVCache
+from rl.rollout.paged_cache import PYTREE_FIELDS, PagedKVCache
 
 SIZE = rollout.SIZES["tiny"]  # 2 prompts x 2 samples, 8 + 8 tokens, page 8, 4 steps per sync
 
@@ -39,11 +39,7 @@ class _LostWriteCache(PagedKVCache):
 
 
 for _cls in (_ShiftedCache, _LostWriteCache):
-  jax.tree_util.register_dataclass(
-    _cls,
-    data_fields=["k", "v", "page_table"],
-    meta_fields=["attn_impl", "num_layers", "value_dtype"],
-  )
+  jax.tree_util.register_dataclass(_cls, **PYTREE_FIELDS)
 
 
 def _recycled(cache: PagedKVCache, cls) -> PagedKVCache:
