@@ -37,7 +37,7 @@ from flax import nnx
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
 from rl import mismatch
-from rl.optimizer import Optimizer, _global_norm
+from rl.optimizer import Optimizer, _global_norm, guarded_step
 
 # The optimizer's names, as rl.update always offered them (rl.setup, rl.run, rl.check, bench, tests)
 from rl.optimizer import init_optimizer_state as init_optimizer_state
@@ -274,10 +274,6 @@ def batch_loss_and_grads(
   return grads, metrics
 
 
-def _all_finite(tree) -> jax.Array:  # -> [] bool
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
 def train_step(
   graphdef,
   optimizer: Optimizer,
@@ -291,19 +287,17 @@ def train_step(
   arguments bound (see `compile_train_step`) and params / opt_state donated.
 
   A non-finite loss or gradient norm, or new weights that overflow, skip the step: params and
-  opt_state are returned as they came (a select, so one executable serves both outcomes) and
-  metrics["nonfinite"] is 1.0 (else 0.0)."""
+  opt_state are returned as they came (rl.optimizer.guarded_step: a select, or a lax.cond around
+  the in-place fused kernels; one executable serves both outcomes) and metrics["nonfinite"] is 1.0
+  (else 0.0)."""
   # The scopes name the step's phases in the compiled ops (bench.trace splits a profile by them).
   with jax.named_scope(LOSS_SCOPE):
     grads, metrics = batch_loss_and_grads(graphdef, params, batch, settings, objective)
   with jax.named_scope(OPTIMIZER_SCOPE):
     grad_norm = _global_norm(grads)
     grads = jax.tree.map(lambda grad, p: grad.astype(p.dtype), grads, params)
-    new_params, new_opt_state = optimizer.step(params, grads, opt_state)
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new_params)
-    keep_if_bad = lambda new, old: jnp.where(finite, new, old)
-    params = jax.tree.map(keep_if_bad, new_params, params)
-    opt_state = jax.tree.map(keep_if_bad, new_opt_state, opt_state)
+    inputs_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    params, opt_state, finite = guarded_step(optimizer, params, grads, opt_state, inputs_ok)
   metrics["grad_norm"] = grad_norm
   metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.float32)
   return params, opt_state, metrics
