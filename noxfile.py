@@ -252,6 +252,7 @@ TPU_COMPILE_TESTS = (
   "tests/rl/test_tpu_check.py",
   "tests/test_optim_tiled.py",
   "tests/test_tpu_targets.py",
+  "tests/test_tpu_schedule.py",
 )
 
 
