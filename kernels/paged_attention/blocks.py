@@ -143,9 +143,10 @@ def default_blocks(
     (:func:`.plan.wave_splits`): none once batch x kv heads fills ~80 % of the 132 SMs.
   * TPU: blocks of 1024 tokens (512 from 4 kv heads, 256 from 8: the K / V slots of all kv heads, 2
     MiB at D = 128 in bf16, stay well inside the scoped VMEM), one split: each grid step walks one
-    sequence's pages, its page DMAs one block ahead, and the parallel batch axis already spreads over
-    megacore's two TensorCores. Fewer, larger blocks amortise each block's loop, waits and softmax
-    bookkeeping; the per-page DMA issue (~6 bundles for all kv heads) does not depend on them.
+    sequence's pages with its page DMAs one block ahead (the next sequence's first block included),
+    and the kernel's core axis already spreads the batch over megacore's two TensorCores. Fewer,
+    larger blocks amortise each block's loop, waits and softmax bookkeeping; the per-page DMA issue
+    (~6 bundles for all kv heads) does not depend on them.
   * CPU interpreter: the whole page list in one step, because each grid step costs interpreter overhead.
   """
   if target.platform == "gpu":

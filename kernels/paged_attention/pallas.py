@@ -4,19 +4,21 @@ Both families compute, for one (sequence b, kv head h, split s), the online soft
 query heads that share kv head h over the split's pages, so every K/V page is read once per kv head.
 Each split writes its normalised output and its log-sum-exp; `reference.combine_splits` merges them.
 
-* tiled (TPU / CPU interpreter): grid (B, splits), one step per (sequence, split) for all its kv
-  heads. The page table and lengths are scalar-prefetched; the K / V pools stay in HBM (``pl.ANY``)
-  and the kernel DMAs them itself into two [Hkv, pages_per_block, page_size, D] VMEM slots each: one
-  `make_async_copy` per page carries that page of every kv head (a strided copy), so a page costs
-  ~6 scheduled bundles whatever Hkv. A literal-trip `fori_loop` walks the split's blocks: block i + 1's
-  DMAs start before block i is waited on (one wait per K / V slot: DMA semaphores count bytes) and
-  computed. Blocks past the length skip their DMAs and compute; the block holding the length is peeled
-  out of the loop, and only there are scores masked and V zeroed past it (a recycled page's stale NaN /
-  inf). The first block of a step is not prefetched across steps (the grid axes stay parallel).
+* tiled (TPU / CPU interpreter): grid (cores, items + 1): a parallel axis of 2 (megacore's two
+  TensorCores; 1 for an odd batch), then each core's (sequence, split) items in order, all kv heads in
+  one step, after a prologue step. The page table and lengths are scalar-prefetched; the K / V pools
+  stay in HBM (``pl.ANY``) and the kernel DMAs them itself into two [Hkv, pages_per_block, page_size,
+  D] VMEM slots each: one `make_async_copy` per page carries that page of every kv head (a strided
+  copy), ~6 scheduled bundles a page whatever Hkv. A literal-trip `fori_loop` walks the item's blocks:
+  block i + 1's DMAs start before block i is waited on (one wait per K / V slot: DMA semaphores count
+  bytes) and computed, and the next item's first block starts before this item's last one is waited on
+  (an SMEM scalar carries its slot), so only a core's prologue waits for HBM. Blocks past the length
+  skip their DMAs and compute; the block holding the length is peeled out of the loop, and only there
+  are scores masked and V zeroed past it (a recycled page's stale NaN / inf).
   Compiled, libtpu 0.0.42.1, modelled (v6e, decode-4k: B 64, 16 q / 2 kv heads, D 128, ctx 4096,
-  1024-token blocks; bundles x steps / clock vs 0.146 ms of HBM time): page 16 -> 0.141 ms, page 64 ->
-  0.082 ms, page 128 -> 0.075 ms of compute: memory bound at every page size (the per-page BlockSpec
-  version it replaced: 3.65 / 1.03 / 0.60 ms, ~95 bundles per page input per step).
+  1024-token blocks; bundles x steps / clock vs 0.146 ms of HBM time): page 16 -> 0.137 ms, page 64
+  -> 0.087 ms, page 128 -> 0.079 ms of compute: memory bound at every page size (the per-page
+  BlockSpec version it replaced: 3.65 / 1.03 / 0.60 ms, ~95 bundles per page input per step).
 * rowloop (GPU, Triton): grid (B, Hkv, splits); each program walks its split with a `fori_loop` whose
   trip count comes from the length (an `scf.for` in the Triton IR), gathering `pages_per_block` pages
   per step with one vector load of their ids and one masked gather each of K and V, which feed the two
@@ -61,7 +63,7 @@ from kernels.paged_attention.blocks import PagedBlocks
 # A masked score: finite, so exp(MASK - m) is 0 and never NaN.
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128  # the tiled family keeps per-row statistics broadcast over one lane tile
-DMA_UNROLL = 16  # the tiled family's page-DMA loop: unrolled so the scalar address math packs
+DMA_UNROLL = 64  # the TPU page-DMA loop's unroll: the scalar address math of many pages packs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,75 +101,121 @@ def _finish(m, l, acc):
 
 
 # ----------------------------------------------------------------------------- tiled (TPU)
-def _tiled_kernel(
-  lengths_ref, pages_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, *scratch, ppb, bps, scale
-):
-  k_buf, v_buf, sems, m_sc, l_sc, acc_sc = scratch  # k/v_buf [2, Hkv, ppb, page_size, D]: two slots
-  b, s = pl.program_id(0), pl.program_id(1)
-  hkv, page_size, d = k_buf.shape[1], k_buf.shape[3], k_buf.shape[4]
-  bk = ppb * page_size
-  length = lengths_ref[b]
-  first = s * bps  # the split's first block
-  row = b * (pages_ref.shape[0] // lengths_ref.shape[0]) + first * ppb  # its first page id's index
-  # blocks of this split holding a valid token (lax.div: lengths >= 0, no floor fix-up in Mosaic)
-  n = jnp.clip(lax.div(jnp.maximum(length - first * bk, 0) + bk - 1, bk), 0, bps)
+def _start_block(refs, row, slot, ppb, unroll):
+  """Start the DMAs of the block whose first page id is pages_ref[row] into ``slot``: one per page for
+  K and V, each carrying that page of every kv head (a strided copy), K and V on one semaphore each."""
+  pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
   pltpu = backend._tpu_module()
 
-  def start(i, slot):  # block i's pages into slot: one DMA per page for K and V, all kv heads each
-    def page(j, c):
-      pid = pages_ref[row + i * ppb + j]
-      pltpu.make_async_copy(k_hbm.at[:, pid], k_buf.at[slot, :, j], sems.at[0, slot]).start()
-      pltpu.make_async_copy(v_hbm.at[:, pid], v_buf.at[slot, :, j], sems.at[1, slot]).start()
-      return c
+  def page(j, c):
+    pid = pages_ref[row + j]
+    pltpu.make_async_copy(k_hbm.at[:, pid], k_buf.at[slot, :, j], sems.at[0, slot]).start()
+    pltpu.make_async_copy(v_hbm.at[:, pid], v_buf.at[slot, :, j], sems.at[1, slot]).start()
+    return c
 
-    lax.fori_loop(0, ppb, page, 0, unroll=min(ppb, DMA_UNROLL))
+  lax.fori_loop(0, ppb, page, 0, unroll=min(ppb, unroll))
 
-  def wait(slot):  # one wait per K / V for the whole block: semaphores count bytes
-    for which, buf in enumerate((k_buf, v_buf)):
-      pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[which, slot]).wait()
 
-  def update(i, slot, last):
-    valid = valid_kv = None
+def _wait_block(refs, slot):
+  """One wait per K / V for a whole block's page DMAs: DMA semaphores count bytes."""
+  _, _, _, k_buf, v_buf, sems = refs
+  for which, buf in enumerate((k_buf, v_buf)):
+    backend._tpu_module().make_async_copy(buf.at[slot], buf.at[slot], sems.at[which, slot]).wait()
+
+
+def _update_block(q_ref, k_buf, v_buf, stats, slot, valid, scale):
+  """The online-softmax step of every kv head over the block in ``slot``; ``valid`` = (the block's
+  first position, the length): mask the slots past the length (None: every slot is valid)."""
+  m_sc, l_sc, acc_sc = stats
+  bk, d = k_buf.shape[2] * k_buf.shape[3], k_buf.shape[4]
+  mask = mask_kv = None
+  if valid is not None:
+    start, length = valid
+    mask = start + lax.broadcasted_iota(jnp.int32, (q_ref.shape[1], bk), 1) < length
+    mask_kv = start + lax.broadcasted_iota(jnp.int32, (bk, d), 0) < length  # full tile
+  for h in range(k_buf.shape[1]):
+    m, l, acc = _online_update(
+      q_ref[h], k_buf[slot, h].reshape(bk, d), v_buf[slot, h].reshape(bk, d), mask, mask_kv,
+      m_sc[h, :, :1], l_sc[h, :, :1], acc_sc[h], scale,
+    )  # fmt: skip
+    m_sc[h] = jnp.broadcast_to(m, m_sc.shape[1:])
+    l_sc[h] = jnp.broadcast_to(l, l_sc.shape[1:])
+    acc_sc[h] = acc
+
+
+def _tiled_kernel(
+  lengths_ref,
+  pages_ref,
+  q_ref,
+  k_hbm,
+  v_hbm,
+  o_ref,
+  lse_ref,
+  *scratch,
+  ppb,
+  bps,
+  splits,
+  per_core,
+  scale,
+  unroll,
+):
+  k_buf, v_buf, sems, slot_ref, m_sc, l_sc, acc_sc = scratch  # k/v_buf [2, Hkv, ppb, page_size, D]
+  refs = (pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
+  c, t = pl.program_id(0), pl.program_id(1)  # core c's step t: its work item t - 1; 0: a prologue
+  bk = ppb * k_buf.shape[3]
+  row_len = pages_ref.shape[0] // lengths_ref.shape[0]
+
+  def item(w):
+    """(sequence, split, index of its first page id, blocks holding a valid token) of item w >= 0
+    (lax.div / rem: floor division's sign fix-up has no Mosaic scalar lowering)."""
+    b, s = c * per_core + lax.div(w, splits), lax.rem(w, splits)
+    start = jnp.maximum(lengths_ref[b] - s * bps * bk, 0)
+    return b, s, b * row_len + s * bps * ppb, jnp.minimum(lax.div(start + bk - 1, bk), bps)
+
+  b, s, row, n = item(jnp.maximum(t - 1, 0))
+  n = jnp.where(t == 0, 0, n)
+  length, first = lengths_ref[b], s * bps * bk
+  _, _, next_row, next_n = item(jnp.minimum(t, per_core * splits - 1))  # the next step's item
+  next_n = jnp.where(t < per_core * splits, next_n, 0)
+
+  @pl.when(t == 0)
+  def _():
+    slot_ref[0] = 0
+
+  slot0 = slot_ref[0]  # block i of this step lives in slot (slot0 + i) % 2
+
+  def update(i, last):
+    valid = None
     if last:  # the block holding the length: slots past it may be a recycled page's NaN / inf
-      pos = (first + i) * bk + lax.broadcasted_iota(jnp.int32, (q_ref.shape[1], bk), 1)
-      pos_kv = (first + i) * bk + lax.broadcasted_iota(jnp.int32, (bk, d), 0)  # full tile
-      valid, valid_kv = pos < length, pos_kv < length
-    for h in range(hkv):
-      k = k_buf[slot, h].reshape(bk, d)
-      v = v_buf[slot, h].reshape(bk, d)
-      m, l, acc = _online_update(
-        q_ref[h], k, v, valid, valid_kv, m_sc[h, :, :1], l_sc[h, :, :1], acc_sc[h], scale
-      )
-      m_sc[h] = jnp.broadcast_to(m, m_sc.shape[1:])
-      l_sc[h] = jnp.broadcast_to(l, l_sc.shape[1:])
-      acc_sc[h] = acc
+      valid = (first + i * bk, length)
+    _update_block(q_ref, k_buf, v_buf, (m_sc, l_sc, acc_sc), (slot0 + i) % 2, valid, scale)
 
   m_sc[...] = jnp.full(m_sc.shape, MASK, jnp.float32)
   l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  @pl.when(n > 0)
-  def _():
-    start(0, 0)
-
-  def body(i, c):  # blocks 0 .. n - 2: every slot valid; block i + 1 streams in meanwhile
+  def body(i, carry):  # blocks 0 .. n - 2: every slot valid; block i + 1 streams in meanwhile
     @pl.when(i < n - 1)
     def _():
-      slot = i % 2
-      start(i + 1, 1 - slot)
-      wait(slot)
-      update(i, slot, last=False)
+      _start_block(refs, row + (i + 1) * ppb, (slot0 + i + 1) % 2, ppb, unroll)
+      _wait_block(refs, (slot0 + i) % 2)
+      update(i, last=False)
 
-    return c
+    return carry
 
   lax.fori_loop(0, bps - 1, body, 0)  # a literal trip count: blocks past the length skip their body
 
+  @pl.when(next_n > 0)  # the next item's first block streams in while this one's last is computed
+  def _():
+    _start_block(refs, next_row, (slot0 + n) % 2, ppb, unroll)
+
   @pl.when(n > 0)
   def _():
-    wait((n - 1) % 2)
-    update(n - 1, (n - 1) % 2, last=True)
+    _wait_block(refs, (slot0 + n - 1) % 2)
+    update(n - 1, last=True)
 
-  for h in range(hkv):
+  slot_ref[0] = (slot0 + n) % 2
+  for h in range(k_buf.shape[1]):
     out, lse = _finish(m_sc[h, :, :1], l_sc[h, :, :1], acc_sc[h])
     o_ref[h] = out.astype(o_ref.dtype)
     lse_ref[h] = jnp.broadcast_to(lse, lse_ref.shape[1:])
@@ -181,24 +229,42 @@ def _tiled(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
   bps = page_indices.shape[1] // (ppb * splits)
   pltpu = backend._tpu_module()
   pool = pl.BlockSpec(memory_space=pl.ANY)  # the pools stay in HBM: the kernel DMAs their pages
+  cores = 2 if b % 2 == 0 else 1  # a parallel core axis (megacore's two TensorCores), then in order
+  per_core = b // cores
+
+  def item(c, t):  # core c's step t works on (sequence, split) item t - 1; step 0 is a prologue
+    w = jnp.maximum(t - 1, 0)  # lax.div / rem: no floor fix-up (no Mosaic scalar lowering for it)
+    return c * per_core + lax.div(w, splits), lax.rem(w, splits)
+
+  def q_map(c, t, *_):
+    return item(c, t)[0], 0, 0, 0
+
+  def out_map(c, t, *_):
+    bi, s = item(c, t)
+    return s, bi, 0, 0, 0
+
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=2,
-    grid=(b, splits),
-    in_specs=[pl.BlockSpec((None, hkv, g, d), lambda bi, s, *_: (bi, 0, 0, 0)), pool, pool],
+    grid=(cores, per_core * splits + 1),
+    in_specs=[pl.BlockSpec((None, hkv, g, d), q_map), pool, pool],
     out_specs=[
-      pl.BlockSpec((None, None, hkv, g, d), lambda bi, s, *_: (s, bi, 0, 0, 0)),
-      pl.BlockSpec((None, None, hkv, g, LANES), lambda bi, s, *_: (s, bi, 0, 0, 0)),
+      pl.BlockSpec((None, None, hkv, g, d), out_map),
+      pl.BlockSpec((None, None, hkv, g, LANES), out_map),
     ],
     scratch_shapes=[
       backend.scratch_vmem((2, hkv, ppb, page_size, d), k_pages.dtype),
       backend.scratch_vmem((2, hkv, ppb, page_size, d), v_pages.dtype),
       pltpu.SemaphoreType.DMA((2, 2)),
+      pltpu.SMEM((1,), jnp.int32),  # the slot of the current step's first block
       backend.scratch_vmem((hkv, g, LANES), jnp.float32),
       backend.scratch_vmem((hkv, g, LANES), jnp.float32),
       backend.scratch_vmem((hkv, g, d), jnp.float32),
     ],
   )
-  kernel = functools.partial(_tiled_kernel, ppb=ppb, bps=bps, scale=cfg.scale)
+  kernel = functools.partial(
+    _tiled_kernel, ppb=ppb, bps=bps, splits=splits, per_core=per_core, scale=cfg.scale,
+    unroll=1 if cfg.target.interpret else DMA_UNROLL,  # the interpreter: less to trace
+  )  # fmt: skip
   o, lse = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,
@@ -209,7 +275,9 @@ def _tiled(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
     # The DMAs' addresses are in bounds by construction: the wrapper clamps lengths to the capacity
     # and maps every page id a length reaches into [0, P) (paged_attention's _checked_table).
     compiler_params=backend.compiler_params(
-      cfg.target, dimension_semantics=("parallel", "parallel"), disable_bounds_checks=True
+      cfg.target,
+      dimension_semantics=("parallel", "arbitrary"),  # in order on a core: the next item prefetched
+      disable_bounds_checks=True,
     ),
     interpret=cfg.target.interpret,
     name="paged_attention_tiled",
