@@ -206,8 +206,10 @@ def compiler_params(
   num_warps=None,
   num_stages=None,
   vmem_limit_bytes=None,
+  disable_bounds_checks=False,
 ):
-  """Per-backend compiler params for ``pallas_call`` (None when interpreting)."""
+  """Per-backend compiler params for ``pallas_call`` (None when interpreting). ``disable_bounds_checks``
+  (TPU): drop Mosaic's per-DMA address checks, only for kernels whose DMA addresses are validated."""
   if target.interpret:
     return None
   if target.platform == "tpu":
@@ -218,6 +220,8 @@ def compiler_params(
       kw["dimension_semantics"] = tuple(dimension_semantics)
     if vmem_limit_bytes is not None:
       kw["vmem_limit_bytes"] = int(vmem_limit_bytes)
+    if disable_bounds_checks:
+      kw["disable_bounds_checks"] = True
     return cls(**kw)
   pltriton = _triton_module()
   cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams

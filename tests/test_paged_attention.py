@@ -330,7 +330,7 @@ def test_default_blocks():
   short = default_blocks(Target("gpu"), batch=1, num_kv_heads=1, pages_per_seq=8, page_size=16)
   assert short.num_splits * short.pages_per_block <= 8  # never more splits than blocks
   tpu = default_blocks(Target("tpu"), batch=64, num_kv_heads=2, pages_per_seq=256, page_size=16)
-  assert tpu == PagedBlocks(32, 1)
+  assert tpu == PagedBlocks(64, 1)  # 1024-token blocks
 
 
 @pytest.mark.parametrize("work,blocks_total", [(1, 1), (1, 300), (3, 40), (16, 256), (100, 64)])

@@ -13,6 +13,7 @@ from kernels.tpu_vmem import scoped_vmem
 GPU_TILE_TOKENS = 64  # Triton K / V tile: 4 pages of 16; 32 KiB of bf16 K + V per stage at D = 128
 GPU_STAGES = 4  # Triton software-pipeline depth: 3 tiles (96 KiB) requested while one is computed
 GPU_WARPS = 4
+TPU_BLOCK_TOKENS = 1024  # tokens per TPU block (fewer when many kv heads share a step's VMEM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +97,15 @@ class PagedBlocks:
     )
 
 
-def tile_vmem_bytes(blocks: PagedBlocks, page_size: int, head_dim: int, group: int, itemsize: int):
-  """VMEM of one TPU grid step (a model, conservative): the block's K and V pages double-buffered,
-  their concatenated [bk, D] copies, the position iota and masked V ([bk, D] 32-bit each), the
-  [G, bk] f32 scores / probabilities, and the [G, D] / [G, 128] query, output and scratch tiles."""
+def tile_vmem_bytes(
+  blocks: PagedBlocks, page_size: int, head_dim: int, group: int, itemsize: int, kv_heads: int = 1
+):
+  """VMEM of one TPU grid step (a model, conservative): the two K and V block slots of every kv head
+  (the kernel's DMA buffers), the masked V and its position iota ([bk, D] 32-bit each), the [G, bk]
+  f32 scores / probabilities, and per kv head the [G, D] / [G, 128] query, output and scratch tiles."""
   bk = blocks.pages_per_block * page_size
   g = max(group, 8)  # a [G, x] tile occupies at least 8 sublanes
-  return 4 * bk * head_dim * itemsize + 2 * bk * head_dim * itemsize + 2 * bk * head_dim * 4 + 3 * g * bk * 4 + 8 * g * max(head_dim, 128) * 4  # fmt: skip
+  return 4 * kv_heads * bk * head_dim * itemsize + 2 * bk * head_dim * 4 + 3 * g * bk * 4 + 8 * kv_heads * g * max(head_dim, 128) * 4  # fmt: skip
 
 
 def legal_on(target: Target, blocks: PagedBlocks, shape: dict) -> str | None:
@@ -117,7 +120,9 @@ def legal_on(target: Target, blocks: PagedBlocks, shape: dict) -> str | None:
   if target.platform != "tpu" or target.interpret:
     return None
   group = shape["q_heads"] // shape["kv_heads"]
-  need = tile_vmem_bytes(blocks, shape["page_size"], shape["head_dim"], group, itemsize)
+  need = tile_vmem_bytes(
+    blocks, shape["page_size"], shape["head_dim"], group, itemsize, shape["kv_heads"]
+  )
   if need > scoped_vmem(target):
     return (
       f"TPU {target.generation or '(any generation)'}: a step of {blocks.pages_per_block} pages "
@@ -136,8 +141,12 @@ def default_blocks(
     4-stage pipeline (3 tiles in flight per program: 96 KiB of bf16 at D = 128, above the ~23-64 KiB
     per SM that Little's law asks), 4 warps, and split-K by wave efficiency
     (:func:`.plan.wave_splits`): none once batch x kv heads fills ~80 % of the 132 SMs.
-  * TPU: 512 tokens per grid step (each page its own double-buffered DMA), one split: the grid's batch
-    and kv-head axes are parallel, which already spreads over megacore's two TensorCores.
+  * TPU: blocks of 1024 tokens (512 from 4 kv heads, 256 from 8: the K / V slots of all kv heads, 2
+    MiB at D = 128 in bf16, stay well inside the scoped VMEM), one split: each grid step walks one
+    sequence's pages with its page DMAs one block ahead (the next sequence's first block included),
+    and the kernel's core axis already spreads the batch over megacore's two TensorCores. Fewer,
+    larger blocks amortise each block's loop, waits and softmax bookkeeping; the per-page DMA issue
+    (~6 bundles for all kv heads) does not depend on them.
   * CPU interpreter: the whole page list in one step, because each grid step costs interpreter overhead.
   """
   if target.platform == "gpu":
@@ -148,7 +157,8 @@ def default_blocks(
     splits = plan_lib.wave_splits(batch * num_kv_heads, -(-pages_per_seq // ppb))
     return PagedBlocks(ppb, splits)
   if target.platform == "tpu" and not target.interpret:
-    return PagedBlocks(max(1, min(512 // page_size, pages_per_seq)), 1)
+    tokens = max(128, min(TPU_BLOCK_TOKENS, 2048 // num_kv_heads))
+    return PagedBlocks(max(1, min(tokens // page_size, pages_per_seq)), 1)
   return PagedBlocks(max(1, min(pages_per_seq, 64)), 1)
 
 
