@@ -273,7 +273,7 @@ def tpu_compile(session: nox.Session):
   session.env["JAX_PLATFORMS"] = "cpu"
   session.env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   args = session.posargs or [
-    *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "loadfile", "--max-worker-restart", "0"),
+    *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "worksteal", "--max-worker-restart", "0"),
     "--durations=10",
     *TPU_COMPILE_TESTS,
   ]

@@ -131,6 +131,20 @@ class LeafWork(NamedTuple):
   key: Hashable = None
 
 
+def split_empty(work: Sequence[LeafWork]) -> tuple[list[dict | None], list[int]]:
+  """(results with an empty leaf's outputs filled in — zero-size arrays: nothing to walk, no
+  program —, the indices of the leaves a launch must walk)."""
+  results: list[dict | None] = [None] * len(work)
+  live = []
+  for i, w in enumerate(work):
+    shape = next(iter(w.inputs.values())).shape
+    if math.prod(shape) == 0:
+      results[i] = {k: jnp.zeros(shape, d) for k, d in w.outputs.items()}
+    else:
+      live.append(i)
+  return results, live
+
+
 def multi_tensor_call(
   work: Sequence[LeafWork],
   scalars,  # f32 [k]
@@ -143,14 +157,7 @@ def multi_tensor_call(
   """Every leaf of ``work`` in one launch (more only past ``MAX_POINTERS``). ``in_place``: an output
   named like an input of its dtype reuses that input's buffer. Returns each leaf's outputs, named."""
   blocks = blocks or default_blocks()
-  results: list[dict | None] = [None] * len(work)
-  live = []
-  for i, w in enumerate(work):
-    shape = next(iter(w.inputs.values())).shape
-    if math.prod(shape) == 0:  # nothing to walk: empty outputs, no program
-      results[i] = {k: jnp.zeros(shape, d) for k, d in w.outputs.items()}
-    else:
-      live.append(i)
+  results, live = split_empty(work)
   for group in _pointer_groups([work[i] for i in live]):
     outs = _launch([work[live[j]] for j in group], scalars, target, blocks, in_place, name)
     for j, out in zip(group, outs):

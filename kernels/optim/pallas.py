@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.backend import Target
 from kernels.optim import tiles, walk
-from kernels.optim.multi import LeafWork
+from kernels.optim.multi import LeafWork, split_empty
 
 SLOTS = 3
 
@@ -114,14 +114,7 @@ def multi_tensor_call(
   (None: ``target.interpret``); ``cores``: split the items over this many grid steps."""
   if target.family != "tiled":
     raise ValueError(f"the tiled multi-tensor kernel needs a tiled-family target, got {target}")
-  results: list[dict | None] = [None] * len(work)
-  live = []
-  for i, w in enumerate(work):
-    shape = next(iter(w.inputs.values())).shape
-    if math.prod(shape) == 0:  # nothing to walk: empty outputs, no item
-      results[i] = {k: jnp.zeros(shape, d) for k, d in w.outputs.items()}
-    else:
-      live.append(i)
+  results, live = split_empty(work)
   if live:
     interpret = target.interpret if interpret is None else interpret
     cores = cores_of(target) if cores is None else cores
