@@ -227,18 +227,6 @@ def _trip(text: str, counter: str, bound: int, problems) -> int | None:
   return max(0, -(-(bound - start) // step))
 
 
-def _as_dict(loop: Loop) -> dict:
-  return dict(
-    start=loop.start,
-    depth=loop.depth,
-    bundles=loop.bundles,
-    trip=loop.trip,
-    spill_loads=loop.spill_loads,
-    spill_stores=loop.spill_stores,
-    children=[_as_dict(c) for c in loop.children],
-  )
-
-
 def parse_kernel(name: str, bundles_text: str | None, analysis_text: str | None) -> KernelSchedule:
   """A kernel's schedule from its two dump files' text (either may be None: what it gives is None)."""
   k = KernelSchedule(name=name)
@@ -266,7 +254,7 @@ def parse_kernel(name: str, bundles_text: str | None, analysis_text: str | None)
   k.spill_loads = sum(1 for kind, op in spills if kind == "v" and op == "ld")
   k.spill_stores = sum(1 for kind, op in spills if kind == "v" and op == "st")
   roots = _loops(bundles, k.problems, bundles_text)
-  k.loops = [_as_dict(r) for r in roots]
+  k.loops = [dataclasses.asdict(r) for r in roots]
   if not roots:
     if k.grid and k.grid_steps > 1:
       k.problems.append(f"grid {k.grid} but no loop (LB) marker found")

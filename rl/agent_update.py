@@ -21,6 +21,7 @@ from kernels.grpo_loss import token_logps_and_entropy
 from rl import ppo
 from rl.config import GRPOConfig
 from rl.critic import critic_values
+from rl.optimizer import _all_finite, _global_norm, guarded_step
 from rl.update import completion_hidden, shardings_of
 
 
@@ -136,25 +137,24 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
   (g_params, g_head), sums = jax.lax.scan(micro, (zeros(params), zeros(head_params)), batch)
   metrics = {key: v.sum() for key, v in sums.items()}
-  grad_norm = _norm((g_params, g_head) if critic else g_params)
+  grad_norm = _global_norm((g_params, g_head) if critic else g_params)
   g_params = jax.tree.map(lambda g, p: g.astype(p.dtype), g_params, params)
-  new_params, new_opt = policy_opt.step(params, g_params, opt_state)
   new_head, new_head_opt = head_params, head_opt_state
   if critic:
     updates, new_head_opt = head_opt.update(g_head, head_opt_state, head_params)
     new_head = optax.apply_updates(head_params, updates)
-  new_state = (new_params, new_head, new_opt, new_head_opt)
-  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-  finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state[:2])]))
-  state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+  # the head's new weights join the inputs' check; the policy's step is guarded as rl.update's
+  # (rl.optimizer.guarded_step: the fused kernels in place under a cond, no second policy state)
+  inputs_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new_head)
+  new_params, new_opt, finite = guarded_step(policy_opt, params, g_params, opt_state, inputs_ok)
+  keep = lambda new, old: jnp.where(finite, new, old)
+  new_head, new_head_opt = jax.tree.map(
+    keep, (new_head, new_head_opt), (head_params, head_opt_state)
+  )
+  state = (new_params, new_head, new_opt, new_head_opt)
   metrics["grad_norm"] = grad_norm
   metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.float32)
   return state, metrics
-
-
-def _norm(tree):  # optax >= 0.2.5 has optax.tree.norm; global_norm warns there
-  tree_ns = getattr(optax, "tree", None)
-  return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
 
 
 def update_settings(cfg: GRPOConfig, impl: str, completion_len: int) -> UpdateSettings:

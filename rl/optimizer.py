@@ -34,8 +34,11 @@ class Optimizer(NamedTuple):
   finite_after: Any = None
 
 
-def _all_finite(tree) -> jax.Array:  # -> [] bool
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+def _all_finite(tree) -> jax.Array:  # -> [] bool (True for a tree without leaves)
+  leaves = jax.tree.leaves(tree)
+  return (
+    jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+  )
 
 
 def guarded_step(optimizer: Optimizer, params, grads, state, inputs_ok):
