@@ -262,10 +262,28 @@ def tpu_compile(session: nox.Session):
   tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
   inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
   tests/rl/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
-  twins); the TPU optimizer's and the slice table's compile tests. Its own environment: the project
-  + jax[tpu] at the version the project resolved (libtpu's compiler must match jaxlib). Pytest
-  arguments after --."""
-  session.install("-e", ".", *TPU_COMPILE_DEPS)
+  twins); the TPU optimizer's, the slice table's and the scheduled code's compile tests. Its own
+  environment: the project + jax[tpu] at the version the project resolved (jax 0.10.x on 3.11;
+  libtpu's compiler must match jaxlib). Pytest arguments after --."""
+  _tpu_compile(session, (), TPU_COMPILE_TESTS)
+
+
+# What differs for TPU between jax versions is the kernels' lowering (Pallas -> Mosaic) and the libtpu
+# compiler behind it: every kernel case on every generation, alone and sharded, the tuner's
+# candidates, the optimizer trees and the scheduled code. The configs' --check (XLA programs around
+# the same kernels) stays in `tpu_compile`, so the two sessions fit .ci/run's 45 minutes.
+TPU_COMPILE_JAX011_TESTS = tuple(t for t in TPU_COMPILE_TESTS if t != "tests/rl/test_tpu_check.py")
+
+
+@nox.session(python="3.12", default=False)
+def tpu_compile_jax011(session: nox.Session):
+  """`tpu_compile`'s kernel compiles under jax 0.11.x and its libtpu (0.0.48.1 with jax 0.11.2;
+  Python >= 3.12), in their own environment."""
+  _tpu_compile(session, JAX_011, TPU_COMPILE_JAX011_TESTS)
+
+
+def _tpu_compile(session: nox.Session, pins: tuple[str, ...], tests: tuple[str, ...]):
+  session.install("-e", ".", *TPU_COMPILE_DEPS, *pins)
   version = session.run("python", "-c", "import jax; print(jax.__version__)", silent=True).strip()
   session.install(f"jax[tpu]=={version}")
   # a CPU host: jax's own backend stays CPU while libtpu compiles for abstract TPU devices; the lock
@@ -275,7 +293,7 @@ def tpu_compile(session: nox.Session):
   args = session.posargs or [
     *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "worksteal", "--max-worker-restart", "0"),
     "--durations=10",
-    *TPU_COMPILE_TESTS,
+    *tests,
   ]
   session.run("pytest", "-q", "-p", "no:cacheprovider", *args)
 

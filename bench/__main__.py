@@ -199,7 +199,9 @@ def _plan(cfg: BenchConfig) -> Run:
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
   suites = cfg.suites or ALL_SUITES
   kernel_suites = tuple(s for s in suites if s not in (PEERS, ROLLOUT, MISMATCH, LOOP))
-  cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
+  cases = []
+  if kernel_suites:  # all_cases reads none as every kernel suite: `--suite rollout` times no kernel
+    cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)

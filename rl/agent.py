@@ -36,7 +36,7 @@ from rl.config import GRPOConfig
 from rl.run import Run
 from rl.setup import Policy, build
 
-# rl.check and bench.memory lower the update from here; tests read the grid's warm-up constants.
+# bench.memory lowers the update from here; tests read the grid's warm-up constants.
 __all__ = ["GRID_SYSTEM", "GRID_WARMUP_SEEDS", "AgentBatch", "AgentStep", "UpdateSettings"]
 __all__ += ["cli", "main", "make_run", "old_logps_and_values", "update_step"]
 

@@ -60,7 +60,7 @@ from rl.setup import (
 )
 from rl.step import dataset_sft_pair, dataset_sft_widths
 from rl.tokenizer import IM_END, chatml
-from rl.update import batch_token_logps, init_optimizer_state, make_optimizer
+from rl.update import batch_token_logps, init_optimizer_state
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 # Grid warm-up layouts come from seeds above the steps' (< 2**31) and eval's (2**31 + i).
@@ -213,9 +213,9 @@ class AgentStep:
     self.head_graphdef = head_graphdef
     self.head_params = sharding.replicated(setup.mesh, head_params)
     learning_rate = learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
-    self.policy_opt = make_optimizer(
-      tcfg.optimizer, learning_rate, tcfg.weight_decay, tcfg.max_grad_norm, tcfg.fused_optimizer
-    )
+    # the policy's optimizer is the run's (rl.setup.optimizer_for): on several devices its fused
+    # kernels update each device's own shard, as the opt_state it built is laid out
+    self.policy_opt = setup.optimizer
     self.head_opt = optax.adamw(learning_rate, weight_decay=tcfg.weight_decay)
     self.head_opt_state = init_optimizer_state(self.head_opt, self.head_params, setup.mesh)
     self._updates: dict[int, Callable] = {}
@@ -293,7 +293,7 @@ class AgentStep:
     fixed up front)."""
     if completion_len not in self._updates:
       s = self.setup
-      settings = update_settings(s.cfg, s.loss_impl, completion_len)
+      settings = update_settings(s.cfg, s.loss_impl, completion_len, s.mesh)
       self._updates[completion_len] = compile_update(
         s.graphdef, self.head_graphdef, self.policy_opt, self.head_opt, settings, self._state()
       )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import ppo
+from rl import kernel_sharding, ppo
 from rl.config import GRPOConfig
 from rl.critic import critic_values
 from rl.optimizer import _all_finite, _global_norm, guarded_step
@@ -38,9 +38,9 @@ class AgentBatch(NamedTuple):
   ref_logps: jax.Array | None = None  # [K, M, C] f32, the reference policy's (train.beta > 0)
 
 
-def _forward(graphdef, params, critic, tokens, attention_mask, completion_len):
+def _forward(graphdef, params, critic, tokens, attention_mask, completion_len, remat="none"):
   model = nnx.merge(graphdef, params)
-  hidden = completion_hidden(model, tokens, attention_mask, completion_len)
+  hidden = completion_hidden(model, tokens, attention_mask, completion_len, remat)
   return model, hidden, critic_values(critic, hidden, tokens, attention_mask, completion_len)
 
 
@@ -73,6 +73,11 @@ class UpdateSettings:
   impl: str
   fused_lm_head: bool
   beta: float = 0.0  # KL(pi || ref) weight; the batch then carries ref_logps
+  # The loss kernels' layout over the run's mesh (rl.kernel_sharding.batch_sharding; None: one
+  # device), as rl.update.LossSettings': a Pallas kernel in a program over several devices must run
+  # shard-local. Hashable, compiled in.
+  kernel_sharding: Any = None
+  remat: str = "none"  # train.remat: what each policy layer keeps for the backward (rl.model.qwen)
 
 
 def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings, state, batch):
@@ -94,7 +99,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
     def loss_fn(p, hp):
       head = nnx.merge(head_graphdef, hp)
       model, hidden, values = _forward(
-        graphdef, p, head, mb.tokens, mb.attention_mask, s.completion_len
+        graphdef, p, head, mb.tokens, mb.attention_mask, s.completion_len, s.remat
       )
       ids = mb.tokens[:, -s.completion_len :]
       fused = s.fused_lm_head
@@ -114,6 +119,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         num_items_in_batch=items,
         impl=s.impl,
         lm_head=model.lm_head_weight() if fused else None,
+        sharding=s.kernel_sharding,
       )
       vl, vclipped = ppo.value_loss(values, mb.old_values, mb.returns, mb.model_mask, s.value_clip)
       vl = vl.sum() / num_tokens
@@ -157,13 +163,14 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   return state, metrics
 
 
-def update_settings(cfg: GRPOConfig, impl: str, completion_len: int) -> UpdateSettings:
+def update_settings(cfg: GRPOConfig, impl: str, completion_len: int, mesh=None) -> UpdateSettings:
   """The config's update settings at completion width `completion_len` (`impl`: the loss impl the
-  platform has, rl.platform.loss_impl)."""
+  platform has, rl.platform.loss_impl) for a run on `mesh`."""
   tcfg = cfg.train
   return UpdateSettings(
     completion_len, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,
     cfg.sampling.temperature, tcfg.vf_coef, tcfg.value_clip, impl, tcfg.fused_lm_head, tcfg.beta,
+    kernel_sharding.batch_sharding(mesh), tcfg.remat,
   )  # fmt: skip
 
 

@@ -21,7 +21,6 @@ another; any other file name: this host's). In order, each a ConfigError naming 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 
@@ -33,7 +32,6 @@ from kernels import tpu_targets
 from kernels.backend import Platform, make_target, use_target
 from rl import platform as platforms
 from rl import programs, setup, slice_check
-from rl.agent_update import AgentBatch, UpdateSettings, update_step
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.model import abstract_model, preset
@@ -80,18 +78,16 @@ def check(
   _check_memory_estimate(cfg, model_cfg, platform, out)
   if not lower:
     return out
-  if sl is not None and entry == "rl.train" and tpu_targets.libtpu_available():
+  if sl is not None and tpu_targets.libtpu_available():
     out["slice"] = report = {}  # filled as the programs compile: the caller keeps it on an error
     slice_check.check_slice(
-      cfg, model_cfg, out["prompt_width"], out["loss_impl"], sl.name, report, decode_bytes
+      cfg, model_cfg, out["prompt_width"], out["loss_impl"], sl.name, report, decode_bytes, entry
     )
     if not report["fits"]:
       raise ConfigError(slice_check.summary(report).splitlines()[-1].strip())
     return out
   if sl is not None:  # no deviceless TPU compiler here: lower only, as before
-    out["note"] = (
-      NO_LIBTPU if entry == "rl.train" else "rl.agent: lowered, not compiled for the slice"
-    )
+    out["note"] = NO_LIBTPU
   out["lowered_s"] = lower_steps(
     cfg, model_cfg, platform, out["prompt_width"], out["loss_impl"], entry
   )
@@ -214,71 +210,15 @@ def lower_steps(
   with use_target(platform, target.interpret):
     t = time.perf_counter()
     if entry == "rl.agent":
-      graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-      _lower_agent_update(
-        cfg, model_cfg, graphdef, params, programs.run_optimizer(cfg, params), impl, platforms_arg
-      )
+      step, args = programs.agent_update_program(cfg, model_cfg, impl)
     else:
       step, args = train_step_program(
         cfg, model_cfg, prompt_width, impl, cfg.train.micro_batch_size
       )
-      step.trace(*args).lower(lowering_platforms=platforms_arg)
+    step.trace(*args).lower(lowering_platforms=platforms_arg)
     seconds["train_step"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     chunk, args = decode_chunk_program(cfg, model_cfg)
     chunk.trace(*args).lower(lowering_platforms=platforms_arg)
     seconds["decode_chunk"] = round(time.perf_counter() - t, 2)
   return seconds
-
-
-def _lower_agent_update(cfg: GRPOConfig, model_cfg, graphdef, params, optimizer, impl, platforms):
-  """rl.agent's update (policy term + value loss over the critic: a head, or a separate model) at
-  K x M episodes at the widest packed (prompt, completion) widths the run can fix (below); the
-  completion is an episode's model turns and observations after its first prompt."""
-  import optax
-
-  from rl.critic import CriticModel, ValueHead
-  from rl.model import Qwen
-
-  tcfg = cfg.train
-  hidden = model_cfg.hidden_size
-  if tcfg.critic == "head":
-    critic = nnx.eval_shape(lambda: ValueHead(hidden, rngs=nnx.Rngs(0)))
-  else:
-    trunk_cfg = model_cfg if tcfg.critic_preset is None else preset(tcfg.critic_preset)
-    critic = nnx.eval_shape(
-      lambda: CriticModel(
-        Qwen(trunk_cfg, rngs=nnx.Rngs(0)), trunk_cfg.hidden_size, rngs=nnx.Rngs(0)
-      )
-    )
-  head_graphdef, head_params = nnx.split(critic, nnx.Param)
-  head_opt = optax.adamw(tcfg.learning_rate, weight_decay=tcfg.weight_decay)
-  # rl.agent_step.episode_widths fixes (P, C) before step 1 from the environment's first prompts:
-  # P <= round_up(longest, 32) and C = round_up(max_seq_len - shortest, 32), each at most
-  # max_seq_len rounded up. The check has no environment to reset, so it lowers (and estimates
-  # memory) at that bound: the widest update the run can compile.
-  p = c = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
-  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size
-  sds, f32 = jax.ShapeDtypeStruct, lambda: jax.ShapeDtypeStruct((k, m, c), jnp.float32)
-  batch = AgentBatch(
-    sds((k, m, p + c), jnp.int32),
-    sds((k, m, p + c), jnp.bool_),
-    sds((k, m, c), jnp.bool_),
-    f32(),
-    f32(),
-    f32(),
-    f32(),
-    f32() if tcfg.beta > 0 else None,
-  )
-  settings = UpdateSettings(
-    c, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,
-    cfg.sampling.temperature, tcfg.vf_coef, tcfg.value_clip, impl, tcfg.fused_lm_head, tcfg.beta,
-  )  # fmt: skip
-  state = (
-    params,
-    head_params,
-    jax.eval_shape(optimizer.init, params),
-    jax.eval_shape(head_opt.init, head_params),
-  )
-  update = functools.partial(update_step, graphdef, head_graphdef, optimizer, head_opt, settings)
-  jax.jit(update).trace(state, batch).lower(lowering_platforms=platforms)

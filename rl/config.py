@@ -142,7 +142,6 @@ TRAIN_ONLY = (  # the mismatch-aware loss: rl.agent's PPO term does not take it
   "train.importance_sampling_level",
   "train.epsilon_c",
   "train.max_log_ratio",
-  "train.remat",  # rl.agent's update keeps every layer's activations (rl.agent_update)
 )
 ENTRIES = {"rl.train": ("rl.agent", AGENT_ONLY), "rl.agent": ("rl.train", TRAIN_ONLY)}
 
@@ -155,7 +154,7 @@ def check_entry(keys: list[str], entry: str) -> None:
   if unused:
     what = {
       "rl.agent": "multi-turn episodes (env:) and PPO with a critic",
-      "rl.train": "the mismatch-aware loss (is_mode, epsilon_c, max_log_ratio, ...) and remat",
+      "rl.train": "the mismatch-aware loss (is_mode, epsilon_c, max_log_ratio, ...)",
     }[other]
     raise ValueError(
       f"{', '.join(unused)}: not read by python -m {entry}, which would ignore "

@@ -113,6 +113,7 @@ def policy_loss(
   max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
   lm_head=None,  # [H, V]: the fused LM-head loss (no [B, T, V] logits)
+  sharding=None,  # kernels.sharding.KernelSharding: shard-local over a mesh (rl.kernel_sharding)
 ):  # -> (loss, kernels.grpo_loss.GRPOAux)
   """The PPO clipped surrogate with per-token advantages: kernels.grpo_loss (Pallas / XLA / Mosaic
   GPU by `impl`), or kernels.fused_linear_grpo_loss when `lm_head` is given, with [B, T] advantages;
@@ -135,6 +136,7 @@ def policy_loss(
     num_items_in_batch=num_items_in_batch,
     max_log_ratio=max_log_ratio,
     impl=impl,
+    sharding=sharding,
   )
   if lm_head is not None:
     return kernels.fused_linear_grpo_loss(

@@ -120,6 +120,75 @@ def train_step_program(
   return step, (params, opt_state, abstract_batch(cfg, prompt_width, micro_batch, mesh))
 
 
+def _agent_parts(cfg: GRPOConfig, model_cfg, mesh=None):
+  """rl.agent's abstract update inputs as rl.agent_step.AgentStep lays them out: (graphdef, params,
+  the critic's graphdef, its params, its optax optimizer, the [K, M] batch). The critic (a value head,
+  or a separate model) and its optimizer state are replicated; the batch is [K, M] packed episodes
+  over the batch axes at the widest (P, C) rl.agent_step.episode_widths can fix: P <= round_up(longest
+  prompt, 32) and C = round_up(max_seq_len - shortest, 32), each at most max_seq_len rounded up (no
+  environment to reset here, so the widest update the run can compile)."""
+  import optax
+
+  from rl.agent_update import AgentBatch
+  from rl.critic import CriticModel, ValueHead
+  from rl.model import Qwen
+  from rl.model.presets import preset
+
+  tcfg = cfg.train
+  graphdef, params = abstract_params(model_cfg, mesh)
+  if tcfg.critic == "head":
+    critic = nnx.eval_shape(lambda: ValueHead(model_cfg.hidden_size, rngs=nnx.Rngs(0)))
+  else:
+    trunk = model_cfg if tcfg.critic_preset is None else preset(tcfg.critic_preset)
+    critic = nnx.eval_shape(
+      lambda: CriticModel(Qwen(trunk, rngs=nnx.Rngs(0)), trunk.hidden_size, rngs=nnx.Rngs(0))
+    )
+  head_graphdef, head_params = nnx.split(critic, nnx.Param)
+  rate = setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
+  head_opt = optax.adamw(rate, weight_decay=tcfg.weight_decay)  # AgentStep's
+  head_params = placed(head_params, None if mesh is None else NamedSharding(mesh, P()))
+  p = c = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
+  # one micro-batch of the whole mesh, or (unplaced: lowered for a platform) of one device
+  k, m = cfg.grad_accum_steps, tcfg.micro_batch_size if mesh is None else cfg.global_micro_batch
+  rows = None if mesh is None else NamedSharding(mesh, P(None, data_axes()))
+  sds = lambda width, dtype: jax.ShapeDtypeStruct((k, m, width), dtype, sharding=rows)
+  f32 = lambda: sds(c, jnp.float32)
+  batch = AgentBatch(
+    sds(p + c, jnp.int32), sds(p + c, jnp.bool_), sds(c, jnp.bool_), f32(), f32(), f32(), f32(),
+    f32() if tcfg.beta > 0 else None,
+  )  # fmt: skip
+  return graphdef, params, head_graphdef, head_params, head_opt, batch
+
+
+def agent_update_program(cfg: GRPOConfig, model_cfg, impl: str, mesh=None):
+  """rl.agent's update (rl.agent_update.update_step: the policy term + the value loss over the
+  critic) as AgentStep compiles it, the policy's optimizer the run's, and its abstract (state =
+  (params, critic params, their optimizer states), batch); see `_agent_parts`."""
+  from rl.agent_update import compile_update, update_settings
+
+  graphdef, params, head_graphdef, head_params, head_opt, batch = _agent_parts(cfg, model_cfg, mesh)
+  policy_opt = run_optimizer(cfg, params, mesh)
+  opt_state = jax.eval_shape(policy_opt.init, params)
+  head_opt_state = jax.eval_shape(head_opt.init, head_params)
+  if mesh is not None:
+    opt_state = placed(opt_state, opt_state_shardings(opt_state, params, mesh))
+    head_opt_state = placed(head_opt_state, NamedSharding(mesh, P()))
+  state = (params, head_params, opt_state, head_opt_state)
+  settings = update_settings(cfg, impl, batch.model_mask.shape[-1], mesh)
+  update = compile_update(graphdef, head_graphdef, policy_opt, head_opt, settings, state)
+  return update, (state, batch)
+
+
+def agent_values_program(cfg: GRPOConfig, model_cfg, mesh=None):
+  """rl.agent's pre-update pass (rl.agent_update.old_logps_and_values: the policy's log-probs and the
+  critic's values, micro-batch by micro-batch) over the step's batch; see `_agent_parts`."""
+  from rl.agent_update import old_logps_and_values
+
+  graphdef, params, head_graphdef, head_params, _, batch = _agent_parts(cfg, model_cfg, mesh)
+  c, temp = batch.model_mask.shape[-1], cfg.sampling.temperature
+  return old_logps_and_values, (graphdef, head_graphdef, params, head_params, batch, c, temp)
+
+
 def logps_program(cfg: GRPOConfig, model_cfg, prompt_width: int, micro_batch: int, mesh=None):
   """The reference / old log-prob pass (rl.update.batch_token_logps) over the step's batch."""
   graphdef, params = abstract_params(model_cfg, mesh)

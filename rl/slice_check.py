@@ -1,8 +1,9 @@
 """`--check` on a TPU slice: the run's real sharded programs compiled for the slice's abstract devices.
 
 `check_slice` builds, with the shardings the run uses (rl.programs), the train step (the config's
-loss impl, remat and optimizer), the reference / old log-prob pass when the config uses one, the
-rollout's prefill and its decode chunk, and compiles each with libtpu's compiler for the slice's
+loss impl, remat and optimizer), the reference / old log-prob pass when the config uses one (for
+rl.agent: its update with the critic, and its pre-update log-prob / value pass), the rollout's
+prefill and its decode chunk, and compiles each with libtpu's compiler for the slice's
 generation (`kernels.backend.tpu_devices`, `use_target("tpu", interpret=False, generation=...)`). A
 multi-host slice (v4-16: 2 hosts) is one program over all its chips for the update; the rollout runs
 on each host's own chips (rl.setup.rollout_replica), so its programs compile over host 0's.
@@ -187,8 +188,8 @@ class Resident:
     }
 
 
-def resident(cfg: GRPOConfig, model_cfg, mesh, rollout_mesh, train_args) -> Resident:
-  params, opt_state, _ = train_args
+def resident(cfg: GRPOConfig, model_cfg, rollout_mesh, params, opt_state) -> Resident:
+  """`opt_state`: every optimizer state the trainer keeps (rl.agent: the critic's weights too)."""
   _, weights = programs.rollout_state(model_cfg, rollout_mesh)
   cache = programs.abstract_cache(cfg, model_cfg, rollout_mesh)
   return Resident(
@@ -200,12 +201,23 @@ def resident(cfg: GRPOConfig, model_cfg, mesh, rollout_mesh, train_args) -> Resi
   )
 
 
-def build_programs(cfg: GRPOConfig, model_cfg, prompt_width: int, impl: str, mesh, rollout_mesh):
-  """{name: (jitted, abstract args)} of every program the run compiles, in the run's layouts."""
+def build_programs(
+  cfg: GRPOConfig, model_cfg, prompt_width: int, impl: str, mesh, rollout_mesh, entry: str
+):
+  """{name: (jitted, abstract args)} of every program the run compiles, in the run's layouts; the
+  update's program first."""
   micro = cfg.global_micro_batch
-  out = {"train_step": programs.train_step_program(cfg, model_cfg, prompt_width, impl, micro, mesh)}
-  if cfg.train.beta > 0 or cfg.train.ppo_epochs > 1:
-    out["logps"] = programs.logps_program(cfg, model_cfg, prompt_width, micro, mesh)
+  if entry == "rl.agent":
+    out = {
+      "update": programs.agent_update_program(cfg, model_cfg, impl, mesh),
+      "old_logps_values": programs.agent_values_program(cfg, model_cfg, mesh),
+    }
+  else:
+    out = {
+      "train_step": programs.train_step_program(cfg, model_cfg, prompt_width, impl, micro, mesh)
+    }
+    if cfg.train.beta > 0 or cfg.train.ppo_epochs > 1:
+      out["logps"] = programs.logps_program(cfg, model_cfg, prompt_width, micro, mesh)
   ecfg = cfg.rollout
   rows = bucket(max(ecfg.max_slots // cfg.sampling.group_size, 1), minimum=1)  # one row a group
   width = min(bucket(prompt_width), ecfg.pages_per_seq * ecfg.page_size)
@@ -214,11 +226,20 @@ def build_programs(cfg: GRPOConfig, model_cfg, prompt_width: int, impl: str, mes
   return out
 
 
+def _trainer_state(name: str, args) -> tuple:
+  """(params, every optimizer state + the critic) of the update program `name`'s arguments."""
+  if name == "update":  # rl.agent: ((params, critic, opt_state, critic's opt_state), batch)
+    params, head, opt_state, head_opt = args[0]
+    return params, (head, opt_state, head_opt)
+  params, opt_state, _ = args
+  return params, opt_state
+
+
 def beside(name: str, res: Resident, multi_host: bool) -> int:
   """What the run holds beside program `name`'s own arguments while it runs."""
-  if name == "train_step":  # params + optimizer state are its arguments
+  if name in ("train_step", "update"):  # params + optimizer state are its arguments
     return res.kv_pool + res.reference + (res.rollout_weights if multi_host else 0)
-  if name == "logps":  # one set of weights is its argument, the other (if any) resident
+  if name in ("logps", "old_logps_values"):  # one set of weights is an argument, the rest resident
     return res.opt_state + res.kv_pool + res.reference + (res.rollout_weights if multi_host else 0)
   return res.trainer  # prefill / decode: the rollout weights and the pool are arguments
 
@@ -231,22 +252,25 @@ def check_slice(
   slice_name: str,
   report: dict | None = None,
   decode_bytes: bool = True,
+  entry: str = "rl.train",
 ) -> dict:
-  """Compiles the run's programs for `slice_name`; the figures (see the module docstring), filled
-  into `report` as they come. Raises ConfigError when a program does not compile."""
+  """Compiles the run's programs (`entry`'s: rl.train or rl.agent) for `slice_name`; the figures
+  (see the module docstring), filled into `report` as they come. Raises ConfigError when a program
+  does not compile."""
   sl = tpu_targets.Slice.parse(slice_name)
   gen = sl.generation
   cfg, mesh, rollout_mesh = slice_meshes(cfg, sl)
   report = {} if report is None else report
-  report.update(slice=sl.name, hosts=sl.hosts, devices=sl.devices)
+  report.update(slice=sl.name, hosts=sl.hosts, devices=sl.devices, entry=entry)
   report["libtpu"] = tpu_targets.libtpu_version()
   report["mesh"] = dict(mesh.shape)
   report["rollout_mesh"] = dict(rollout_mesh.shape)
   report["layers"] = model_cfg.num_layers
   compiled: dict[str, Compiled] = {}
   with backend.use_target("tpu", interpret=False, generation=gen.name):
-    built = build_programs(cfg, model_cfg, prompt_width, impl, mesh, rollout_mesh)
-    res = resident(cfg, model_cfg, mesh, rollout_mesh, built["train_step"][1])
+    built = build_programs(cfg, model_cfg, prompt_width, impl, mesh, rollout_mesh, entry)
+    update = next(iter(built))
+    res = resident(cfg, model_cfg, rollout_mesh, *_trainer_state(update, built[update][1]))
     for name, (fn, args) in built.items():
       try:
         compiled[name] = compile_program(name, fn, args)

@@ -116,16 +116,25 @@ def _scaled(raw, sw: Sweep):
 
 
 def unrolled_loop(steps: int, unroll: int, body, carry):
-  """carry = body(c, carry) for c in [0, steps): a loop unrolled ``unroll`` times over the largest
-  multiple of it, then the rest as straight-line steps. Not fori_loop's own remainder handling: with
-  2 or more steps left over (jax emits a second loop for them) libtpu 0.0.48.1's compiler segfaults
-  on the training kernel (V = 128256: 250 steps, unroll 8; any V with V // 128 // 4 % 8 >= 2),
-  0.0.42.1 compiles it."""
+  """carry = body(c, carry) for c in [0, steps): a loop whose body is ``unroll`` steps written out
+  (over the largest multiple of it), then the rest as straight-line steps.
+
+  Unrolled here, not by fori_loop's ``unroll=``: jax 0.11's Pallas TPU lowering drops that argument
+  (one step a trip: the qwen2.5-8k forward kernel's schedule grew from 12407 to 27017 bundles a grid
+  step under libtpu 0.0.48.1, tests/test_tpu_schedule.py), and fori_loop's own remainder loop (2 or
+  more steps left over) segfaults libtpu 0.0.48.1's compiler on the training kernel (V = 128256: 250
+  steps, unroll 8); 0.0.42.1 compiles both."""
   u = max(1, min(unroll, steps))
-  main = steps - steps % u
-  if main:
-    carry = jax.lax.fori_loop(0, main, body, carry, unroll=u)
-  for c in range(main, steps):
+  trips = steps // u
+
+  def group(i, carry):  # steps i*u .. i*u + u - 1
+    for j in range(u):
+      carry = body(i * u + j, carry)
+    return carry
+
+  if trips:
+    carry = jax.lax.fori_loop(0, trips, group, carry)
+  for c in range(trips * u, steps):
     carry = body(jnp.int32(c), carry)
   return carry
 

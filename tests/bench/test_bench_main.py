@@ -242,6 +242,7 @@ def test_a_rollout_suite_stopped_mid_way_keeps_its_measured_rows(tmp_path, monke
     bench_main.main(["--size", "tiny", "--suite", "rollout", "--out", str(out), "--no-plots"])
   payload = json.loads((out / "results.json").read_text())
   (run_,) = payload["rollout"]
+  assert payload["cases"] == []  # `--suite rollout` alone times no kernel case (it timed all 15)
   assert [(r["workload"], r["backend"]) for r in run_["rows"]] == [("fixed", "paged")]
   assert payload["partial"]["remaining"] == ["rollout/tiny"]
   assert "| fixed | paged |" in (out / "summary.md").read_text()
