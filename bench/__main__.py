@@ -9,7 +9,8 @@ Examples::
 
 Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png. The ``mismatch`` suite adds each rollout engine's log-prob mismatch
-against the trainer (bench/mismatch.py).
+against the trainer (bench/mismatch.py). ``--suite tunix`` (asked for by name; needs google-tunix)
+compiles tunix's GRPO step with its loss and ours (bench/tunix_memory.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (
 LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
 PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional
-ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)
+ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)  # the default: every suite but tunix's
+# tunix's GRPO step compiled with its loss and ours (bench/tunix_memory.py): its own environment
+# (google-tunix) and 10-30 minutes a compile, so only when asked for
+TUNIX = "tunix"
+CHOICES = ALL_SUITES + (TUNIX,)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -69,15 +74,18 @@ class BenchConfig:
     unknown = set(self.sizes or ()) - set(SIZES)
     if unknown:
       raise ValueError(f"size must be one of {SIZES}, got {sorted(unknown)}")
-    unknown = set(self.suites or ()) - set(ALL_SUITES)
+    unknown = set(self.suites or ()) - set(CHOICES)
     if unknown:
-      raise ValueError(f"suite must be one of {ALL_SUITES}, got {sorted(unknown)}")
+      raise ValueError(f"suite must be one of {CHOICES}, got {sorted(unknown)}")
 
 
 def parse_args(argv=None) -> BenchConfig:
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
   p.add_argument(
-    "--suite", action="append", choices=ALL_SUITES, help="repeatable; default: all suites"
+    "--suite",
+    action="append",
+    choices=CHOICES,
+    help=f"repeatable; default: all suites but {TUNIX}",
   )
   p.add_argument(
     "--size", action="append", choices=SIZES, help="repeatable; default: small on CPU, else large"
@@ -194,6 +202,10 @@ class Run:
     )  # fmt: skip
 
 
+def _stamp() -> str:
+  return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
 def _plan(cfg: BenchConfig) -> Run:
   target = backend.resolve()
   sizes = cfg.sizes or (("small",) if target.platform == "cpu" else ("large",))
@@ -205,7 +217,7 @@ def _plan(cfg: BenchConfig) -> Run:
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  stamp = _stamp()
   out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
   from bench.cases import peers
 
@@ -335,7 +347,7 @@ def compiled_main(cfg: BenchConfig) -> int:
   sizes = cfg.sizes or ("large",)
   env = compiled.environment(name)
   env["sizes"] = list(sizes)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  stamp = _stamp()
   out = (
     cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-compiled-{stamp}"
   )
@@ -354,6 +366,16 @@ def compiled_main(cfg: BenchConfig) -> int:
 
 def main(argv=None) -> int:
   cfg = parse_args(argv)
+  if cfg.suites and TUNIX in cfg.suites:
+    from bench import tunix_memory
+
+    rc = tunix_memory.bench_suite(
+      cfg.out or ROOT / "bench" / "results" / f"tunix-memory-{_stamp()}"
+    )
+    rest = tuple(s for s in cfg.suites if s != TUNIX)
+    if not rest:
+      return rc
+    cfg = dataclasses.replace(cfg, suites=rest)
   if cfg.target and backend.host_platform() != "tpu":
     return compiled_main(cfg)
   run = _plan(cfg)

@@ -186,6 +186,25 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def bench_suite(out_dir) -> int:
+  """`python -m bench --suite tunix`: the whole table (both models, both token counts, every loss)
+  for one v6e chip where libtpu is installed, else XLA:CPU's, its rows written to
+  OUT_DIR/tunix_memory.json as they are compiled."""
+  import importlib.util
+  import pathlib
+
+  from kernels import tpu_targets
+
+  if importlib.util.find_spec("tunix") is None:
+    raise SystemExit(
+      '--suite tunix needs google-tunix: pip install -e ".[tunix]" (nox -s tunix builds one)'
+    )
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  target = "tpu" if tpu_targets.libtpu_available() else "cpu"
+  return main(["--backend", target, "--out", str(out / "tunix_memory.json")])
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--backend", choices=("cpu", "tpu"), nargs="+", default=["cpu", "tpu"])
@@ -215,11 +234,17 @@ def main(argv=None) -> int:
     for row in pool.map(lambda c: _run_subprocess(c, args.timeout), cases):
       rows.append(row)
       print(json.dumps(row), flush=True)
+      if args.out:  # after every compile: a stopped run keeps the rows it has
+        _write(args.out, rows)
   print(table(rows))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(rows, f, indent=1)
   return 0
+
+
+def _write(path: str, rows: list[dict]) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(rows, f, indent=1)
+  os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 if __name__ == "__main__":

@@ -149,8 +149,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   if critic:
     updates, new_head_opt = head_opt.update(g_head, head_opt_state, head_params)
     new_head = optax.apply_updates(head_params, updates)
-  # the head's new weights join the inputs' check; the policy's step is guarded as rl.update's
-  # (rl.optimizer.guarded_step: the fused kernels in place under a cond, no second policy state)
+  # the head's new weights join the inputs' check; the policy's step: rl.optimizer.guarded_step
   inputs_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new_head)
   new_params, new_opt, finite = guarded_step(policy_opt, params, g_params, opt_state, inputs_ok)
   keep = lambda new, old: jnp.where(finite, new, old)

@@ -343,3 +343,17 @@ def test_the_committed_h100_example_renders_unchanged(tmp_path):
     shutil.copy(src / suite / "results.json", tmp_path / "results.json")
     assert report.main([str(tmp_path), "--no-plots"]) == 0
     assert (tmp_path / "summary.md").read_text() == (src / suite / "summary.md").read_text(), suite
+
+
+def test_tunix_suite_is_asked_for_and_says_what_it_needs():
+  """`--suite tunix` (bench.tunix_memory: 10-30 minutes a compile) is a choice, not part of the
+  default run, and without google-tunix it says how to get it instead of failing on an import.
+  Catches: the default `nox -s bench` starting hour-long tunix compiles, or a bare ImportError."""
+  import importlib.util
+
+  assert bench_main.TUNIX not in bench_main.ALL_SUITES
+  assert bench_main.parse_args(["--suite", "tunix"]).suites == ("tunix",)
+  if importlib.util.find_spec("tunix") is not None:
+    pytest.skip("google-tunix is installed here: the suite would compile for minutes")
+  with pytest.raises(SystemExit, match=r"google-tunix: pip install"):
+    bench_main.main(["--suite", "tunix"])
