@@ -78,23 +78,22 @@ def test_config_compiles_and_fits_on_its_slice(name, monkeypatch):
   print(name, json.dumps(report["compile_s"]), report["hbm_per_device_gib"], file=sys.stderr)
 
 
-def test_agent_check_compiles_its_update_on_a_slice(monkeypatch, tmp_path):
-  """`python -m rl.agent --check` on the 1.5B config's twin as a PPO run (value head): the agent's
-  own programs (its update with the critic, its pre-update pass) compile for v6e-4 with the run's
-  shardings, the loss kernels inside the sharded update. Catches: the agent's update calling the
-  Pallas loss outside a shard_map ("Mosaic kernels cannot be automatically partitioned"), its policy
-  optimizer built without the mesh (the fused kernels then too), and a check that lowers the
-  agent's programs instead of compiling them. Narrower episodes than the config's (max_seq_len 512)
-  keep it to ~1 min of compiles."""
-  from rl import agent
+def test_agent_check_compiles_its_update_on_a_slice(monkeypatch):
+  """rl.agent's --check (rl.check.check, entry rl.agent) on the 1.5B config's twin as a PPO run
+  (value head): the agent's own programs (its update with the critic, its pre-update pass) compile
+  for v6e-4 with the run's shardings, the loss kernels inside the sharded update. Catches: the
+  agent's update calling the Pallas loss outside a shard_map ("Mosaic kernels cannot be
+  automatically partitioned"), its policy optimizer built without the mesh (the fused kernels then
+  too), and a check that lowers the agent's programs instead of compiling them. Narrow episodes
+  (max_seq_len 256) and no decode account keep it short (the CLI path is rl.train's test above)."""
+  from rl import check, configlib
+  from rl.config import GRPOConfig
 
   monkeypatch.chdir(ROOT)
-  out = tmp_path / "check.json"
-  args = ["--config", "configs/tpu-qwen2.5-1.5b.yaml", "--check", "--layers", str(TWIN_LAYERS)]
-  overrides = ["train.algorithm=ppo", "rollout.max_seq_len=512", "sampling.max_new_tokens=256"]
-  overrides += _data_override()
-  assert agent.cli([*args, "--json", str(out), *overrides]) == 0
-  report = json.loads(out.read_text())["slice"]
+  overrides = ["train.algorithm=ppo", "rollout.max_seq_len=256", "sampling.max_new_tokens=128"]
+  cfg = configlib.load(GRPOConfig, "configs/tpu-qwen2.5-1.5b.yaml", overrides + _data_override())
+  out = check.check(cfg, "tpu", entry="rl.agent", layers=TWIN_LAYERS, decode_bytes=False)
+  report = out["slice"]
   assert report["entry"] == "rl.agent" and report["fits"], report
   assert set(report["compile_s"]) == {"update", "old_logps_values", "prefill", "decode_chunk"}
   # the policy loss (forward + backward kernels) and the fused optimizer, shard-local
