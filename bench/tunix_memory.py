@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -191,7 +192,6 @@ def bench_suite(out_dir) -> int:
   for one v6e chip where libtpu is installed, else XLA:CPU's, its rows written to
   OUT_DIR/tunix_memory.json as they are compiled."""
   import importlib.util
-  import pathlib
 
   from kernels import tpu_targets
 
@@ -234,17 +234,12 @@ def main(argv=None) -> int:
     for row in pool.map(lambda c: _run_subprocess(c, args.timeout), cases):
       rows.append(row)
       print(json.dumps(row), flush=True)
-      if args.out:  # after every compile: a stopped run keeps the rows it has
-        _write(args.out, rows)
+      if args.out:  # after every compile, whole or not at all: a stopped run keeps its rows
+        from bench.report import write_atomic
+
+        write_atomic(pathlib.Path(args.out), json.dumps(rows, indent=1))
   print(table(rows))
   return 0
-
-
-def _write(path: str, rows: list[dict]) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(rows, f, indent=1)
-  os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from rl import ppo, sharding
@@ -31,6 +30,7 @@ from rl.advantages import group_advantages
 from rl.agent_update import (
   AgentBatch,
   compile_update,
+  head_optimizer,
   old_logps_and_values,
   update_settings,
 )
@@ -52,7 +52,6 @@ from rl.setup import (
   WIDTH_ALIGN,
   Policy,
   Setup,
-  learning_rate_schedule,
   permuted_index,
   prompt_seed,
   reading,
@@ -204,7 +203,6 @@ class AgentStep:
     system: str | None = None,
   ):
     self.setup, self.policy = setup, policy
-    tcfg = setup.cfg.train
     if env_factory is None:
       env_factory, system = self._env_factory()
     self.env_factory, self.system = env_factory, system or setup.template.system
@@ -212,11 +210,10 @@ class AgentStep:
     # On the mesh (replicated where fresh) so that one jit over every process's devices takes it.
     self.head_graphdef = head_graphdef
     self.head_params = sharding.replicated(setup.mesh, head_params)
-    learning_rate = learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
     # the policy's optimizer is the run's (rl.setup.optimizer_for): on several devices its fused
     # kernels update each device's own shard, as the opt_state it built is laid out
     self.policy_opt = setup.optimizer
-    self.head_opt = optax.adamw(learning_rate, weight_decay=tcfg.weight_decay)
+    self.head_opt = head_optimizer(setup.cfg)
     self.head_opt_state = init_optimizer_state(self.head_opt, self.head_params, setup.mesh)
     self._updates: dict[int, Callable] = {}
     self.widths = episode_widths(self)  # (P, C) of every step's rows

@@ -162,6 +162,16 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
   return state, metrics
 
 
+def head_optimizer(cfg: GRPOConfig) -> optax.GradientTransformation:
+  """The critic's optimizer: AdamW on the policy's learning-rate schedule (rl.agent_step.AgentStep
+  trains the critic with it; rl.programs compiles the same update for --check)."""
+  from rl.setup import learning_rate_schedule
+
+  tcfg = cfg.train
+  rate = learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
+  return optax.adamw(rate, weight_decay=tcfg.weight_decay)
+
+
 def update_settings(cfg: GRPOConfig, impl: str, completion_len: int, mesh=None) -> UpdateSettings:
   """The config's update settings at completion width `completion_len` (`impl`: the loss impl the
   platform has, rl.platform.loss_impl) for a run on `mesh`."""

@@ -127,9 +127,7 @@ def _agent_parts(cfg: GRPOConfig, model_cfg, mesh=None):
   over the batch axes at the widest (P, C) rl.agent_step.episode_widths can fix: P <= round_up(longest
   prompt, 32) and C = round_up(max_seq_len - shortest, 32), each at most max_seq_len rounded up (no
   environment to reset here, so the widest update the run can compile)."""
-  import optax
-
-  from rl.agent_update import AgentBatch
+  from rl.agent_update import AgentBatch, head_optimizer
   from rl.critic import CriticModel, ValueHead
   from rl.model import Qwen
   from rl.model.presets import preset
@@ -144,8 +142,7 @@ def _agent_parts(cfg: GRPOConfig, model_cfg, mesh=None):
       lambda: CriticModel(Qwen(trunk, rngs=nnx.Rngs(0)), trunk.hidden_size, rngs=nnx.Rngs(0))
     )
   head_graphdef, head_params = nnx.split(critic, nnx.Param)
-  rate = setup.learning_rate_schedule(tcfg, tcfg.learning_rate, tcfg.steps)
-  head_opt = optax.adamw(rate, weight_decay=tcfg.weight_decay)  # AgentStep's
+  head_opt = head_optimizer(cfg)
   head_params = placed(head_params, None if mesh is None else NamedSharding(mesh, P()))
   p = c = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
   # one micro-batch of the whole mesh, or (unplaced: lowered for a platform) of one device
