@@ -56,6 +56,7 @@ class Compiled:
   peak: int  # the program's own peak (arguments + temporaries + outputs not aliased)
   beside: int = 0  # what the run keeps resident beside the program's arguments
   mosaic_calls: int = 0  # tpu_custom_call instructions (Pallas kernels)
+  prefetches: int = 0  # cross-program prefetches: parameters copied into VMEM before it starts
   largest: tuple = ()  # (bytes, shape, op) of the largest values: where a program's memory goes
 
   @property
@@ -121,6 +122,7 @@ def compile_program(name: str, fn, args) -> Compiled:
     int(m.temp_size_in_bytes),
     peak,
     mosaic_calls=hlo.count(MOSAIC),
+    prefetches=hlo.count("cross_program_prefetch_index="),
     largest=tuple(largest_values(hlo)),
   )
 
@@ -284,6 +286,7 @@ def check_slice(
   report["programs"] = {k: c.row() for k, c in compiled.items()}
   report["compile_s"] = {k: round(c.compile_s, 1) for k, c in compiled.items()}
   report["mosaic_calls"] = {k: c.mosaic_calls for k, c in compiled.items()}
+  report["cross_program_prefetches"] = {k: c.prefetches for k, c in compiled.items()}
   report["resident_gib"] = res.row()
   report["hbm_per_device_gib"] = round(worst.total / GIB, 3)
   report["hbm_capacity_gib"] = round(gen.hbm_bytes / GIB, 3)
