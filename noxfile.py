@@ -67,7 +67,7 @@ SHARED = dict(venv_backend="none", requires=["dev"])  # sessions that run in .no
 @nox.session(**SHARED)
 def tests(session: nox.Session):
   """Unit, parity, lowering and bench-smoke tests on CPU (interpret mode). Slow tests: -- -m slow."""
-  # the `ci` hypothesis profile: 30 derandomized examples per property (tests/conftest.py)
+  # the `ci` hypothesis profile: 10 derandomized examples per property (tests/conftest.py)
   args = session.posargs or [
     "-m",
     "not slow and not gpu and not tpu",

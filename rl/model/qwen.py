@@ -239,6 +239,25 @@ class Qwen(nnx.Module):
       preferred_element_type=jnp.float32,
     )
 
+  def blocked_logits(
+    self, hidden: Array, block: int
+  ) -> Array:  # [..., H] -> [..., V / block, block]
+    """`logits` with the vocabulary cut into blocks of `block` tokens (V a multiple of it), from
+    the LM head itself: cutting [..., V] logits after the head makes XLA TPU relay them out in
+    memory (rl.rollout.sampling.sample_blocked reduces over the blocks). Free for a tied head (its
+    [V, H] table cut along V is the same memory); an untied [H, V] kernel is relaid out instead
+    (rl.rollout.steps.next_tokens keeps those on [..., V] logits)."""
+    v, h = self.cfg.vocab_size, self.cfg.hidden_size
+    if v % block:
+      raise ValueError(f"blocked_logits: block={block} must divide the vocabulary ({v} tokens)")
+    x = hidden.astype(self.cfg.compute_dtype)
+    if self.cfg.tie_word_embeddings:  # the [V, H] table, cut along V: no transposed copy
+      table = self.embed_tokens.embedding[...].astype(self.cfg.compute_dtype)
+      w = table.reshape(v // block, block, h)
+      return jnp.einsum("...h,nkh->...nk", x, w, preferred_element_type=jnp.float32)
+    w = self.lm_head.kernel[...].astype(self.cfg.compute_dtype).reshape(h, v // block, block)
+    return jnp.einsum("...h,hnk->...nk", x, w, preferred_element_type=jnp.float32)
+
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
   """One `DecoderLayer` whose parameters carry a leading [L] axis. The layers are drawn one by one in

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.tolerances import assert_close
+from rl.model import init_model, preset
 from rl.rollout.sampling import (
   BLOCK,
   candidate_logprobs,
@@ -174,3 +176,39 @@ def test_plain_sampler_frequencies_follow_the_softmax(v):
     np.abs(freq[top] - probs[top]), 5 * np.sqrt(probs[top] * (1 - probs[top]) / len(hot)) + 1e-9
   )
   np.testing.assert_allclose(lp, ref[hot], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"], ids=["tied", "untied"])
+def test_blocked_logits_are_the_logits_cut_into_blocks(name):
+  """The LM head writing its logits in blocks (what the decode loop samples from): token
+  n * BLOCK + k at [:, n, k], for a tied head (the [V, H] table) and an untied one ([H, V]).
+  Catches a block cut across the hidden axis, or blocks laid out transposed (a token's logit read
+  from another token's), and a block that does not divide the vocabulary accepted."""
+  model = init_model(preset(name, dtype="float32"), seed=3)
+  h = jax.random.normal(jax.random.key(0), (3, model.cfg.hidden_size))
+  blocked = model.blocked_logits(h, BLOCK)
+  assert blocked.shape == (3, model.cfg.vocab_size // BLOCK, BLOCK)
+  assert_close(blocked.reshape(3, -1), model.logits(h), "value", jnp.float32, h.shape[-1])
+  with pytest.raises(ValueError, match="block=100"):
+    model.blocked_logits(h, 100)
+
+
+def test_the_decode_draw_from_blocks_is_the_plain_samplers():
+  """The decode loop's unfiltered draw (rl.rollout.steps.next_tokens: the blocked logits into
+  `sample_blocked`) against `sample(model.logits(h), filtered=False)` on the same keys: the same
+  tokens and log-probs, greedy rows included. Catches the decode loop drawing otherwise than the
+  sampler the frequency tests above check: its blocks in another order, other keys or temperatures,
+  or the padded [B, V] path and the blocked one parting ways."""
+  from rl.rollout.steps import next_tokens
+
+  model = init_model(preset("tiny", dtype="float32"), seed=4)
+  n = 64
+  h = jax.random.normal(jax.random.key(1), (n, model.cfg.hidden_size)) * 3.0
+  keys = jax.random.split(jax.random.key(2), n)
+  t = jnp.full(n, 0.9).at[:5].set(0.0)
+  off_k, off_p = jnp.zeros(n, jnp.int32), jnp.ones(n)
+  tokens, logps = next_tokens(model, h, keys, t, off_k, off_p, False)
+  ref_tokens, ref_logps = sample(model.logits(h), keys, t, off_k, off_p, False)
+  np.testing.assert_array_equal(tokens, ref_tokens)
+  assert_close(logps, ref_logps, "value", jnp.float32, model.cfg.vocab_size)
+  assert (np.asarray(tokens[:5]) == np.argmax(np.asarray(model.logits(h[:5])), -1)).all()
