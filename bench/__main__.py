@@ -6,6 +6,7 @@ Examples::
     python -m bench --suite grpo_loss --size large   # real shapes (for a GPU / TPU)
     python -m bench --size small --size large        # both: time-vs-size curves over more shapes
     python -m bench --profile                        # also a jax.profiler trace in profiles/bench-<time>/
+    python -m bench --suite optim --case 'optim/adamw-*'  # only the kernel cases whose name matches
 
 Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png. The ``mismatch`` suite adds each rollout engine's log-prob mismatch
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import fnmatch
 import pathlib
 import re
 import sys
@@ -61,12 +63,19 @@ class BenchConfig:
   history: pathlib.Path | None = loop_bench.HISTORY  # the loop suite's rows (None: keep none)
   memory_limit_gib: float | None = None  # skip cases XLA says need more (None: the device's limit)
   target: str | None = None  # a TPU generation / slice to compile for ("tpu-v6e", "v5litepod-8")
+  cases: tuple[str, ...] | None = (
+    None  # globs on kernel case names (None: every case of the suites)
+  )
 
   def __post_init__(self):
     if self.target is not None:
       from kernels import tpu_targets
 
       tpu_targets.Slice.parse(tpu_slice(self.target))  # ValueError naming the known generations
+    if self.cases and self.target is not None:
+      raise ValueError(
+        "--case picks timed kernel cases; --target compiles whole suites (use --suite)"
+      )
     if self.repeats < 1 or self.warmup < 0 or self.rollout_repeats < 1:
       raise ValueError("repeats and rollout_repeats must be >= 1 and warmup >= 0")
     if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
@@ -94,6 +103,12 @@ def parse_args(argv=None) -> BenchConfig:
   p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
   p.add_argument("--rollout-repeats", type=int, default=BenchConfig.rollout_repeats)
   p.add_argument("--seed", type=int, default=BenchConfig.seed)
+  p.add_argument(
+    "--case",
+    action="append",
+    metavar="GLOB",
+    help="repeatable; time only the kernel cases whose name matches (e.g. 'optim/adamw-*')",
+  )
   p.add_argument("--no-measure-bandwidth", action="store_true", help="use datasheet peaks only")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument(
@@ -136,6 +151,7 @@ def parse_args(argv=None) -> BenchConfig:
       None if a.no_history else loop_bench.HISTORY,
       a.memory_limit_gib,
       a.target,
+      tuple(dict.fromkeys(a.case)) if a.case else None,
     )
   except ValueError as e:  # the message alone, exit status 2 (argparse's usage error)
     p.error(str(e))
@@ -202,6 +218,20 @@ class Run:
     )  # fmt: skip
 
 
+def chosen(cases: list, globs: tuple[str, ...] | None) -> list:
+  """The cases whose name matches one of `globs` (None: all). A glob that matches none of them is
+  a ValueError naming it and the names it could have matched, before anything compiles."""
+  if globs is None:
+    return cases
+  names = [c.name for c in cases]
+  for g in globs:
+    if not fnmatch.filter(names, g):
+      raise ValueError(
+        f"--case {g!r} matches no kernel case of the chosen suites and sizes: {names}"
+      )
+  return [c for c in cases if any(fnmatch.fnmatchcase(c.name, g) for g in globs)]
+
+
 def _stamp() -> str:
   return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
@@ -214,6 +244,7 @@ def _plan(cfg: BenchConfig) -> Run:
   cases = []
   if kernel_suites:  # all_cases reads none as every kernel suite: `--suite rollout` times no kernel
     cases = [c for size in sizes for c in all_cases(size, target.platform, kernel_suites)]
+  cases = chosen(cases, cfg.cases)
   peaks = roofline.peaks_for(measure=cfg.measure_bandwidth)
   env = report.environment(peaks, target.platform, target.interpret)
   env["sizes"] = list(sizes)
@@ -378,7 +409,11 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, suites=rest)
   if cfg.target and backend.host_platform() != "tpu":
     return compiled_main(cfg)
-  run = _plan(cfg)
+  try:
+    run = _plan(cfg)
+  except ValueError as e:  # a --case glob that matches nothing: named before anything compiles
+    print(f"python -m bench: error: {e}", file=sys.stderr)
+    return 2
   run.save()
   with _profiling(cfg.profile, run.stamp) as profile_dir:
     _kernel_cases(run)

@@ -15,8 +15,8 @@ from bench import report, run
 from bench.cases import all_cases
 from bench.roofline import DevicePeaks
 
-# The module fixture runs the whole tiny bench (grpo_loss, optim, rollout, profiled): 440 s of setup
-# measured on the shared 2-core machine under load, near the suite's 600 s per test.
+# The module fixture runs the tiny bench (grpo_loss, AdamW's two optim cases, rollout, profiled): 200 s
+# of setup on the shared 2-core machine under load with all six optim cases, 440 s once.
 pytestmark = pytest.mark.timeout(1200)
 
 
@@ -33,6 +33,10 @@ def tiny_report(tmp_path_factory):
       "optim",
       "--suite",
       "rollout",
+      "--case",
+      "grpo_loss/*",
+      "--case",
+      "optim/adamw-*",
       "--repeats",
       "2",
       "--warmup",
@@ -93,6 +97,22 @@ def test_profile_names_every_timed_case(tiny_report):
   assert {"bench/grpo_loss/tiny/fwd/kernel", "bench/grpo_loss/tiny/fwd/reference"} <= set(
     s["phases_us"]
   )
+
+
+def test_case_globs_pick_the_timed_cases_and_name_one_that_matches_nothing(capsys):
+  """`--case`: only the kernel cases whose name matches a glob are timed, and a glob matching none
+  of the chosen suites' cases stops the run before anything compiles, naming the glob (exit 2).
+  Catches a typo'd glob silently timing nothing, or every case."""
+  cases = all_cases("tiny", "cpu", ("grpo_loss", "optim"))
+  picked = bench_main.chosen(cases, ("optim/adamw-*", "grpo_loss/tiny/fwd"))
+  assert [c.name for c in picked] == [
+    "grpo_loss/tiny/fwd",
+    "optim/adamw-inplace/tiny/step",
+    "optim/adamw-optax-api/tiny/step",
+  ]
+  assert bench_main.chosen(cases, None) == cases
+  rc = bench_main.main(["--size", "tiny", "--suite", "optim", "--case", "optim/adam-*"])
+  assert rc == 2 and "'optim/adam-*' matches no kernel case" in capsys.readouterr().err
 
 
 def test_wrong_kernel_is_a_failed_row_however_fast(tmp_path):
