@@ -152,7 +152,7 @@ def step_account(model, engine) -> byte_account.StepAccount | None:
 
 
 def tpu_step_account(model, engine):
-  """On a TPU: the compiled decode step's bytes from rl.slice_check.decode_account (the TPU compiler's
+  """On a TPU: the compiled decode step's bytes from rl.decode_bytes.decode_account (the TPU compiler's
   cost analysis, the paged kernel's KV reads added) instead of XLA:CPU's byte account: the floor
   check of the rollout on the platform it runs on. The same (ideal, accessed, ratio) row fields."""
   import types

@@ -28,7 +28,7 @@ ITEM_BYTES = dict(
 def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
   """Bytes per decode step of the decode chunk on one chip (all max_slots rows at the compiled
   context) by XLA's cost analysis: the chunk with one (unrolled) layer, plus L - 1 trips of the
-  layer scan's body (rl.programs.layer_decode_program: one layer's step, its own weights); the
+  layer scan's body (rl.programs.engine_layer_program: one layer's step, its own weights); the
   paged kernel's KV reads (a custom call XLA does not charge) are added as the live KV read once
   (modelled). Next to the ideal (decode_ideal).
 
