@@ -16,13 +16,13 @@ hypothesis.settings.register_profile(
   print_blob=True,
   suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
-# CI (`pytest --hypothesis-profile=ci`): 10 examples per property (30, then 15, took CI past its
+# CI (`pytest --hypothesis-profile=ci`): 8 examples per property (30, then 15, took CI past its
 # 45-minute budget), derandomized so that a run is reproducible from the commit alone (the same
 # examples every time: more of them would not search further from run to run); the kernel tests keep
 # shapes tiny. `thorough` (60, random) for a deeper search by hand.
 hypothesis.settings.register_profile(
   "ci",
-  max_examples=10,
+  max_examples=8,
   deadline=None,
   derandomize=True,
   database=None,

@@ -18,7 +18,7 @@ from bench.tolerances import assert_close
 from kernels import backend
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks, default_blocks
 from kernels.grpo_loss.reference import LOSS_TYPES
-from tests.problems import assert_loss_parity
+from tests.problems import SHAPE_SEARCH_ON_GPU_JAX, assert_loss_parity
 from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
 from tests.test_grpo_loss_options import options_problem
 
@@ -49,6 +49,7 @@ def test_parity_every_loss_type(dtype, option):
   assert_parity(args, kw, blocks=MosaicLossBlocks(64, 2 * MIN_BV[jnp.dtype(dtype)], 2))
 
 
+@SHAPE_SEARCH_ON_GPU_JAX
 @given(
   b=st.integers(1, 4),
   t=st.integers(1, 40),

@@ -21,6 +21,7 @@ from bench.shapes import PAGED_SHAPES
 from bench.tolerances import assert_close
 from kernels import backend
 from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks, default_blocks
+from tests.problems import SHAPE_SEARCH_ON_GPU_JAX
 from tests.test_paged_attention import _draw
 
 
@@ -44,6 +45,7 @@ def test_parity_idle_single_and_full_slots(dtype):
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0 -> zeros
 
 
+@SHAPE_SEARCH_ON_GPU_JAX
 @given(
   data=st.data(),
   b=st.integers(1, 3),
