@@ -18,6 +18,7 @@ from rl.model import qwen
 from rl.rollout.config import EngineConfig
 
 MOSAIC = 'custom_call_target="tpu_custom_call"'  # a Pallas (Mosaic) kernel in compiled TPU HLO
+PREFETCH = "cross_program_prefetch_index="  # a parameter copied into VMEM before the program starts
 # libtpu's option: no parameter copied into VMEM ahead of the program (see decode_account)
 NO_PREFETCH = {"xla_max_cross_program_prefetches": 0}
 ITEM_BYTES = dict(
@@ -39,14 +40,12 @@ def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
   the layer scan, which XLA does not prefetch: the compiled chunk holds no cross-program prefetch
   (rl.slice_check reports the count per program). `decode_layer_xla_bytes_prefetched` keeps the
   layer's figure with the prefetch, for comparison."""
-  one = jax.sharding.SingleDeviceSharding(device)
   twin = dataclasses.replace(model_cfg, num_layers=1)
-  fn, args = programs.engine_decode_program(ecfg, twin)
-  args = programs.placed(args[:3], one) + args[3:5] + programs.placed(args[5:], one)
+  fn, args = chunk_on(device, ecfg, twin)
   with qwen.unrolled_layers():
     chunk = _cost(fn, args, NO_PREFETCH)
   layer_fn, layer_args = programs.engine_layer_program(ecfg, model_cfg)
-  layer_args = programs.placed(layer_args, one)
+  layer_args = programs.placed(layer_args, jax.sharding.SingleDeviceSharding(device))
   layer = _cost(layer_fn, layer_args, NO_PREFETCH)
   prefetched = _cost(layer_fn, layer_args)
   xla = chunk["bytes"] + (model_cfg.num_layers - 1) * layer["bytes"]
@@ -69,6 +68,14 @@ def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
       chunk["seconds"] + layer["seconds"] + prefetched["seconds"], 1
     ),
   }
+
+
+def chunk_on(device, ecfg: EngineConfig, model_cfg):
+  """The engine's decode chunk (rl.programs.engine_decode_program) with its arrays on `device`
+  alone; the static arguments (steps, filtered) stay as they are."""
+  one = jax.sharding.SingleDeviceSharding(device)
+  fn, args = programs.engine_decode_program(ecfg, model_cfg)
+  return fn, programs.placed(args[:3], one) + args[3:5] + programs.placed(args[5:], one)
 
 
 def _cost(fn, args, options: dict | None = None) -> dict:

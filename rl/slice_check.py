@@ -35,7 +35,7 @@ from kernels import backend, tpu_targets
 from rl import programs
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
-from rl.decode_bytes import ITEM_BYTES, MOSAIC, decode_account
+from rl.decode_bytes import ITEM_BYTES, MOSAIC, PREFETCH, decode_account
 from rl.rollout.engine import bucket
 from rl.setup import rollout_mesh
 from rl.sharding import make_mesh
@@ -122,7 +122,7 @@ def compile_program(name: str, fn, args) -> Compiled:
     int(m.temp_size_in_bytes),
     peak,
     mosaic_calls=hlo.count(MOSAIC),
-    prefetches=hlo.count("cross_program_prefetch_index="),
+    prefetches=hlo.count(PREFETCH),
     largest=tuple(largest_values(hlo)),
   )
 

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 
-import jax
 import pytest
 
 from kernels import tpu_targets
@@ -111,7 +110,7 @@ def test_decode_step_updates_the_pool_in_place():
   prefetch again (1.37x: XLA bills the prefetched MLP weight ~5 times over; the real chunk, also
   compiled here, prefetches nothing, which is the account's premise). ~20 s of compiles."""
   from kernels import backend
-  from rl import configlib, decode_bytes, programs
+  from rl import configlib, decode_bytes
   from rl.config import GRPOConfig
   from rl.model import preset
 
@@ -120,11 +119,9 @@ def test_decode_step_updates_the_pool_in_place():
   with backend.use_target("tpu", interpret=False, generation="v6e"):
     device = backend.tpu_devices("v6e")[0]
     account = decode_bytes.decode_account(cfg.rollout, model_cfg, device)
-    fn, args = programs.engine_decode_program(cfg.rollout, model_cfg)  # all 28 layers, scanned
-    one = jax.sharding.SingleDeviceSharding(device)
-    args = programs.placed(args[:3], one) + args[3:5] + programs.placed(args[5:], one)
+    fn, args = decode_bytes.chunk_on(device, cfg.rollout, model_cfg)  # all 28 layers, scanned
     chunk = fn.trace(*args).lower().compile().as_text()
-  assert "cross_program_prefetch_index" not in chunk
+  assert decode_bytes.PREFETCH not in chunk
   assert account["decode_kernel_kv_bytes_per_step"] > 0  # the Pallas kernel, not the XLA gather
   assert account["decode_layer_xla_bytes"] < account["decode_layer_xla_bytes_prefetched"]
   assert account["decode_ratio"] <= 1.3, account
