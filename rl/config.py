@@ -34,6 +34,15 @@ __all__ += ["AGENT_ONLY", "TRAIN_ONLY", "GRPOConfig", "TrainSection", "check_ent
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
+  """The run's configuration tree: one section per concern, each checked when it is built.
+
+  Across sections, checked before anything compiles: a group fits the rollout engine
+  (``sampling.group_size <= rollout.max_slots``, and the paged pool holds a group of the longest
+  prompt), ``sampling.max_new_tokens < rollout.max_seq_len``, some reward weight is not 0, and the
+  micro-batches divide the step's sequences (``grad_accum_steps``, ``sft_accum_steps``). Keys read by
+  one entry point only (``AGENT_ONLY``, ``TRAIN_ONLY``) are an error under the other
+  (``check_entry``)."""
+
   model: ModelSection = ModelSection()  # noqa: RUF009 (frozen)
   data: DataSection = DataSection()  # noqa: RUF009 (frozen)
   rollout: EngineConfig = EngineConfig(max_seq_len=256, max_slots=64, page_size=16)  # noqa: RUF009 (frozen)

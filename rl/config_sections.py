@@ -1,16 +1,17 @@
 """The sections of the run's configuration tree other than `train` (rl.config_train) and the tree
 itself (rl.config.GRPOConfig): model, data, reward, sampling, env, eval, mesh, run, dist. Each is a
-frozen dataclass whose `__post_init__` range-checks its fields (rl.configlib.check_range), naming the
-key, the allowed range and the value.
+frozen dataclass whose `__post_init__` range-checks its fields from its `RANGES` table
+(rl.configlib.check_ranges), naming the key, the allowed range and the value; `CHOICES` and `RULES`
+hold the other fields' allowed values. The configuration reference in docs/ prints these tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kernels.tpu_targets import Slice
-from rl.configlib import check_range
+from rl.configlib import Bound, Range, check_ranges
 from rl.data.synthetic import LEVELS
 from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
 from rl.prompts import TEMPLATES
@@ -21,23 +22,29 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
+  """The policy model: a preset (random weights, the embedded tokenizer) or a local checkpoint."""
+
   preset: str = "tiny"  # rl.model presets; ignored when `checkpoint` is set
   checkpoint: str | None = None  # a local HF directory (config.json + *.safetensors)
   tokenizer: str | None = (
     None  # a directory with tokenizer.json; None: the checkpoint's, else embedded
   )
   dtype: str = "float32"  # compute dtype
-  param_dtype: str = "float32"
+  param_dtype: str = "float32"  # the stored parameters' dtype
+
+  CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": DTYPES, "param_dtype": DTYPES}
 
   def __post_init__(self):
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
+    for name, allowed in self.CHOICES.items():
+      if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-  dataset: Literal["synthetic", "gsm8k"] = "synthetic"
+  """The prompts: synthetic arithmetic problems (embedded, no download) or GSM8K files."""
+
+  dataset: Literal["synthetic", "gsm8k"] = "synthetic"  # the problem source
   # gsm8k: a directory with train.jsonl / test.jsonl (None: rl.data.gsm8k.DEFAULT_DIRS, the first found)
   path: str | None = None
   template: str = "compact"  # rl.prompts.TEMPLATES
@@ -45,32 +52,45 @@ class DataSection:
   eval_limit: int | None = None  # eval_full on the first N test examples (None: the whole split)
   synthetic_levels: tuple[int, ...] = (1, 2)  # rl.data.synthetic difficulty levels
   synthetic_train: int = 5000  # synthetic examples per split (drawn with different seeds)
-  synthetic_test: int = 200
+  synthetic_test: int = 200  # synthetic test examples (eval_full's split)
+
+  RANGES: ClassVar[dict[str, Range]] = {
+    "train_limit": Range(ge=1, optional=True),
+    "eval_limit": Range(ge=1, optional=True),
+    "synthetic_train": Range(ge=1),
+    "synthetic_test": Range(ge=1),
+  }
+
+  CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"template": tuple(sorted(TEMPLATES))}
+  RULES: ClassVar[dict[str, str]] = {
+    "synthetic_levels": f"a non-empty list of levels from {list(LEVELS)}"
+  }
 
   def __post_init__(self):
-    for name in ("train_limit", "eval_limit"):
-      check_range(f"data.{name}", getattr(self, name), ge=1, optional=True)
-    for name in ("synthetic_train", "synthetic_test"):
-      check_range(f"data.{name}", getattr(self, name), ge=1)
+    check_ranges(self, "data")
     if not self.synthetic_levels or not set(self.synthetic_levels) <= set(LEVELS):
       raise ValueError(
-        f"data.synthetic_levels must be a non-empty list of levels from {list(LEVELS)}, got "
+        f"data.synthetic_levels must be {self.RULES['synthetic_levels']}, got "
         f"{list(self.synthetic_levels)}"
       )
-    if self.template not in TEMPLATES:
-      raise ValueError(f"data.template must be one of {sorted(TEMPLATES)}, got {self.template!r}")
+    if self.template not in self.CHOICES["template"]:
+      raise ValueError(
+        f"data.template must be one of {list(self.CHOICES['template'])}, got {self.template!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
   """Weights of the reward functions (rl.rewards.REWARD_FNS); the total is the weighted sum."""
 
-  correct: float = 1.0
-  format: float = 0.1
+  correct: float = 1.0  # the final answer equals the reference answer (rl.rewards)
+  format: float = 0.1  # the completion follows the prompt template's answer format
+
+  # a negative weight would train towards wrong answers
+  RANGES: ClassVar[dict[str, Range]] = {"correct": Range(ge=0), "format": Range(ge=0)}
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # a negative weight would train towards wrong answers
-      check_range(f"reward.{field.name}", getattr(self, field.name), ge=0)
+    check_ranges(self, "reward")
 
   def weights(self) -> dict[str, float]:
     return {k: v for k, v in dataclasses.asdict(self).items() if v != 0.0}
@@ -78,22 +98,24 @@ class RewardSection:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSection:
+  """How the rollout samples: the GRPO group size, temperature, top-k / top-p, completion length."""
+
   group_size: int = 8  # completions per prompt (the GRPO group)
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  max_new_tokens: int = 64
+  temperature: float = 1.0  # training rollouts sample; the trainer's logits are scaled by it too
+  top_k: int = 0  # sample among the k most likely tokens; 0: off
+  top_p: float = 1.0  # nucleus sampling; 1: off
+  max_new_tokens: int = 64  # completion length limit (and dr_grpo's divisor)
+
+  RANGES: ClassVar[dict[str, Range]] = {
+    "group_size": Range(ge=2),  # advantages compare samples of a prompt
+    "temperature": Range(gt=0),
+    "top_k": Range(ge=0),
+    "top_p": Range(gt=0, le=1),
+    "max_new_tokens": Range(ge=1),
+  }
 
   def __post_init__(self):
-    if self.group_size < 2:
-      raise ValueError(
-        "sampling.group_size must be >= 2 (advantages compare samples of a prompt), got "
-        f"{self.group_size}"
-      )
-    check_range("sampling.temperature", self.temperature, gt=0)  # training rollouts sample
-    check_range("sampling.top_k", self.top_k, ge=0)  # 0: off
-    check_range("sampling.top_p", self.top_p, gt=0, le=1)  # 1: off
-    check_range("sampling.max_new_tokens", self.max_new_tokens, ge=1)
+    check_ranges(self, "sampling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,21 +124,28 @@ class EnvSection:
   environment on the `data` problems; grid: the seeded frozen lake. Each reply has at most
   sampling.max_new_tokens tokens; an episode at most rollout.max_seq_len tokens."""
 
-  name: Literal["calc", "grid"] = "calc"
-  max_turns: int = 3
-  grid_size: int = 4
-  grid_holes: int = 3
-  grid_min_distance: int = 2
-  # words: the goal's offset and the moves to avoid; safe: the goal's offset and the safe moves
+  name: Literal["calc", "grid"] = "calc"  # the environment
+  max_turns: int = 3  # model replies per episode
+  grid_size: int = 4  # grid: the board's side
+  grid_holes: int = 3  # grid: holes on the board (an episode ends in one)
+  grid_min_distance: int = 2  # grid: the least Manhattan distance from start to goal
+  # board: the board as text; words: the goal's offset and the moves to avoid; safe: the goal's
+  # offset and the safe moves
   grid_observation: Literal["board", "words", "safe"] = "board"
+
+  RANGES: ClassVar[dict[str, Range]] = {
+    "max_turns": Range(ge=1),
+    "grid_size": Range(ge=2, le=16),
+    "grid_holes": Range(ge=0, le=Bound("grid_size**2 - 3", lambda s: s.grid_size**2 - 3)),
+    "grid_min_distance": Range(
+      ge=1, le=Bound("2 * (grid_size - 1)", lambda s: 2 * (s.grid_size - 1))
+    ),
+  }
 
   def __post_init__(self):
     if self.name not in ("calc", "grid"):
       raise ValueError(f"env.name must be calc or grid, got {self.name!r}")
-    check_range("env.max_turns", self.max_turns, ge=1)
-    check_range("env.grid_size", self.grid_size, ge=2, le=16)
-    check_range("env.grid_holes", self.grid_holes, ge=0, le=self.grid_size**2 - 3)
-    check_range("env.grid_min_distance", self.grid_min_distance, ge=1, le=2 * (self.grid_size - 1))
+    check_ranges(self, "env")
     if self.grid_observation not in GRID_OBSERVATIONS:
       raise ValueError(
         f"env.grid_observation must be one of {', '.join(GRID_OBSERVATIONS)}, "
@@ -126,15 +155,21 @@ class EnvSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
+  """Evaluations during and after the run: sampled evals on a batch, eval_full on the test split."""
+
   every: int = 0  # steps between sampled evals (0: off)
   batch: int = 32  # prompts in a sampled eval
   full_every: int = 0  # steps between eval_full runs (0: only at the end, if full_at_end)
-  full_at_end: bool = True
+  full_at_end: bool = True  # eval_full (greedy, the whole test split) after the last step
+
+  RANGES: ClassVar[dict[str, Range]] = {
+    "every": Range(ge=0),
+    "batch": Range(ge=1),
+    "full_every": Range(ge=0),
+  }
 
   def __post_init__(self):
-    for name in ("every", "full_every"):
-      check_range(f"eval.{name}", getattr(self, name), ge=0)  # 0: off
-    check_range("eval.batch", self.batch, ge=1)
+    check_ranges(self, "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,16 +178,19 @@ class MeshSection:
   `topology`: the TPU slice the config is written for, as users rent it ("v6e-8", "v4-16"; parsed by
   kernels.tpu_targets.Slice.parse): --check compiles the run's programs for its devices."""
 
-  dp: int = 1
-  fsdp: int = -1
-  tp: int = 1
-  topology: str | None = None
+  dp: int = 1  # data parallel: replicas, each a slice of the batch
+  fsdp: int = -1  # fully sharded data parallel: the batch and the parameters split
+  tp: int = 1  # tensor parallel: heads and vocabulary split
+  topology: str | None = None  # the TPU slice the config is written for ("v6e-8"); null: none
+
+  AXIS = "positive, with at most one -1"  # the rule of dp / fsdp / tp, as checked below
+  RULES: ClassVar[dict[str, str]] = dict.fromkeys(("dp", "fsdp", "tp"), AXIS)
 
   def __post_init__(self):
     sizes = (self.dp, self.fsdp, self.tp)
     if any(v == 0 or v < -1 for v in sizes) or sizes.count(-1) > 1:
       raise ValueError(
-        f"mesh.dp, mesh.fsdp and mesh.tp must be positive, with at most one -1; got dp={self.dp} "
+        f"mesh.dp, mesh.fsdp and mesh.tp must be {self.AXIS}; got dp={self.dp} "
         f"fsdp={self.fsdp} tp={self.tp}"
       )
     if self.topology is not None:
@@ -183,13 +221,15 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunSection:
-  out_dir: str = "runs/default"
-  checkpoint_every: int = 0  # 0: only at the end
+  """Where the run writes and what it records: checkpoints, metrics, TensorBoard, W&B, profiles."""
+
+  out_dir: str = "runs/default"  # metrics, checkpoints, the resolved config
+  checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
   resume: bool = (
     False  # continue from the newest checkpoint in out_dir (a fresh start if there is none)
   )
-  log_every: int = 1
-  tensorboard: bool = True
+  log_every: int = 1  # steps between metric lines (metrics.jsonl, console, sinks)
+  tensorboard: bool = True  # TensorBoard scalars under <out_dir>/tb
   progress: bool = True  # a progress bar on the console (process 0)
   host_devices: int | None = None  # simulate this many CPU devices (set before jax starts)
   profile_steps: int = (
@@ -198,11 +238,15 @@ class RunSection:
   profile_dir: str | None = None  # default: profiles/<basename of out_dir>
   wandb: WandbConfig = WandbConfig()  # noqa: RUF009 (frozen) W&B as a metric sink (rl.wandb_sink)
 
+  RANGES: ClassVar[dict[str, Range]] = {
+    "checkpoint_every": Range(ge=0),
+    "log_every": Range(ge=1),
+    "host_devices": Range(ge=1, optional=True),
+    "profile_steps": Range(ge=0),
+  }
+
   def __post_init__(self):
-    check_range("run.checkpoint_every", self.checkpoint_every, ge=0)
-    check_range("run.profile_steps", self.profile_steps, ge=0)
-    check_range("run.log_every", self.log_every, ge=1)
-    check_range("run.host_devices", self.host_devices, ge=1, optional=True)
+    check_ranges(self, "run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,16 +254,24 @@ class DistributedSection:
   """Multi-process runs: `initialize=true` calls jax.distributed.initialize (null fields: detected from
   the cluster environment, as on TPU pods and SLURM). Every process runs the same command."""
 
-  initialize: bool = False
+  initialize: bool = False  # call jax.distributed.initialize before anything else
   coordinator_address: str | None = None  # "host:port" of process 0
-  num_processes: int | None = None
-  process_id: int | None = None
+  num_processes: int | None = None  # processes in the run
+  process_id: int | None = None  # this process's index
   cpu_collectives: Literal["gloo", "mpi", "megascale"] = (
     "gloo"  # CPU cross-process collectives (tests run 2 local processes on CPU)
   )
 
+  RANGES: ClassVar[dict[str, Range]] = {
+    "num_processes": Range(ge=1, optional=True),
+    "process_id": Range(
+      ge=0,
+      lt=Bound(
+        "num_processes", lambda s: s.num_processes if s.num_processes is not None else 2**31
+      ),
+      optional=True,
+    ),
+  }
+
   def __post_init__(self):
-    check_range("dist.num_processes", self.num_processes, ge=1, optional=True)
-    if self.process_id is not None:
-      limit = self.num_processes if self.num_processes is not None else 2**31
-      check_range("dist.process_id", self.process_id, ge=0, lt=limit)
+    check_ranges(self, "dist")

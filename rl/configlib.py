@@ -39,8 +39,6 @@ def check_range(
   given bounds (or None, when `optional`). The one range check every config section uses."""
   if value is None and optional:
     return
-  low = "" if gt is None and ge is None else f"{gt if gt is not None else ge}"
-  high = "" if lt is None and le is None else f"{lt if lt is not None else le}"
   ok = (
     isinstance(value, (int, float))
     and not isinstance(value, bool)
@@ -52,15 +50,63 @@ def check_range(
   )
   if ok:
     return
-  if low and high:
-    allowed = f"in {'(' if gt is not None else '['}{low}, {high}{')' if lt is not None else ']'}"
-  else:
-    allowed = ("finite and " if isinstance(value, float) else "") + (
-      f"{'>' if gt is not None else '>='} {low}"
-      if low
-      else f"{'<' if lt is not None else '<='} {high}"
-    )
+  allowed = describe_bounds(gt=gt, ge=ge, lt=lt, le=le)
+  if not allowed.startswith("in ") and isinstance(value, float):
+    allowed = "finite and " + allowed
   raise ValueError(f"{key} must be {allowed}{' (or null)' if optional else ''}, got {value!r}")
+
+
+def describe_bounds(*, gt=None, ge=None, lt=None, le=None) -> str:
+  """The allowed range in words, as `check_range`'s messages and the configuration reference give
+  it: "in [0, 1)", "> 0", ">= 1", "<= 2"."""
+  low = "" if gt is None and ge is None else f"{gt if gt is not None else ge}"
+  high = "" if lt is None and le is None else f"{lt if lt is not None else le}"
+  if low and high:
+    return f"in {'(' if gt is not None else '['}{low}, {high}{')' if lt is not None else ']'}"
+  if low:
+    return f"{'>' if gt is not None else '>='} {low}"
+  return f"{'<' if lt is not None else '<='} {high}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """A bound that depends on the section's other fields: `text` for the reference, `of(section)`
+  for the check (e.g. ``Bound("grid_size**2 - 3", lambda s: s.grid_size**2 - 3)``)."""
+
+  text: str
+  of: typing.Callable[[Any], float]
+
+  def __str__(self) -> str:
+    return self.text
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The allowed values of one numeric config field: `check_range`'s bounds, optionally null. Each
+  section lists its fields' ranges in one table, `RANGES`, which its `__post_init__` checks
+  (`check_ranges`) and the configuration reference prints: one source for both."""
+
+  gt: float | Bound | None = None
+  ge: float | Bound | None = None
+  lt: float | Bound | None = None
+  le: float | Bound | None = None
+  optional: bool = False
+
+  def bounds(self, section=None) -> dict[str, Any]:
+    value = lambda b: b.of(section) if isinstance(b, Bound) and section is not None else b
+    return {k: value(getattr(self, k)) for k in ("gt", "ge", "lt", "le")}
+
+  def describe(self) -> str:
+    return describe_bounds(**self.bounds()) + (" or null" if self.optional else "")
+
+  def check(self, key: str, value, section) -> None:
+    check_range(key, value, optional=self.optional, **self.bounds(section))
+
+
+def check_ranges(section, prefix: str) -> None:
+  """Checks every field of `section` listed in its `RANGES` table, naming `prefix.field`."""
+  for name, allowed in type(section).RANGES.items():
+    allowed.check(f"{prefix}.{name}", getattr(section, name), section)
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, path: str = "") -> T:

@@ -14,7 +14,7 @@ class WandbConfig:
   """mode: disabled (no W&B, wandb not imported), offline (files under <run.out_dir>/wandb/, no
   network, no key; `wandb sync` uploads them later) or online (needs a W&B login or WANDB_API_KEY)."""
 
-  project: str = "grpo-kernels"
+  project: str = "grpo-kernels"  # the W&B project the run is logged to
   name: str | None = None  # the W&B run's display name; None: the basename of run.out_dir
   mode: Literal["disabled", "offline", "online"] = "disabled"
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
 from kernels.paged_attention import IMPLS as ATTN_IMPLS
+from rl.configlib import Range, check_ranges
 from rl.rollout.paged_cache import group_pages
 
 BACKENDS = ("paged", "dense", "sglang_jax")
@@ -53,12 +55,24 @@ class EngineConfig:
   sglang_mem_fraction: float | None = None
   matmul_precision: str | None = None
 
+  RANGES: ClassVar[dict[str, Range]] = {
+    "max_seq_len": Range(ge=1),
+    "max_slots": Range(ge=1),
+    "page_size": Range(ge=1),
+    "steps_per_sync": Range(ge=1),
+    "sglang_mem_fraction": Range(gt=0, le=1, optional=True),
+  }
+  # the values the string fields take (None is allowed where the default is None)
+  CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+    "backend": BACKENDS,
+    "attn_impl": ATTN_IMPLS,
+    "matmul_precision": MATMUL_PRECISIONS,
+  }
+
   def __post_init__(self):
     if self.backend not in BACKENDS:
       raise ValueError(f"rollout backend must be one of {BACKENDS}, got {self.backend!r}")
-    for name in ("max_seq_len", "max_slots", "page_size", "steps_per_sync"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    check_ranges(self, "EngineConfig")
     if self.attn_impl not in ATTN_IMPLS:
       raise ValueError(
         f"EngineConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}"
@@ -75,10 +89,6 @@ class EngineConfig:
         raise ValueError(
           f"EngineConfig.cache_dtype must be None or a dtype name, got {self.cache_dtype!r}"
         ) from e
-    if self.sglang_mem_fraction is not None and not 0.0 < self.sglang_mem_fraction <= 1.0:
-      raise ValueError(
-        f"EngineConfig.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}"
-      )
     if self.num_pages is not None and self.num_pages - 1 < self.pages_per_seq:
       raise ValueError(
         f"num_pages={self.num_pages} cannot hold one sequence of max_seq_len="
