@@ -1,7 +1,8 @@
 """Sessions: ``nox -s tests`` (what CI runs), ``nox -s lint`` (ruff format + check, also in CI),
 ``nox -s bench`` (the main job), ``nox -s lower``, ``nox -s train`` (the GRPO loop on the embedded
 default), ``nox -s parity`` (end-to-end parity of the loop's xla and pallas losses over seeds),
-``nox -s profile`` (captured traces and their summaries), ``nox -s tensorboard -- <logdir>`` (a training
+``nox -s profile`` (captured traces and their summaries), ``nox -s docs`` (the manual, built strictly
+with its examples run), ``nox -s tensorboard -- <logdir>`` (a training
 run's scalars or a captured profile), ``nox -s sglang`` (the sglang-jax rollout backend's tests and its
 throughput vs our engines, Python 3.12), ``nox -s tpu_compile`` (every TPU kernel through libtpu's
 compiler for each generation, alone and sharded; its own environment with jax[tpu]).
@@ -97,6 +98,16 @@ def lower(session: nox.Session):
 def train(session: nox.Session):
   """The GRPO loop on the embedded default (CPU, minutes): SFT warm-up, GRPO, eval_full. Overrides after --."""
   in_dev(session, "-m", "rl.train", "--config", "configs/cpu-default.yaml", *session.posargs)
+
+
+@nox.session(**SHARED)
+def docs(session: nox.Session):
+  """The manual (docs/): Sphinx + MyST, strict (-W: a broken reference, an orphan page, a dead link, an
+  undocumented public name or a failing example fails it), into docs/_build/html. Adds the docs extra
+  to .nox/dev. Sphinx arguments after --, e.g. -- -b linkcheck."""
+  in_dev(session, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e", ".[docs]")
+  args = session.posargs or ["-b", "html", "docs", "docs/_build/html"]
+  in_dev(session, "-m", "sphinx", "-W", "--keep-going", *args)
 
 
 @nox.session(**SHARED)

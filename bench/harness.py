@@ -10,9 +10,23 @@ from typing import Any
 
 import jax
 
+__all__ = [
+  "Memory",
+  "Timing",
+  "compile_fn",
+  "device_memory_limit",
+  "device_parity",
+  "memory_of",
+  "output_bytes",
+  "time_compiled",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
+  """A timed executable's repeats: median, min, max and interquartile range (seconds), the repeat
+  count and the compile time."""
+
   median_s: float
   min_s: float
   max_s: float
@@ -48,6 +62,8 @@ def compile_fn(fn: Callable, args: tuple, donate_argnums=()) -> tuple[Any, float
 
 
 def memory_of(compiled) -> Memory:
+  """XLA's memory analysis of a compiled executable (temp, argument, output, alias bytes); None
+  fields where the backend does not implement it."""
   try:
     m = compiled.memory_analysis()
   except Exception:  # some backends do not implement it
@@ -154,4 +170,5 @@ def device_memory_limit(device=None) -> int | None:
 
 
 def output_bytes(mem: Memory) -> int:
+  """The executable's output bytes (0 where unknown)."""
   return mem.output_bytes or 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pathlib
 import subprocess
 
+__all__ = ["git_commit"]
+
 
 def git_commit() -> str | None:
   """HEAD's sha, with "-dirty" when the tree has uncommitted changes; None outside a git checkout."""

@@ -12,6 +12,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["FLOOR_FACTOR", "TABLE", "assert_close", "parity_error", "tolerance"]
+
 F32_EPS = float(np.finfo(np.float32).eps)
 
 # quantity -> (rtol in ulps of the compared dtype, atol in ulps of it, acc: f32 eps per sqrt(len))

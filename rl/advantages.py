@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+__all__ = ["advantage_stats", "group_advantages"]
+
 
 def group_advantages(
   rewards,  # [G * n] f32, the n samples of each prompt contiguous

@@ -53,6 +53,7 @@ def make_run(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+  """The multi-turn run (config errors raise ConfigError); `cli` is the command line's wrapper."""
   args = command.arg_parser("python -m rl.agent", __doc__).parse_intermixed_args(argv)
   if args.check:
     return command.run_check(args, "rl.agent")
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
+  """`main` for the command line (rl.train.cli: a config error is its message and exit status 2)."""
   return command.run_cli(argv, main, "python -m rl.agent")
 
 

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+__all__ = ["CheckpointError", "Checkpointer"]
+
 
 class CheckpointError(RuntimeError):
   """No checkpoint restores, or a state that must not be saved (non-finite weights)."""

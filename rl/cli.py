@@ -21,6 +21,8 @@ from rl.update import NonFiniteError
 
 
 def arg_parser(prog: str = "python -m rl.train", doc: str = "") -> argparse.ArgumentParser:
+  """The command line of `python -m rl.train` and `python -m rl.agent`: --config, overrides,
+  --resume, --check and the platform flags."""
   ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
   ap.add_argument(
     "--config", help="a YAML config (configs/*.yaml); defaults apply to what it omits"
@@ -71,6 +73,8 @@ def target_platform(args: argparse.Namespace):
 
 
 def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
+  """The checked GRPOConfig of parsed arguments (the file, then the overrides); with `entry`, keys
+  that entry point does not read are an error (rl.config.check_entry)."""
   raw = configlib.read(args.config, args.overrides)
   if entry is not None:
     try:

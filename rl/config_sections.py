@@ -17,6 +17,19 @@ from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
 from rl.prompts import TEMPLATES
 from rl.wandb_config import WandbConfig
 
+__all__ = [
+  "DTYPES",
+  "DataSection",
+  "DistributedSection",
+  "EnvSection",
+  "EvalSection",
+  "MeshSection",
+  "ModelSection",
+  "RewardSection",
+  "RunSection",
+  "SamplingSection",
+]
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 

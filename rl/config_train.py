@@ -10,6 +10,8 @@ from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES
 from rl.configlib import Range, check_ranges
 from rl.model.qwen import REMAT
 
+__all__ = ["IsMode", "TrainSection"]
+
 IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 

@@ -17,6 +17,24 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+__all__ = [
+  "Bound",
+  "ConfigError",
+  "Range",
+  "apply_overrides",
+  "build",
+  "check_range",
+  "check_ranges",
+  "describe_bounds",
+  "dump",
+  "from_dict",
+  "given_keys",
+  "load",
+  "read",
+  "read_json_object",
+  "to_dict",
+]
+
 T = TypeVar("T")
 
 
@@ -261,6 +279,7 @@ def read(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -
 
 
 def dump(obj, path: str | os.PathLike) -> None:
+  """Writes `obj` (a config tree) to `path` as YAML, in `from_dict`'s form: what a run saves."""
   with open(path, "w") as f:
     yaml.safe_dump(to_dict(obj), f, sort_keys=False)
 

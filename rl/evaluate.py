@@ -18,6 +18,8 @@ from rl import rewards, sharding
 from rl.data import Example
 from rl.rollout import RolloutEngine, SamplingParams
 
+__all__ = ["accuracy_change", "before_after_table", "binomial_se", "evaluate", "process_slice"]
+
 
 def process_slice(n: int) -> slice:
   """This process's contiguous share of `n` items (the first `n % processes` processes take one more)."""

@@ -16,6 +16,16 @@ from collections.abc import Mapping
 
 import jax
 
+__all__ = [
+  "CompileWatch",
+  "MetricsWriter",
+  "StepAverage",
+  "StepTimer",
+  "profiler_options",
+  "read_metrics",
+  "step_time_metrics",
+]
+
 JSONL = "metrics.jsonl"
 
 

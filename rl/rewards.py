@@ -9,6 +9,16 @@ import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 
+__all__ = [
+  "REWARD_FNS",
+  "correctness_reward",
+  "extract_answer",
+  "format_reward",
+  "normalize_number",
+  "parse_number",
+  "score",
+]
+
 # One number: optional sign (ASCII or unicode minus; not after a word, as in "5-3") and $, thousands
 # groups or plain digits, decimals, or a fraction a/b.
 _NUMBER = re.compile(

@@ -51,6 +51,9 @@ WIDTH_ALIGN = 32
 
 
 def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
+  """The run's (train, test) examples: `data.dataset`'s files or the synthetic problems, limited by
+  `data.train_limit` / `data.eval_limit`; a missing or unreadable file is a ConfigError naming
+  `data.path`."""
   data_cfg = cfg.data
   if data_cfg.dataset == "gsm8k":
     with reading("data.path", data_cfg.path):
@@ -107,6 +110,7 @@ def learning_rate_schedule(train_cfg: TrainSection, learning_rate: float, steps:
 
 
 def round_up(n: int, m: int) -> int:
+  """`n` rounded up to a multiple of `m`."""
   return -(-n // m) * m
 
 

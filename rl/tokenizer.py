@@ -11,6 +11,8 @@ from typing import Protocol
 
 from rl.configlib import read_json_object
 
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "chatml", "load_tokenizer"]
+
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
 

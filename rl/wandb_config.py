@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+__all__ = ["MODES", "WandbConfig"]
+
 MODES = ("disabled", "offline", "online")
 
 

@@ -9,6 +9,7 @@ def gather_pages(
   pages,  # [Hkv, P, page_size, D]
   page_indices,  # [B, pages_per_seq] int32
 ):  # -> [B, Hkv, pages_per_seq * page_size, D]
+  """Each sequence's pages, in page-table order, as one dense context per kv head."""
   hkv, _, page_size, d = pages.shape
   b, n = page_indices.shape
   dense = pages[:, page_indices]  # [Hkv, B, n, page_size, D]

@@ -50,6 +50,10 @@ def best_move(size: int, holes: frozenset, start: tuple, goal: tuple) -> str | N
 
 
 class GridEnv:
+  """The seeded frozen lake: a `size` x `size` board with `holes` holes, the start at least
+  `min_distance` moves from the goal; the model answers with a move per turn, at most `max_turns`
+  turns. `observation` is how a turn shows the board (rl.config's env.grid_observation)."""
+
   def __init__(
     self,
     size: int = 4,

@@ -11,6 +11,8 @@ from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.configlib import Range, check_ranges
 from rl.rollout.paged_cache import group_pages
 
+__all__ = ["BACKENDS", "MATMUL_PRECISIONS", "EngineConfig"]
+
 BACKENDS = ("paged", "dense", "sglang_jax")
 # the names jax.default_matmul_precision accepts
 MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
