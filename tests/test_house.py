@@ -1,4 +1,4 @@
-"""The house rules the README promises, checked on the source: functions under ~80 lines, modules under
+"""The house rules docs/development.md states, checked on the source: functions under ~80 lines, modules under
 ~400, no import circles in kernels/, rl/ and bench/ (a circle counts function-local imports too: they
 only hide it from the interpreter, not from a reader)."""
 

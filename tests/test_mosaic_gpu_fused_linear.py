@@ -245,12 +245,12 @@ def test_bench_times_the_stored_columns_beside_the_plain_path():
 
 
 def test_backward_options_model():
-  """The docstring's verdict, recomputed at N 16384, H 2048, V 151936 (README "fused" section):
+  """The docstring's verdict, recomputed at N 16384, H 2048, V 151936 (docs/fused_linear.md):
   the built decomposition (a) does 8 N·H·V, so even at the top of the measured matmul ceiling with
   every byte hidden it credits < 600 TF/s on 6 N·H·V; (b) and (c) are slower still; the 6 N·H·V
   stored-exp option (e) beats 600 TF/s only with the temp target dropped; (f), the built stored
   columns, passes 600 only at the top of the measured ceiling. Catches a model edit that silently
-  flips the verdict the README states."""
+  flips the verdict the docs state."""
   n, h, v = 16384, 2048, 151936
   o = ev.backward_options(n, h, v)
   nhv = n * h * v

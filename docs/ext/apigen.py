@@ -87,7 +87,8 @@ def kind_of(obj) -> str:
 
 def _home(entries: list[Public]) -> Public:
   """Where a name public in several modules is documented: where it is defined, else the public
-  module sharing the longest prefix with its defining module, else the first listing."""
+  module sharing the longest prefix with its defining module (the shorter on a tie: the package that
+  re-exports it), else the first listing."""
   first = entries[0]
   defined = getattr(first.obj, "__module__", None) if first.kind in ("class", "function") else None
   if defined:
@@ -99,7 +100,7 @@ def _home(entries: list[Public]) -> Public:
       a, b = e.module.split("."), defined.split(".")
       return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-    return max(entries, key=lambda e: (shared(e), len(e.module)))
+    return max(entries, key=lambda e: (shared(e), -len(e.module)))  # ties: the re-exporting package
   return first
 
 

@@ -209,11 +209,21 @@ def check(root: pathlib.Path, only: list[pathlib.Path] | None = None) -> Report:
   return Report(ran, skipped, text, failures, time.monotonic() - start)
 
 
+def start_check(app) -> None:
+  """Starts the examples in a thread when the build starts: they run in subprocesses, beside
+  Sphinx reading the pages (one core each on a 2-core machine), and are collected after it."""
+  import concurrent.futures
+
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  app.grpo_examples = pool.submit(check, pathlib.Path(app.srcdir).parent)
+  pool.shutdown(wait=False)
+
+
 def sphinx_check(app, env) -> None:
   from sphinx.util import logging
 
   log = logging.getLogger(__name__)
-  report = check(pathlib.Path(app.srcdir).parent)
+  report = app.grpo_examples.result()
   for line in report.lines():
     log.info(line)
   for block, err in report.failures:
@@ -221,6 +231,7 @@ def sphinx_check(app, env) -> None:
 
 
 def setup(app):
+  app.connect("builder-inited", start_check)
   app.connect("env-check-consistency", sphinx_check)
   return {"parallel_read_safe": True}
 

@@ -106,7 +106,7 @@ def _import_engine():
   except ImportError as e:
     raise ImportError(
       "rollout.backend=sglang_jax needs sglang-jax (Python >= 3.12): "
-      "pip install -e '.[sglang]' (see the README's sglang-jax section)"
+      "pip install -e '.[sglang]' (see docs/rollout.md, the sglang_jax backend)"
     ) from e
   return Engine
 

@@ -1,5 +1,5 @@
 """`python -m bench` end to end at the harness's tiny size: one report directory with every field the
-README promises, the plots, a failed row for a wrong kernel, and a readable profile."""
+manual promises (docs/benchmarks.md), the plots, a failed row for a wrong kernel, and a readable profile."""
 
 import dataclasses
 import json

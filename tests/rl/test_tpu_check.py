@@ -50,7 +50,7 @@ def _data_override() -> list[str]:
 
 
 def test_check_command_line_on_a_slice(monkeypatch, tmp_path):
-  """The README's command on the 1.5B config's twin: every program compiles for v6e-4, the figures
+  """The documented command (docs/tpu.md) on the 1.5B config's twin: every program compiles for v6e-4, the figures
   (the decode step's bytes included) reach --json, and the run fits the generation's HBM."""
   from rl import train
 
