@@ -51,7 +51,9 @@ autodoc_typehints = "signature"
 autodoc_default_options = {"exclude-members": "__init__, __new__, __post_init__"}
 
 html_theme = "furo"
-html_title = f"{project} {version} ({commit})"
+_short = commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
+html_title = f"{project} {version} ({_short})"
+smartquotes = False  # `--check` and "quotes" in docstrings and help texts stay as typed
 html_static_path: list[str] = []
 html_show_sourcelink = False
 
