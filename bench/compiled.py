@@ -12,10 +12,14 @@ of the slice, it compiles the kernel and its pure-JAX reference and records
   bytes, ``optimal_seconds``) — *compiled* (XLA's own model; it does not see inside Mosaic kernels);
 * each Mosaic kernel's static schedule (bundles per grid step, spill loads / stores per step:
   :mod:`bench.tpu_schedule`) — *compiled*;
-* a time per case — *modelled*: ``max(compute, memory)``, compute = the kernels' bundles at the
-  generation's clock (no stalls) plus XLA's optimal time for the program's other ops, memory = the
-  case's ideal bytes at the datasheet HBM bandwidth (traffic a kernel adds above ideal is not
-  modelled). Clock and bandwidth per generation come from :mod:`kernels.tpu_targets`.
+* a time per case — *modelled*: ``max(compute, memory, flops)``, compute = each kernel's bundles at
+  the generation's clock (no stalls) times the times the program runs it, plus XLA's optimal time for
+  the program's other ops (a loop body's matmuls added for every trip past the one XLA counts:
+  :mod:`bench.hlo_loops`), memory = the case's ideal bytes at the datasheet HBM bandwidth (traffic a
+  kernel adds above ideal is not modelled), flops = the case's flops at the bf16 peak. So a modelled
+  time is never below the case's byte or flop floor. A figure XLA's cost model gives negative or
+  not at all is shown as such and never used. Clock, bandwidth and peak per generation come from
+  :mod:`kernels.tpu_targets`.
 
 Nothing here is measured. On a TPU host, ``python -m bench --target <its generation>`` measures as
 usual and puts these modelled figures beside the measured ones (:func:`merge_modelled`).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -33,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench import tpu_schedule
+from bench import hlo_loops, tpu_schedule
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LABEL = "compiled for {gen} on a host without a TPU: compiled or modelled figures, never measured"
@@ -87,34 +92,64 @@ def compile_side(fn, specs, donate, dump: pathlib.Path | None, keep=None) -> dic
       _schedules(dump, before, None)  # drop a failed compile's partial dump
     return {"status": "failed", "error": _reason(e)}
   row = {"status": "ok", "memory": dataclasses.asdict(harness.memory_of(exe)), "cost": _cost(exe)}
+  row["loops"] = hlo_loops.read(exe.as_text()).as_dict()  # how often each kernel / loop body runs
   row["kernels"] = _schedules(dump, before, keep) if dump else []
   return row
 
 
 def model(case: dict, kernel: dict, gen) -> dict:
-  """The case's modelled time from its compiled kernel side (see the module docstring)."""
+  """The case's modelled time from its compiled kernel side (see the module docstring): never below
+  the case's byte floor (``memory_s``) nor its flop floor (``flop_s``)."""
   memory_s = case["bytes"] / gen.hbm_bw if case.get("bytes") else None
-  out = {"memory_s": memory_s, "compute_s": None, "modelled_s": None, "bound": None, "why": None,
-         "lower_bound": False}  # fmt: skip
+  flop_s = case["flops"] / gen.bf16_flops if case.get("flops") else None
+  out = {"memory_s": memory_s, "flop_s": flop_s, "compute_s": None, "modelled_s": None,
+         "bound": None, "why": None, "lower_bound": False, "notes": []}  # fmt: skip
   if kernel.get("status") != "ok":
     out["why"] = "did not compile"
     return out
-  compute = kernel.get("cost", {}).get("optimal_s", 0.0)  # the program's XLA ops
+  compute = usable_seconds(kernel.get("cost", {}).get("optimal_s"), out["notes"])
+  loops = kernel.get("loops")
+  if loops is None:
+    loops = {"kernels": {}, "uncounted_dot_flops": 0.0, "unknown": ["(HLO not read)"]}
   for k in kernel.get("kernels", []):
     sched = tpu_schedule.KernelSchedule(**{f: k[f] for f in _SCHEDULE_FIELDS if f in k})
     t = sched.modelled_seconds(gen.clock_hz)
     if t is None:
       out["why"] = f"{k['name']}: schedule not readable ({'; '.join(k['problems'])})"
       return out
-    compute += t
+    runs = loops["kernels"].get(k["name"])
+    if runs is None:  # not found in the program's HLO: once, and the compute a lower bound
+      out["notes"].append(f"{k['name']}: runs per program not read, counted once")
+      out["lower_bound"], runs = True, 1
+    compute += runs * t
     # a loop whose trip count is not a literal (a length-bounded loop) counted once per step
     out["lower_bound"] |= bool(k.get("unknown_trips"))
+  compute += loops.get("uncounted_dot_flops", 0.0) / gen.bf16_flops  # loop bodies' matmuls
+  if loops.get("unknown"):
+    out["lower_bound"] = True
+    out["notes"].append(f"loops of unread trip count counted once: {', '.join(loops['unknown'])}")
   out["compute_s"] = compute
-  out["modelled_s"] = max(compute, memory_s or 0.0)
-  out["bound"] = "memory" if memory_s and memory_s >= compute else "compute (schedule)"
+  floors = {
+    "compute (schedule)": compute,
+    "memory": memory_s or 0.0,
+    "flops at peak": flop_s or 0.0,
+  }
+  out["bound"] = max(floors, key=lambda b: floors[b])  # ties: the schedule, then memory
+  out["modelled_s"] = floors[out["bound"]]
   if out["lower_bound"]:
     out["bound"] += "; compute a lower bound: loops of unknown trip counted once"
   return out
+
+
+def usable_seconds(value, notes: list) -> float:
+  """XLA's optimal time where it is a time (finite, >= 0); else 0 and a note saying what it was."""
+  if value is None:
+    notes.append("XLA's optimal time: none given, not used")
+    return 0.0
+  if not math.isfinite(value) or value < 0:
+    notes.append(f"XLA's optimal time {value * 1e3:.3f} ms (not a time): not used")
+    return 0.0
+  return float(value)
 
 
 _SCHEDULE_FIELDS = [f.name for f in dataclasses.fields(tpu_schedule.KernelSchedule)]

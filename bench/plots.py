@@ -192,7 +192,8 @@ def modelled_chart(cases: list[dict], env: dict, path: pathlib.Path) -> pathlib.
   )  # fmt: skip
   for j, (label, color, get) in enumerate(series):
     ys = [i + (j - 1) * 0.25 for i in range(len(rows))]
-    vals = [get(r["compiled"]["model"], r["compiled"]) or 0 for r in rows]
+    # a figure that is not a time (XLA's cost model can give a negative one) is not drawn
+    vals = [max(get(r["compiled"]["model"], r["compiled"]) or 0, 0) for r in rows]
     ax.barh(ys, vals, height=0.25, color=color, label=label)
   ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=8)
   ax.invert_yaxis()

@@ -228,6 +228,13 @@ def _ms(s) -> str:
   return "-" if s is None else f"{s * 1e3:.3f} ms"
 
 
+def _xla_ms(s) -> str:
+  """XLA's optimal time as XLA gave it; one that is not a time (negative) is marked unused."""
+  if s is None or (s >= 0 and s == s):
+    return _ms(s)
+  return f"{_ms(s)} (XLA's cost model; not a time, unused)"
+
+
 def _compiled_kernel_cells(k: dict) -> tuple[str, str, str]:
   """(VMEM, bundles per step x steps, spills per step) over a side's Mosaic kernels."""
   ks = k.get("kernels") or []
@@ -248,7 +255,7 @@ def compiled_table(results) -> str:
   head = (
     "| case | kernel compiles | kernel VMEM (compiled) | bundles per grid step x grid (compiled) "
     "| spill loads / stores per step (compiled) | HBM peak kernel / reference (compiled) "
-    "| compute floor (modelled) | memory floor (modelled) | kernel time (modelled) "
+    "| kernel compute (modelled) | byte / flop floor (modelled) | kernel time (modelled) "
     "| reference: XLA bytes accessed / ideal (compiled) | reference: XLA optimal time (compiled) "
     "| measured kernel |"
   )
@@ -269,11 +276,13 @@ def compiled_table(results) -> str:
       if cost.get("bytes_accessed") and r.get("bytes") else "-"
     )  # fmt: skip
     t = _ms(m["modelled_s"]) + (f" ({m['bound']})" if m["bound"] else f" ({m['why']})")
+    t += "".join(f"; {note}" for note in m.get("notes", []))
+    floors = f"{_ms(m['memory_s'])} / {_ms(m.get('flop_s'))}"
     measured = _fmt_time(r["kernel"]["timing"]["median_s"]) if r.get("kernel") else "-"
     rows.append(
       f"| {r['name']} | {status} | {vmem} | {sched} | {spills} | {peak(k)} / {peak(ref)} "
-      f"| {_ms(m['compute_s'])} | {_ms(m['memory_s'])} | {t} | {ratio} "
-      f"| {_ms(cost.get('optimal_s'))} | {measured} |"
+      f"| {_ms(m['compute_s'])} | {floors} | {t} | {ratio} "
+      f"| {_xla_ms(cost.get('optimal_s'))} | {measured} |"
     )
   return "\n".join(rows)
 
@@ -294,9 +303,10 @@ def _render_compiled(out_dir: pathlib.Path, payload: dict, plots: bool) -> pathl
     f"{env['date']}, commit {env['git_commit']}\n\n{partial_note(payload)}"
     f"> **{env['label']}.** Compiled: what libtpu's compiler reports (compile status, memory "
     "analysis, XLA's cost model, the Mosaic kernels' static schedules). Modelled: time derived from "
-    f"them, max(bundles / clock + XLA's optimal time for the other ops, ideal bytes / HBM "
-    f"bandwidth) at {env['clock_hz'] / 1e9:.2f} GHz and {_bw(env['peaks'])} (datasheet; "
-    "kernels.tpu_targets); a stall-free schedule, so a floor, not a prediction.\n\n"
+    "them, max(each kernel's bundles / clock x its runs + XLA's optimal time for the other ops "
+    "(loop bodies' matmuls counted per trip), ideal bytes / HBM bandwidth, flops / bf16 peak) at "
+    f"{env['clock_hz'] / 1e9:.2f} GHz and {_bw(env['peaks'])} (datasheet; kernels.tpu_targets); "
+    "a stall-free schedule, so a floor, not a prediction; a negative XLA figure is not used.\n\n"
   )
   body = compiled_table(cases) + "\n\n" + sizes_section(env, cases) if cases else "(no cases)"
   figures = []

@@ -314,3 +314,43 @@ def smem_transforms(dtype, target: Target) -> tuple:
 # jax 0.10's Mosaic GPU interpreter cannot read a transposed shared-memory operand in wgmma
 # (``TransposeTransform`` has no ``indices``); jax 0.11's can. Kernels take a plain-dot path there.
 INTERPRETER_TRANSPOSED_WGMMA = JAX_VERSION >= (0, 11)
+
+
+# ----------------------------------------------------------------- the TPU interpreter's race state
+# jax's TPU interpreter (``pltpu.InterpretParams(detect_races=True)``) reports races only in a private
+# module global: ``races`` (a ``RaceDetectionState``: ``races_found``, and per simulated buffer the
+# reads and writes it saw) of this module, in jax 0.10.x and 0.11.x alike. It holds the last
+# interpreted kernel's state (each kernel call starts a fresh one).
+TPU_INTERPRET_RACES = ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "races")
+TPU_INTERPRET_RACES_JAX = ("0.10", "0.11")  # the versions it was read from
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretRaces:
+  """What the TPU interpreter saw in the last kernel it ran: whether it found a race, and which
+  simulated cores touched their own VMEM / SMEM (a core that ran no grid step touches none)."""
+
+  found: bool
+  cores: frozenset[int]
+
+
+def tpu_interpret_races() -> InterpretRaces:
+  """The last interpreted TPU kernel's race state; a RuntimeError naming the jax versions it was
+  read from when this jax keeps it elsewhere (the flag is private to jax: never silently absent)."""
+  import importlib
+
+  module, name = TPU_INTERPRET_RACES
+  mod = importlib.import_module(module)
+  if getattr(mod, name, False) is None:  # the global exists, no kernel has run in the interpreter
+    raise RuntimeError("no kernel has run in the TPU interpreter (force_tpu_interpret_mode)")
+  state = getattr(mod, name, None)
+  buffers = (getattr(state, "reads", None), getattr(state, "writes", None))
+  if not isinstance(getattr(state, "races_found", None), bool) or None in buffers:
+    raise RuntimeError(
+      f"jax {jax.__version__}: the TPU interpreter's race state is not at {module}.{name}"
+      f".races_found / .reads / .writes, where jax {' and '.join(TPU_INTERPRET_RACES_JAX)} keep "
+      "it: find where this jax keeps it and update kernels.backend.TPU_INTERPRET_RACES"
+    )
+  # a buffer key is (memory space, buffer id, device id, core id); HBM buffers are core 0's
+  cores = {k[3] for acc in buffers for k in acc if str(k[0]) in ("vmem", "smem")}
+  return InterpretRaces(state.races_found, frozenset(int(c) for c in cores))

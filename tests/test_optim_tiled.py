@@ -114,19 +114,25 @@ def test_pipelined_walk_in_tpu_interpreter_matches_reference():
   while item k is updated) in the TPU interpreter with on-wait DMAs — a copy lands only when waited
   for — over two cores: a slot refilled before its stores were waited for, an update before its
   loads, or a core split dropping an item gives wrong values here (the plain interpreter copies at
-  start and cannot tell)."""
+  start and cannot tell). Built for v4 (megacore: the parallel core axis and its compiler params,
+  as compiled), races asserted absent and both simulated cores used."""
   pltpu = backend._tpu_module()
   works, scalars = _ragged_works()
-  params = pltpu.InterpretParams(dma_execution_mode="on_wait", num_cores_or_threads=2)
+  params = pltpu.InterpretParams(
+    dma_execution_mode="on_wait", detect_races=True, num_cores_or_threads=2
+  )
   outs = pallas.multi_tensor_call(
     works,
     jnp.stack(scalars),
-    target=backend.make_target("cpu"),
+    target=backend.make_target("tpu", interpret=False, generation="v4"),
     blocks=ElementwiseBlocks(16, 256),  # ragged windows in rows and columns, ~16 items
     in_place=True,
     interpret=params,
     cores=2,
   )
+  jax.block_until_ready(outs)  # the interpreter's state is read after the kernel ran
+  races = backend.tpu_interpret_races()
+  assert not races.found and races.cores == {0, 1}
   for i, (w, out) in enumerate(zip(works, outs)):
     ref = elementwise_reference(w.body, w.inputs, w.outputs, scalars)
     for k in w.outputs:

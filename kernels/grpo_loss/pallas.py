@@ -59,7 +59,7 @@ def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, 
   """A [bn, V] row block, row group by row group (:func:`tiles.row_stats`); chosen_ref: [bn, 1] the
   rows' chosen logits, gathered outside (N elements; the training kernel reads them in-kernel)."""
   bn, v = x_ref.shape
-  sw = tiles.sweep_of(v, cfg.temperature, cfg.blocks.block_v)
+  sw = tiles.sweep_of(v, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret)
 
   def rows_body(rows, size):
     stats = tiles.row_stats(x_ref, rows, size, sw, chosen_ref[rows, :])

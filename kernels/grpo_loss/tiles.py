@@ -44,6 +44,9 @@ class Sweep:
   inv_t: float  # 1 / temperature
   per_fold: int = SLABS_PER_FOLD  # slabs one online step folds
   unroll: int = 8  # online steps per loop iteration (LossBlocks.block_v / (per_fold x lanes))
+  # the interpreter's form (:func:`sweep_of`): one slab as wide as the row, and each row's chosen
+  # column read / written by one whole-group select instead of a window per row
+  whole_rows: bool = False
 
   @property
   def full(self) -> int:
@@ -54,9 +57,17 @@ class Sweep:
     return self.width - self.full * self.lanes
 
 
-def sweep_of(width: int, temperature: float, block_v: int = 4096) -> Sweep:
+def sweep_of(width: int, temperature: float, block_v: int = 4096, interpret: bool = False) -> Sweep:
   """The sweep of [rows, width] blocks: ``block_v`` columns per loop iteration (whole folds of
-  SLABS_PER_FOLD slabs, unrolled: independent steps the scheduler interleaves)."""
+  SLABS_PER_FOLD slabs, unrolled: independent steps the scheduler interleaves).
+
+  ``interpret`` (the Pallas interpreter: a CPU target): one slab as wide as the row, no loop. The
+  slabs and their unrolling are the TPU scheduler's need; the interpreter executes every written-out
+  step one by one (a 16-row group at V = 32000 is 250 slabs: the cpu-medium training call took
+  ~42 s per call swept in slabs, ~2 s as whole rows on 2 cores). The TPU-interpreter tests
+  (tests/kernels/test_tpu_interpret.py) run the slab form."""
+  if interpret:
+    return Sweep(width, width, 1.0 / temperature, 1, 1, whole_rows=True)
   lanes = min(LANES, width)
   per_fold = min(SLABS_PER_FOLD, max(1, width // lanes))
   return Sweep(width, lanes, 1.0 / temperature, per_fold, max(1, block_v // (per_fold * lanes)))
@@ -277,6 +288,14 @@ def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g):
     block(first, _scaled(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
 
 
+def _group_ids(ids_ref, first_row, size: int, sw: Sweep):
+  """([size, 1] ids, [size, 1] whether each is in [0, V)) of a row group, from SMEM one scalar a
+  row (rows past N read the last id): the whole-row form's gather and patch select with them."""
+  last = ids_ref.shape[0] - 1
+  cols = jnp.stack([ids_ref[jnp.minimum(first_row + r, last)] for r in range(size)])[:, None]
+  return cols, (cols >= 0) & (cols < sw.width)
+
+
 def _row_windows(ids_ref, first_row, size: int, sw: Sweep, visit) -> None:
   """visit(r, c, start, ok) for each row r of a group: its id c (SMEM), the lane-aligned start of
   the [size, lanes] window holding column c (the block's last window for an id in a tail narrower
@@ -305,6 +324,13 @@ def gather_chosen(x_ref, rows, size: int, first_row, ids_ref, sw: Sweep):
   never hides). Per row: the [size, lanes] window holding the id with all but its one element
   zeroed (NaN in lane 0 when the id is out of range); the rows' windows summed pairwise (independent
   rows, no chain) and across lanes once: every other element is 0, so the sum is the element."""
+  if sw.whole_rows:
+    cols, ok = _group_ids(ids_ref, first_row, size, sw)
+    x = x_ref[rows, :].astype(jnp.float32)
+    chosen = jnp.sum(jnp.where(cols == jax.lax.broadcasted_iota(jnp.int32, x.shape, 1), x, 0.0),
+                     axis=1, keepdims=True)  # fmt: skip
+    chosen = jnp.where(ok, chosen, jnp.nan)
+    return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
   if sw.tail:  # two windows per row, chosen by pl.when, cannot hand values back
     return _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw)
   row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
@@ -346,6 +372,12 @@ def patch_chosen(dx_ref, rows, size: int, first_row, ids_ref, value, sw: Sweep):
   computed once per row in f32 and rounded once). ids_ref: all N ids in SMEM; first_row: the
   group's first row in the whole array. A row at a time: load the [size, lanes] window holding its
   id, select its one element, store (ids outside [0, V) write nothing, as the onehot never matched)."""
+  if sw.whole_rows:
+    cols, ok = _group_ids(ids_ref, first_row, size, sw)
+    old = dx_ref[rows, :]
+    hit = (cols == jax.lax.broadcasted_iota(jnp.int32, old.shape, 1)) & ok
+    dx_ref[rows, :] = jnp.where(hit, value, old.astype(jnp.float32)).astype(dx_ref.dtype)
+    return
   row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
   lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
 

@@ -131,7 +131,7 @@ def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
   VMEM. ids_ref: all N ids in SMEM (the chosen columns' addresses)."""
   logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
   bn, v = x_ref.shape
-  sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v)
+  sw = tiles.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v, cfg.loss.target.interpret)
   # read at the kernel's top level: the interpreter has no rule for program_id inside its loops
   step_row = pl.program_id(0) * rows_per_step
 
