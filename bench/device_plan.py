@@ -121,7 +121,7 @@ def loop_overrides(size: str, data: pathlib.Path | None) -> list[str]:
   """Every run of the loop call: short runs, and on GPU a sequence room just above GSM8K's longest
   prompt (1134 tokens + 64 new; the first H100 run stopped at the config's old 1024) and the
   materialised-logits loss in both arms, so xla vs pallas compares grpo_loss's kernels alone (the
-  fused LM-head arms are another comparison). tests/rl/test_config.py runs --check on exactly these."""
+  fused LM-head arms are another comparison). tests/rl/config/test_config.py runs --check on exactly these."""
   tiny = size == "tiny"
   out = ["train.warmup_sft_steps=0", f"train.steps={2 if tiny else 3}"]
   out += [

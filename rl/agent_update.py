@@ -174,7 +174,7 @@ def head_optimizer(cfg: GRPOConfig) -> optax.GradientTransformation:
 
 def update_settings(cfg: GRPOConfig, impl: str, completion_len: int, mesh=None) -> UpdateSettings:
   """The config's update settings at completion width `completion_len` (`impl`: the loss impl the
-  platform has, rl.platform.loss_impl) for a run on `mesh`."""
+  platform has, rl.config.platform.loss_impl) for a run on `mesh`."""
   tcfg = cfg.train
   return UpdateSettings(
     completion_len, tcfg.algorithm, tcfg.loss_type, tcfg.epsilon_low, tcfg.epsilon_high,

@@ -2,7 +2,7 @@
 
 The platform is the config's (configs/gpu-*.yaml: gpu, tpu-*: tpu, cpu-*: cpu; `--platform` names
 another; any other file name: this host's). In order, each a ConfigError naming the key:
-  1. the loss implementation exists there (rl.platform.LOSS_IMPLS; already checked at load);
+  1. the loss implementation exists there (rl.config.platform.LOSS_IMPLS; already checked at load);
   2. the mesh: the batch splits over its fixed axes, tp divides the heads and the vocabulary;
   3. rl.train: the dataset's longest prompt leaves room under rollout.max_seq_len;
   4. a memory estimate per device (weights, gradients, optimizer state, reference weights, the KV
@@ -30,9 +30,9 @@ from flax import nnx
 
 from kernels import tpu_targets
 from kernels.backend import Platform, make_target, use_target
-from rl import platform as platforms
 from rl import programs, setup, slice_check
 from rl.config import GRPOConfig
+from rl.config import platform as platforms
 from rl.configlib import ConfigError
 from rl.model import abstract_model, preset
 from rl.optimizer import make_optimizer

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from kernels.backend import host_platform
-from rl import check, configlib, platform, sharding, slice_check
+from rl import check, configlib, sharding, slice_check
 from rl.checkpointing import CheckpointError
-from rl.config import GRPOConfig, check_entry
+from rl.config import GRPOConfig, check_entry, platform
 from rl.configlib import ConfigError
 from rl.update import NonFiniteError
 

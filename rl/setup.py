@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding
 
 from kernels.backend import host_platform
 from kernels.optim import partition_specs_of
-from rl import configlib, platform, sharding
+from rl import configlib, sharding
 from rl.checkpointing import Checkpointer
-from rl.config import GRPOConfig, TrainSection
+from rl.config import GRPOConfig, TrainSection, platform
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
@@ -185,7 +185,7 @@ class Setup:
   graphdef: Any  # the policy's nnx graph
   rollout_model: nnx.Module  # the model the engine reads: the policy, or a local replica
   engine: Any  # rl.rollout's engine
-  loss_impl: str  # the loss impl this host's platform has (rl.platform.loss_impl)
+  loss_impl: str  # the loss impl this host's platform has (rl.config.platform.loss_impl)
   optimizer: Optimizer  # the RL phase's
   sft_optimizer: Optimizer  # the SFT warm-up's
   prompt_width: int | None  # the single-turn update's prompt width (None: rl.agent's episodes)

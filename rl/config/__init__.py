@@ -4,6 +4,11 @@ Rollout batch and train batch are separate: each step samples `prompts_per_step`
 `group_size` completions; the update splits those `prompts_per_step * group_size` sequences into
 micro-batches (`micro_batch_size` per device x data-parallel devices) and accumulates their gradients,
 so `grad_accum_steps` is derived and must divide exactly (checked before anything compiles).
+
+The package: the tree, `GRPOConfig` (here), its sections (rl.config.sections; `train` in
+rl.config.train) and the platform table of what `train.policy_loss_impl` means on each platform
+(rl.config.platform). The generic YAML / override machinery is rl.configlib, outside this package:
+rl.model and rl.tokenizer use it and this tree imports them.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from kernels.loss_spec import LossSpec
-from rl.config_sections import (
+from rl.config.sections import (
   DTYPES,
   DataSection,
   DistributedSection,
@@ -23,7 +28,7 @@ from rl.config_sections import (
   RunSection,
   SamplingSection,
 )
-from rl.config_train import IsMode, TrainSection
+from rl.config.train import IsMode, TrainSection
 from rl.rollout.config import EngineConfig
 
 # The sections, as rl.config always offered them (rl.setup, tests).

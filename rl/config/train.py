@@ -19,7 +19,7 @@ class TrainSection:
   prompts_per_step: int = 8
   micro_batch_size: int = 16  # sequences per device per micro-batch
   ppo_epochs: int = 1  # > 1 makes the clipping matter (old log-probs are recorded)
-  # rl.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
+  # rl.config.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
   # project's kernel there); a choice the platform lacks is an error at load.
   policy_loss_impl: Literal["pallas", "chunked", "xla", "auto", "mosaic_gpu"] = "auto"
   fused_lm_head: bool = False

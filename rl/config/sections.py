@@ -1,4 +1,4 @@
-"""The sections of the run's configuration tree other than `train` (rl.config_train) and the tree
+"""The sections of the run's configuration tree other than `train` (rl.config.train) and the tree
 itself (rl.config.GRPOConfig): model, data, reward, sampling, env, eval, mesh, run, dist. Each is a
 frozen dataclass whose `__post_init__` range-checks its fields (rl.configlib.check_range), naming the
 key, the allowed range and the value.

@@ -7,12 +7,12 @@ import pytest
 
 from bench import device_plan
 from rl import check, configlib, train
-from rl import platform as platforms
 from rl.config import GRPOConfig
+from rl.config import platform as platforms
 from rl.configlib import ConfigError
 from tests.compiles import compile_events
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_defaults_round_trip_through_yaml(tmp_path):
