@@ -29,7 +29,7 @@ import numpy as np
 
 from rl import train
 from rl.evaluate import accuracy_change
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 
 REWARD = "reward/correct/mean"
 SUCCESS = "env/success_rate"  # rl.agent's per-step figure (it has no single-answer correctness)

@@ -33,7 +33,7 @@ import jax
 
 from bench.provenance import git_commit
 from rl import train
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HISTORY = ROOT / "bench" / "history" / "loop.jsonl"

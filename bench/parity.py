@@ -15,7 +15,7 @@ success rate.
 
 prints the seed runs' comparison table of two finished runs from their W&B summaries (a run's
 `run.out_dir` with `run.wandb.mode` set, an offline run directory, a `run-<id>.wandb` log or a
-`wandb-summary.json`; read offline by `rl.wandb_summary`): eval_full accuracy, the eval correctness
+`wandb-summary.json`; read offline by `rl.logging.wandb_summary`): eval_full accuracy, the eval correctness
 reward, step_avg_last10 and the eval_full step time, each with B - A.
 """
 
@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 
 from bench import learning
-from rl.wandb_sink import ALIASES
-from rl.wandb_summary import read_summary
+from rl.logging.wandb_sink import ALIASES
+from rl.logging.wandb_summary import read_summary
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
 _T975 = {

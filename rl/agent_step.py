@@ -38,7 +38,7 @@ from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.evaluate import process_slice
-from rl.metrics import step_time_metrics
+from rl.logging.metrics import step_time_metrics
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import (

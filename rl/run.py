@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from rl.evaluate import process_slice
-from rl.metrics import profiler_options, read_metrics
+from rl.logging.metrics import profiler_options, read_metrics
 from rl.setup import Policy, Setup
 from rl.update import LossSettings, NonFiniteGuard, compile_train_step, init_optimizer_state, pack
 

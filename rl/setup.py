@@ -28,7 +28,8 @@ from rl.config import GRPOConfig, TrainSection, platform
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
-from rl.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
+from rl.logging.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
+from rl.logging.wandb_sink import open_sink
 from rl.model import init_model, load_checkpoint, partition, preset, shard_model
 from rl.prompts import TEMPLATES
 from rl.rollout import make_engine
@@ -41,7 +42,6 @@ from rl.update import (
   shardings_of,
   warmup_schedule,
 )
-from rl.wandb_sink import open_sink
 
 # Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
 # longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /

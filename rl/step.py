@@ -21,7 +21,7 @@ from rl import kernel_sharding, mismatch, rewards, sharding
 from rl.advantages import advantage_stats, group_advantages
 from rl.data import Example
 from rl.evaluate import evaluate, process_slice
-from rl.metrics import step_time_metrics
+from rl.logging.metrics import step_time_metrics
 from rl.rollout import RolloutResult, SamplingParams
 from rl.setup import WIDTH_ALIGN, Policy, Setup, example_at, prompt_seed, round_up
 from rl.tokenizer import IM_END

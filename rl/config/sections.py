@@ -13,8 +13,8 @@ from kernels.tpu_targets import Slice
 from rl.configlib import check_range
 from rl.data.synthetic import LEVELS
 from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
+from rl.logging.wandb_config import WandbConfig
 from rl.prompts import TEMPLATES
-from rl.wandb_config import WandbConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -196,7 +196,7 @@ class RunSection:
     0  # capture a profiler trace of this many GRPO steps (after the compiling first)
   )
   profile_dir: str | None = None  # default: profiles/<basename of out_dir>
-  wandb: WandbConfig = WandbConfig()  # noqa: RUF009 (frozen) W&B as a metric sink (rl.wandb_sink)
+  wandb: WandbConfig = WandbConfig()  # noqa: RUF009 (frozen) W&B as a metric sink (rl.logging.wandb_sink)
 
   def __post_init__(self):
     check_range("run.checkpoint_every", self.checkpoint_every, ge=0)

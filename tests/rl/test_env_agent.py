@@ -14,7 +14,7 @@ import pytest
 from rl import agent, train
 from rl.configlib import ConfigError
 from rl.env.base import StepResult
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 from tests.compiles import compiled_functions
 from tests.rl.test_train import _free_port
 

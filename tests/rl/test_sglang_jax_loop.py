@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("sgl_jax")
 
 from rl import train
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 from tests.rl.test_train import TINY
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from rl import train
 from rl.configlib import ConfigError
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 from rl.rollout import paged
 from rl.rollout.engine import bucket
 from rl.step import step_examples

@@ -1,5 +1,5 @@
 """`run.wandb`: Weights & Biases as a further metric sink beside metrics.jsonl and TensorBoard
-(`pip install "grpo-kernels[wandb]"`; the sink is `rl.wandb_sink`). Off by default."""
+(`pip install "grpo-kernels[wandb]"`; the sink is `rl.logging.wandb_sink`). Off by default."""
 
 from __future__ import annotations
 

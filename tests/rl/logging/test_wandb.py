@@ -11,10 +11,10 @@ import pytest
 
 from rl import train
 from rl.configlib import ConfigError
-from rl.metrics import MetricsWriter, read_metrics
-from rl.wandb_config import WandbConfig
-from rl.wandb_sink import ALIASES, STATE, VERDICT_KEYS, open_sink
-from rl.wandb_summary import read_summary, records
+from rl.logging.metrics import MetricsWriter, read_metrics
+from rl.logging.wandb_config import WandbConfig
+from rl.logging.wandb_sink import ALIASES, STATE, VERDICT_KEYS, open_sink
+from rl.logging.wandb_summary import read_summary, records
 from tests.rl.test_train import TINY
 
 OFFLINE = WandbConfig(project="grpo-kernels-tests", mode="offline")

@@ -1,5 +1,5 @@
 """Step timers and the metric sinks: an append-only `metrics.jsonl`, TensorBoard event files and, with
-`run.wandb`, a W&B run (`rl.wandb_sink`).
+`run.wandb`, a W&B run (`rl.logging.wandb_sink`).
 
 Only process 0 writes (`enabled=False` elsewhere); every process times its own phases. A resumed run
 first `rewind`s every sink to its checkpoint's step, so the steps it runs again are written once.
@@ -117,7 +117,7 @@ def _is_sft_row(row: dict) -> bool:
 
 class MetricsWriter:
   """Writes `{step, **metrics}` lines to `<run_dir>/metrics.jsonl`, scalars to TensorBoard and the
-  same rows to `wandb` (an `rl.wandb_sink.WandbSink`, or None)."""
+  same rows to `wandb` (an `rl.logging.wandb_sink.WandbSink`, or None)."""
 
   def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True, wandb=None):
     self.enabled, self.run_dir, self.tensorboard = enabled, run_dir, tensorboard

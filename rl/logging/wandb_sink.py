@@ -1,7 +1,7 @@
-"""Weights & Biases as a metric sink (`run.wandb`, `rl.wandb_config.WandbConfig`): the rows
+"""Weights & Biases as a metric sink (`run.wandb`, `rl.logging.wandb_config.WandbConfig`): the rows
 metrics.jsonl gets, the run's config, and at the end a summary holding the verdict keys.
 
-Process 0 only (rl.metrics.MetricsWriter owns it, as it owns the jsonl and TensorBoard sinks). Rows go
+Process 0 only (rl.logging.metrics.MetricsWriter owns it, as it owns the jsonl and TensorBoard sinks). Rows go
 in order, W&B counting them (`_step`); each carries its own x-axis: `step` (GRPO steps, the jsonl's
 step; the step-0 row is eval_full before GRPO) or `sft/step` (the warm-up's rows), declared with
 `define_metric` so W&B plots every key against the right one.
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rl.configlib import ConfigError
-from rl.wandb_config import WandbConfig
+from rl.logging.wandb_config import WandbConfig
 
 # What the seed runs read from a W&B run's summary to compare runs (bench.parity --wandb-summaries).
 VERDICT_KEYS = (
@@ -59,7 +59,7 @@ def with_aliases(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 class WandbSink:
-  """`write(step, metrics)` / `rewind(step)` / `close()`, as rl.metrics.MetricsWriter calls them. The
+  """`write(step, metrics)` / `rewind(step)` / `close()`, as rl.logging.metrics.MetricsWriter calls them. The
   W&B run opens at the first write (after a resume's rewind, so it knows which run to continue)."""
 
   def __init__(self, cfg: WandbConfig, run_dir: str, config: Mapping[str, Any]):
