@@ -36,6 +36,7 @@ from rl.agent_update import (
 )
 from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead
+from rl.data.tokenizer import IM_END, chatml
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.evaluate import process_slice
 from rl.logging.metrics import step_time_metrics
@@ -58,7 +59,6 @@ from rl.setup import (
   round_up,
 )
 from rl.step import dataset_sft_pair, dataset_sft_widths
-from rl.tokenizer import IM_END, chatml
 from rl.update import batch_token_logps, init_optimizer_state
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from rl import rewards, sharding
-from rl.data import Example
+from rl import sharding
+from rl.data import Example, rewards
 from rl.rollout import RolloutEngine, SamplingParams
 
 

@@ -28,12 +28,12 @@ from rl.config import GRPOConfig, TrainSection, platform
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
 from rl.data.gsm8k import default_dir as gsm8k_default_dir
+from rl.data.prompts import TEMPLATES
+from rl.data.tokenizer import load_tokenizer
 from rl.logging.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
 from rl.logging.wandb_sink import open_sink
 from rl.model import init_model, load_checkpoint, partition, preset, shard_model
-from rl.prompts import TEMPLATES
 from rl.rollout import make_engine
-from rl.tokenizer import load_tokenizer
 from rl.update import (
   Batch,
   Optimizer,
@@ -178,7 +178,7 @@ class Setup:
   cfg: GRPOConfig  # with a concrete mesh
   mesh: Any  # jax.sharding.Mesh
   tokenizer: Any
-  template: Any  # rl.prompts' template of data.template
+  template: Any  # rl.data.prompts' template of data.template
   train_data: list[Example]
   test_data: list[Example]
   model: nnx.Module  # the live policy (its weights follow Policy.params)

@@ -17,14 +17,14 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from rl import kernel_sharding, mismatch, rewards, sharding
+from rl import kernel_sharding, mismatch, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.data import Example
+from rl.data import Example, rewards
+from rl.data.tokenizer import IM_END
 from rl.evaluate import evaluate, process_slice
 from rl.logging.metrics import step_time_metrics
 from rl.rollout import RolloutResult, SamplingParams
 from rl.setup import WIDTH_ALIGN, Policy, Setup, example_at, prompt_seed, round_up
-from rl.tokenizer import IM_END
 from rl.update import Batch, LossSettings, batch_token_logps, compile_train_step, pack
 
 
@@ -171,7 +171,7 @@ def eval_sampled(s: Setup, step: int) -> dict[str, float]:
   return {
     "eval/accuracy": result["accuracy"],
     "eval/format": result["format"],
-    # the weighted sum, as reward/total/mean in training (rl.rewards.score): a mean of sums
+    # the weighted sum, as reward/total/mean in training (rl.data.rewards.score): a mean of sums
     "eval/reward/total/mean": sum(w * means[n] for n, w in s.cfg.reward.weights().items()),
     "time/eval/step_s": result["seconds"],
   }

@@ -8,7 +8,7 @@ so `grad_accum_steps` is derived and must divide exactly (checked before anythin
 The package: the tree, `GRPOConfig` (here), its sections (rl.config.sections; `train` in
 rl.config.train) and the platform table of what `train.policy_loss_impl` means on each platform
 (rl.config.platform). The generic YAML / override machinery is rl.configlib, outside this package:
-rl.model and rl.tokenizer use it and this tree imports them.
+rl.model and rl.data.tokenizer use it and this tree imports them.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ from typing import Literal
 
 from kernels.tpu_targets import Slice
 from rl.configlib import check_range
+from rl.data.prompts import TEMPLATES
 from rl.data.synthetic import LEVELS
 from rl.env.grid import OBSERVATIONS as GRID_OBSERVATIONS
 from rl.logging.wandb_config import WandbConfig
-from rl.prompts import TEMPLATES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,7 +40,7 @@ class DataSection:
   dataset: Literal["synthetic", "gsm8k"] = "synthetic"
   # gsm8k: a directory with train.jsonl / test.jsonl (None: rl.data.gsm8k.DEFAULT_DIRS, the first found)
   path: str | None = None
-  template: str = "compact"  # rl.prompts.TEMPLATES
+  template: str = "compact"  # rl.data.prompts.TEMPLATES
   train_limit: int | None = None  # keep the first N train examples (None: all)
   eval_limit: int | None = None  # eval_full on the first N test examples (None: the whole split)
   synthetic_levels: tuple[int, ...] = (1, 2)  # rl.data.synthetic difficulty levels
@@ -63,7 +63,7 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-  """Weights of the reward functions (rl.rewards.REWARD_FNS); the total is the weighted sum."""
+  """Weights of the reward functions (rl.data.rewards.REWARD_FNS); the total is the weighted sum."""
 
   correct: float = 1.0
   format: float = 0.1

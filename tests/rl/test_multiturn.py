@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from rl.data.tokenizer import IM_END, ByteTokenizer, chatml
 from rl.env.base import StepResult
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine
 from rl.rollout.multiturn import ENV, MODEL, PROMPT, observation_tokens, pack_episodes, rollout
-from rl.tokenizer import IM_END, ByteTokenizer, chatml
 from rl.update import token_logps
 
 TOK = ByteTokenizer()

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from rl.config import GRPOConfig, SamplingSection
+from rl.data.tokenizer import ByteTokenizer
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine
 from rl.rollout.paged_cache import PagePool
 from rl.rollout.sampling import processed_logprobs
-from rl.tokenizer import ByteTokenizer
 
 PROMPT_LENS = [5, 17, 3, 30, 9, 12]  # ragged: some end on a page boundary of 8, most do not
 

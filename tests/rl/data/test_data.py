@@ -8,9 +8,9 @@ import pytest
 
 from rl.data import generate_synthetic, gold_answer, load_gsm8k
 from rl.data import gsm8k as gsm8k_module
-from rl.rewards import correctness_reward, format_reward
+from rl.data.rewards import correctness_reward, format_reward
 
-GSM8K = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+GSM8K = pathlib.Path(__file__).resolve().parents[4] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(
   not (GSM8K / "test.jsonl").exists(), reason=f"GSM8K not at {GSM8K}"
 )

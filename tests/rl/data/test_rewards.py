@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.rewards import (
+from rl.data.rewards import (
   correctness_reward,
   extract_answer,
   format_reward,

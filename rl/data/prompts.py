@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.tokenizer import Tokenizer
+from rl.data.tokenizer import Tokenizer
 
 GSM8K_SYSTEM = (
   "You are a careful math tutor. Reason step by step, then write the final answer on its own "

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.prompts import TEMPLATES, PromptTemplate
-from rl.tokenizer import (
+from rl.data.prompts import TEMPLATES, PromptTemplate
+from rl.data.tokenizer import (
   END_OF_TEXT,
   IM_END,
   IM_START,
