@@ -194,8 +194,12 @@ def sglang(session: nox.Session):
     *(a for a in session.posargs if a != "--no-bench"),
   )
   for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
-    session.run(*pytest, "tests/rl/test_sglang_jax.py", "-k", selection)
-  session.run(*pytest, "tests/rl/test_sglang_jax_logprobs.py", "tests/rl/test_sglang_jax_loop.py")
+    session.run(*pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection)
+  session.run(
+    *pytest,
+    "tests/rl/rollout/test_sglang_jax_logprobs.py",
+    "tests/rl/rollout/test_sglang_jax_loop.py",
+  )
   if not bench:
     return
   session.run(

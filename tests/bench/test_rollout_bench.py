@@ -105,7 +105,7 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   small shape, one step per chunk (so a cast XLA hoists out of the step loop still counts). Catches
   the two classic wastes: the f32 master weights cast to bf16 in every call (the engines used to
   pass the raw parameters; at this shape XLA:CPU upcasts bf16 dot operands anyway, so the cast
-  shows as a small excess, the engine-side check is in tests/rl/test_rollout.py) and a per-step copy
+  shows as a small excess, the engine-side check is in tests/rl/rollout/test_rollout.py) and a per-step copy
   of the cache (`_CopyingCache`, a masked rewrite of the whole cache instead of a scatter: at least
   one whole cache more per step than the engines' in-place scatter)."""
   from bench import byte_account

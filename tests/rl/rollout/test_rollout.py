@@ -310,7 +310,9 @@ def test_sglang_backend_without_its_extra_is_a_clear_error():
   try:
     import sgl_jax  # noqa: F401
 
-    pytest.skip("sglang-jax is installed here: tests/rl/test_sglang_jax.py covers the backend")
+    pytest.skip(
+      "sglang-jax is installed here: tests/rl/rollout/test_sglang_jax.py covers the backend"
+    )
   except ImportError:
     pass
   with pytest.raises(ImportError, match=r"pip install -e '\.\[sglang\]'"):

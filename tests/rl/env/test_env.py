@@ -11,7 +11,7 @@ from rl.env import CalcEnv, GridEnv, safe_eval
 from rl.env.calc import CalcError, format_value
 from rl.env.grid import shortest_path
 
-GSM8K = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+GSM8K = pathlib.Path(__file__).resolve().parents[4] / "shared" / "data" / "gsm8k"
 
 
 # ------------------------------------------------------------------------------------------ calculator

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from bench.tolerances import assert_close
 from rl.model import DenseKVCache, ModelConfig, init_model, preset, save_checkpoint
 from rl.model.qwen import abstract_model
-from tests.rl import hf_numpy
+from tests.rl.model import hf_numpy
 
 F32_PRESETS = ["tiny", "tiny-qwen3"]
 
