@@ -7,7 +7,7 @@ Writes learning.json, learning.md and reward_curve.png into --out (default
 bench/results/learning-<time>/). The verdict applies the embedded default's bar (issue 17): the mean
 `reward/correct/mean` of the last `window` steps exceeds that of the first `window` by at least
 `--min-reward-gain` on average over seeds, and every seed's eval_full accuracy rises by at least
-`--min-eval-se` standard errors of the difference (see `rl.evaluate.accuracy_change`).
+`--min-eval-se` standard errors of the difference (see `rl.run.evaluate.accuracy_change`).
 
 `--agent` runs `python -m rl.agent` (multi-turn episodes, GRPO or PPO by train.algorithm) instead of
 `python -m rl.train`; its curve is the training episodes' success rate (`env/success_rate`) and
@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from rl import train
-from rl.evaluate import accuracy_change
 from rl.logging.metrics import read_metrics
+from rl.run.evaluate import accuracy_change
 
 REWARD = "reward/correct/mean"
 SUCCESS = "env/success_rate"  # rl.agent's per-step figure (it has no single-answer correctness)

@@ -12,8 +12,8 @@ rolled out turn by turn (rl.rollout.multiturn) -> packed rows whose loss mask ho
 The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages). The
 packed widths are fixed before step 1 (rl.agent_step.episode_widths): the update compiles once.
 
-Everything else (model, tokenizer, data, engine, optimizer state, metrics writer, checkpoints: rl.setup;
-the SFT warm-up, non-finite guard, `--resume`, evals and the run loop: rl.run) is shared with rl.train;
+Everything else (model, tokenizer, data, engine, optimizer state, metrics writer, checkpoints: rl.run.setup;
+the SFT warm-up, non-finite guard, `--resume`, evals and the run loop: rl.run.loop) is shared with rl.train;
 checkpoints add the critic and its optimizer state. Several processes (dist.initialize=true) split a
 step's environment seeds and eval's layouts between them, as rl.train splits prompts; the update runs
 on the global batch.
@@ -33,8 +33,8 @@ from rl.agent_update import (
   update_step,
 )
 from rl.config import GRPOConfig
-from rl.run import Run
-from rl.setup import Policy, build
+from rl.run.loop import Run
+from rl.run.setup import Policy, build
 
 # bench.memory lowers the update from here; tests read the grid's warm-up constants.
 __all__ = ["GRID_SYSTEM", "GRID_WARMUP_SEEDS", "AgentBatch", "AgentStep", "UpdateSettings"]

@@ -4,7 +4,7 @@ whose loss mask holds only model tokens -> the pre-update pass (old log-probs, t
 advantages (grpo: each episode's return normalised within its seed's group; ppo: GAE over model tokens,
 optionally whitened) -> one update per PPO epoch (rl.agent_update) -> the step's metrics.
 
-`AgentStep` binds it into the `rl.run.Program` the run loop drives, with the environment, the critic
+`AgentStep` binds it into the `rl.run.loop.Program` the run loop drives, with the environment, the critic
 and its optimizer state (checkpointed as "value_head" / "value_opt"), the multi-turn evals and the
 grid's warm-up examples.
 
@@ -38,7 +38,6 @@ from rl.configlib import ConfigError
 from rl.critic import CriticModel, ValueHead
 from rl.data.tokenizer import IM_END, chatml
 from rl.env import CalcEnv, Environment, GridEnv
-from rl.evaluate import process_slice
 from rl.logging.metrics import step_time_metrics
 from rl.model import init_model, preset
 from rl.rollout import SamplingParams
@@ -49,7 +48,8 @@ from rl.rollout.multiturn import (
   pack_episodes,
   rollout,
 )
-from rl.setup import (
+from rl.run.evaluate import process_slice
+from rl.run.setup import (
   WIDTH_ALIGN,
   Policy,
   Setup,
@@ -192,7 +192,7 @@ def episode_widths(a: AgentStep) -> tuple[int, int]:
 
 
 class AgentStep:
-  """rl.agent's `rl.run.Program`: multi-turn episodes of an environment, the policy's update with a
+  """rl.agent's `rl.run.loop.Program`: multi-turn episodes of an environment, the policy's update with a
   critic (a value head on the policy's states, or a separate model), the multi-turn evals."""
 
   def __init__(
@@ -210,7 +210,7 @@ class AgentStep:
     # On the mesh (replicated where fresh) so that one jit over every process's devices takes it.
     self.head_graphdef = head_graphdef
     self.head_params = sharding.replicated(setup.mesh, head_params)
-    # the policy's optimizer is the run's (rl.setup.optimizer_for): on several devices its fused
+    # the policy's optimizer is the run's (rl.run.setup.optimizer_for): on several devices its fused
     # kernels update each device's own shard, as the opt_state it built is laid out
     self.policy_opt = setup.optimizer
     self.head_opt = head_optimizer(setup.cfg)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from kernels import tpu_targets
 from kernels.backend import Platform, make_target, use_target
-from rl import programs, setup, slice_check
+from rl import programs, slice_check
 from rl.config import GRPOConfig
 from rl.config import platform as platforms
 from rl.configlib import ConfigError
@@ -38,6 +38,7 @@ from rl.data.prompts import TEMPLATES
 from rl.model import abstract_model, preset
 from rl.optimizer import make_optimizer
 from rl.programs import abstract_cache, decode_chunk_program, train_step_program
+from rl.run import setup
 
 GIB = 2**30
 # Memory of one device of each platform the estimate is checked against: the H100 80GB the GPU

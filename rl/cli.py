@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 from kernels.backend import host_platform
 from rl import check, configlib, sharding, slice_check
-from rl.checkpointing import CheckpointError
 from rl.config import GRPOConfig, check_entry, platform
 from rl.configlib import ConfigError
+from rl.run.checkpointing import CheckpointError
 from rl.update import NonFiniteError
 
 

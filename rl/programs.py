@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rl import kernel_sharding, setup
+from rl import kernel_sharding
 from rl.config import GRPOConfig
 from rl.model import abstract_model
 from rl.model.partition import param_shardings
@@ -30,6 +30,7 @@ from rl.rollout.config import EngineConfig
 from rl.rollout.engine import decode_kernel_sharding, kv_sharding, row_sharding
 from rl.rollout.paged_cache import PagedKVCache
 from rl.rollout.sampling import sample_base_keys
+from rl.run import setup
 from rl.sharding import data_axes
 from rl.update import Batch, LossSettings, batch_token_logps, compile_train_step
 
@@ -54,7 +55,7 @@ def abstract_params(model_cfg, mesh=None):
 
 
 def run_optimizer(cfg: GRPOConfig, params, mesh=None):
-  """The RL phase's optimizer as rl.setup.optimizer_for builds it (fused kernels per shard when the
+  """The RL phase's optimizer as rl.run.setup.optimizer_for builds it (fused kernels per shard when the
   mesh has several devices)."""
   tcfg = cfg.train
   sharded = mesh is not None and mesh.size > 1

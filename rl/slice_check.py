@@ -6,7 +6,7 @@ rl.agent: its update with the critic, and its pre-update log-prob / value pass),
 prefill and its decode chunk, and compiles each with libtpu's compiler for the slice's
 generation (`kernels.backend.tpu_devices`, `use_target("tpu", interpret=False, generation=...)`). A
 multi-host slice (v4-16: 2 hosts) is one program over all its chips for the update; the rollout runs
-on each host's own chips (rl.setup.rollout_replica), so its programs compile over host 0's.
+on each host's own chips (rl.run.setup.rollout_replica), so its programs compile over host 0's.
 
 Memory, per device, from the compiler (`memory_analysis()`): each program's arguments, temporaries
 and peak, plus what the run keeps beside it — the trainer state (weights + optimizer state, + the
@@ -37,7 +37,7 @@ from rl.config import GRPOConfig
 from rl.configlib import ConfigError
 from rl.decode_bytes import ITEM_BYTES, MOSAIC, PREFETCH, decode_account
 from rl.rollout.engine import bucket
-from rl.setup import rollout_mesh
+from rl.run.setup import rollout_mesh
 from rl.sharding import make_mesh
 
 GIB = 2**30

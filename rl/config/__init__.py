@@ -31,7 +31,7 @@ from rl.config.sections import (
 from rl.config.train import IsMode, TrainSection
 from rl.rollout.config import EngineConfig
 
-# The sections, as rl.config always offered them (rl.setup, tests).
+# The sections, as rl.config always offered them (rl.run.setup, tests).
 __all__ = ["DTYPES", "DataSection", "DistributedSection", "EnvSection", "EvalSection", "IsMode"]
 __all__ += ["MeshSection", "ModelSection", "RewardSection", "RunSection", "SamplingSection"]
 __all__ += ["AGENT_ONLY", "TRAIN_ONLY", "GRPOConfig", "TrainSection", "check_entry"]

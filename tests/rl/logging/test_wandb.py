@@ -18,7 +18,7 @@ from rl.logging.wandb_summary import read_summary, records
 from tests.rl.test_train import TINY
 
 OFFLINE = WandbConfig(project="grpo-kernels-tests", mode="offline")
-# rows as rl.run writes them: the warm-up's, eval_full before GRPO (step 0), GRPO steps
+# rows as rl.run.loop writes them: the warm-up's, eval_full before GRPO (step 0), GRPO steps
 SFT = [{"sft/loss": 2.5, "sft/grad_norm": 1.5, "sft/nonfinite_steps": 0.0}]
 BASELINE = {"eval_full/accuracy": 0.25, "eval_full/format": 0.9, "time/eval_full/step_s": 3.0}
 

@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding
 from kernels.backend import host_platform
 from kernels.optim import partition_specs_of
 from rl import configlib, sharding
-from rl.checkpointing import Checkpointer
 from rl.config import GRPOConfig, TrainSection, platform
 from rl.configlib import ConfigError
 from rl.data import Example, generate_synthetic, load_gsm8k
@@ -34,6 +33,7 @@ from rl.logging.metrics import CompileWatch, MetricsWriter, StepAverage, StepTim
 from rl.logging.wandb_sink import open_sink
 from rl.model import init_model, load_checkpoint, partition, preset, shard_model
 from rl.rollout import make_engine
+from rl.run.checkpointing import Checkpointer
 from rl.update import (
   Batch,
   Optimizer,

@@ -123,7 +123,7 @@ class Checkpointer:
         shutil.move(os.path.join(self.directory, str(step)), target)
         log(f"skipped checkpoint {step} ({why}); moved it to {target}")
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("rl.checkpointing.set_aside")
+      multihost_utils.sync_global_devices("rl.run.checkpointing.set_aside")
     self._manager.reload()
 
   def close(self) -> None:

@@ -1,9 +1,9 @@
 """The run around a step: `--resume`, the SFT warm-up, the steps with their evals, metrics rows and
 checkpoints, and the profile window. The same loop drives rl.train's single-turn GRPO step and
 rl.agent's multi-turn one: each is a `Program` (its step, its evals, its warm-up examples and what it
-adds to a checkpoint) over one `rl.setup.Setup` and `rl.setup.Policy`.
+adds to a checkpoint) over one `rl.run.setup.Setup` and `rl.run.setup.Policy`.
 
-A checkpoint holds {"params", "opt_state"[, "ref_params"]} (rl.setup.Policy) plus the program's own
+A checkpoint holds {"params", "opt_state"[, "ref_params"]} (rl.run.setup.Policy) plus the program's own
 state (rl.agent: "value_head", "value_opt") and the meta {step, nonfinite_steps, nonfinite_in_a_row}.
 """
 
@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from rl.evaluate import process_slice
 from rl.logging.metrics import profiler_options, read_metrics
-from rl.setup import Policy, Setup
+from rl.run.evaluate import process_slice
+from rl.run.setup import Policy, Setup
 from rl.update import LossSettings, NonFiniteGuard, compile_train_step, init_optimizer_state, pack
 
 

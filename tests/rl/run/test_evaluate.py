@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl.evaluate import accuracy_change, before_after_table, binomial_se
+from rl.run.evaluate import accuracy_change, before_after_table, binomial_se
 
 
 def test_binomial_se_by_hand():
