@@ -82,7 +82,9 @@ def run_seed(
   """One full run of `config` (+ overrides) with `train.seed=seed` into `run_dir`, eval_full at the
   end (and its step-0 baseline), as `summarize` reads it; `agent`: rl.agent's multi-turn loop."""
   if agent:
-    from rl import agent as entry  # imported on demand: the single-turn bench never needs it
+    from rl.agent import (
+      __main__ as entry,  # imported on demand: the single-turn bench never needs it
+    )
   else:
     entry = train
   entry.main(

@@ -1,5 +1,5 @@
 """Memory of one update from XLA's memory analysis: GRPO (`rl.update.train_step`) beside PPO with the
-value head (`rl.agent.update_step`), at any preset's sizes, with no device and nothing allocated.
+value head (`rl.agent.update.update_step`), at any preset's sizes, with no device and nothing allocated.
 
     python -m bench.memory --preset qwen2.5-0.5b --micro-batch 16 --prompt 256 --completion 768
 
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from rl import agent, update
-from rl.critic import ValueHead
+from rl import update
+from rl.agent import update as agent
+from rl.agent.critic import ValueHead
 from rl.model import preset
 from rl.model.qwen import Qwen
 
@@ -107,7 +108,7 @@ def markdown(result: dict[str, dict]) -> str:
   ]
   names = {
     "grpo": "GRPO, `rl.update.train_step`",
-    "ppo": "PPO + value head, `rl.agent.update_step`",
+    "ppo": "PPO + value head, `rl.agent.update.update_step`",
   }
   for key, r in result.items():
     g = lambda k, r=r: f"{r[k] / GIB:.2f} GiB"

@@ -74,7 +74,7 @@ def check(
   _check_tp(cfg, model_cfg)
   if entry == "rl.train":
     out["prompt_width"] = _prompt_width(cfg)
-  else:  # episodes: the widest prompt rl.agent_step.episode_widths can fix (see _lower_agent_update)
+  else:  # episodes: the widest prompt rl.agent.step.episode_widths can fix (see _lower_agent_update)
     out["prompt_width"] = setup.round_up(cfg.rollout.max_seq_len, setup.WIDTH_ALIGN)
   _check_memory_estimate(cfg, model_cfg, platform, out)
   if not lower:

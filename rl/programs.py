@@ -122,14 +122,14 @@ def train_step_program(
 
 
 def _agent_parts(cfg: GRPOConfig, model_cfg, mesh=None):
-  """rl.agent's abstract update inputs as rl.agent_step.AgentStep lays them out: (graphdef, params,
+  """rl.agent's abstract update inputs as rl.agent.step.AgentStep lays them out: (graphdef, params,
   the critic's graphdef, its params, its optax optimizer, the [K, M] batch). The critic (a value head,
   or a separate model) and its optimizer state are replicated; the batch is [K, M] packed episodes
-  over the batch axes at the widest (P, C) rl.agent_step.episode_widths can fix: P <= round_up(longest
+  over the batch axes at the widest (P, C) rl.agent.step.episode_widths can fix: P <= round_up(longest
   prompt, 32) and C = round_up(max_seq_len - shortest, 32), each at most max_seq_len rounded up (no
   environment to reset here, so the widest update the run can compile)."""
-  from rl.agent_update import AgentBatch, head_optimizer
-  from rl.critic import CriticModel, ValueHead
+  from rl.agent.critic import CriticModel, ValueHead
+  from rl.agent.update import AgentBatch, head_optimizer
   from rl.model import Qwen
   from rl.model.presets import preset
 
@@ -159,10 +159,10 @@ def _agent_parts(cfg: GRPOConfig, model_cfg, mesh=None):
 
 
 def agent_update_program(cfg: GRPOConfig, model_cfg, impl: str, mesh=None):
-  """rl.agent's update (rl.agent_update.update_step: the policy term + the value loss over the
+  """rl.agent's update (rl.agent.update.update_step: the policy term + the value loss over the
   critic) as AgentStep compiles it, the policy's optimizer the run's, and its abstract (state =
   (params, critic params, their optimizer states), batch); see `_agent_parts`."""
-  from rl.agent_update import compile_update, update_settings
+  from rl.agent.update import compile_update, update_settings
 
   graphdef, params, head_graphdef, head_params, head_opt, batch = _agent_parts(cfg, model_cfg, mesh)
   policy_opt = run_optimizer(cfg, params, mesh)
@@ -178,9 +178,9 @@ def agent_update_program(cfg: GRPOConfig, model_cfg, impl: str, mesh=None):
 
 
 def agent_values_program(cfg: GRPOConfig, model_cfg, mesh=None):
-  """rl.agent's pre-update pass (rl.agent_update.old_logps_and_values: the policy's log-probs and the
+  """rl.agent's pre-update pass (rl.agent.update.old_logps_and_values: the policy's log-probs and the
   critic's values, micro-batch by micro-batch) over the step's batch; see `_agent_parts`."""
-  from rl.agent_update import old_logps_and_values
+  from rl.agent.update import old_logps_and_values
 
   graphdef, params, head_graphdef, head_params, _, batch = _agent_parts(cfg, model_cfg, mesh)
   c, temp = batch.model_mask.shape[-1], cfg.sampling.temperature

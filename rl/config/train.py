@@ -69,7 +69,7 @@ class TrainSection:
   gae_lambda: float = 0.95
   whiten_advantages: bool = True  # ppo: whiten GAE advantages over the step's model tokens
   # ppo: head = one linear layer on the policy's final hidden states (its value gradient reaches the
-  # policy's trunk); model = a separate transformer with its own head (rl.critic.CriticModel).
+  # policy's trunk); model = a separate transformer with its own head (rl.agent.critic.CriticModel).
   critic: Literal["head", "model"] = "head"
   # critic=model: its rl.model preset (it shares the tokenizer); null: a copy of the policy's
   # initial weights.

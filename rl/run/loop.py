@@ -26,7 +26,7 @@ from rl.update import LossSettings, NonFiniteGuard, compile_train_step, init_opt
 
 
 class Program(Protocol):
-  """What a run's loop calls: rl.step.GRPOStep (rl.train) or rl.agent_step.AgentStep (rl.agent)."""
+  """What a run's loop calls: rl.step.GRPOStep (rl.train) or rl.agent.step.AgentStep (rl.agent)."""
 
   def step(self, step: int) -> dict[str, float]: ...  # one step's metrics row
 

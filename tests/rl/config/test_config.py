@@ -131,7 +131,7 @@ def test_check_modules_do_not_import_the_entry_points():
   import subprocess
   import sys
 
-  code = "import sys, rl.check, rl.slice_check; assert 'rl.agent' not in sys.modules, 'rl.agent'"
+  code = "import sys, rl.check, rl.slice_check; assert 'rl.agent.__main__' not in sys.modules, 'rl.agent'"
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

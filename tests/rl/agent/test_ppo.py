@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import kernels
-from rl import ppo
-from rl.critic import ValueHead
+from rl.agent import ppo
+from rl.agent.critic import ValueHead
 from rl.model import init_model, preset
 from rl.rollout.multiturn import ENV, MODEL, PROMPT, Episode, pack_episodes
 from rl.update import completion_hidden

@@ -1,7 +1,7 @@
 """rl.agent's update math: the pre-update pass (the policy's log-probs and the critic's values,
 micro-batch by micro-batch) and one optimizer step of the policy (and, for train.algorithm=ppo, the
 value head) on the global [K, M, ...] batch of packed episodes. The policy term is
-`rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages); the value head is
+`rl.agent.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages); the value head is
 trained with the clipped value loss, weighted by train.vf_coef, in the same micro-batched,
 gradient-accumulated update. `compile_update` jits it at one completion width.
 """
@@ -18,9 +18,10 @@ import optax
 from flax import nnx
 
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import kernel_sharding, ppo
+from rl import kernel_sharding
+from rl.agent import ppo
+from rl.agent.critic import critic_values
 from rl.config import GRPOConfig
-from rl.critic import critic_values
 from rl.optimizer import _all_finite, _global_norm, guarded_step
 from rl.update import completion_hidden, shardings_of
 
@@ -163,7 +164,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
 
 
 def head_optimizer(cfg: GRPOConfig) -> optax.GradientTransformation:
-  """The critic's optimizer: AdamW on the policy's learning-rate schedule (rl.agent_step.AgentStep
+  """The critic's optimizer: AdamW on the policy's learning-rate schedule (rl.agent.step.AgentStep
   trains the critic with it; rl.programs compiles the same update for --check)."""
   from rl.run.setup import learning_rate_schedule
 

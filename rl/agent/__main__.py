@@ -1,16 +1,16 @@
 """Multi-turn RL: `python -m rl.agent --config configs/cpu-multiturn.yaml [key.sub=value ...]`.
 
-A step (rl.agent_step.agent_step): `prompts_per_step` environment seeds x `group_size` episodes each,
+A step (rl.agent.step.agent_step): `prompts_per_step` environment seeds x `group_size` episodes each,
 rolled out turn by turn (rl.rollout.multiturn) -> packed rows whose loss mask holds only model tokens
 -> advantages:
   * train.algorithm=grpo: each episode's return, normalised within its seed's group, on every model
     token of the episode;
-  * train.algorithm=ppo: GAE over model tokens (rl.ppo) from the value head's (rl.critic) values of the
+  * train.algorithm=ppo: GAE over model tokens (rl.agent.ppo) from the value head's (rl.agent.critic) values of the
     pre-update forward, optionally whitened; the value head is trained with the clipped value loss,
     weighted by train.vf_coef, in the same micro-batched, gradient-accumulated update as the policy
-    (rl.agent_update).
-The policy term is `rl.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages). The
-packed widths are fixed before step 1 (rl.agent_step.episode_widths): the update compiles once.
+    (rl.agent.update).
+The policy term is `rl.agent.ppo.policy_loss` (kernels.grpo_loss semantics with per-token advantages). The
+packed widths are fixed before step 1 (rl.agent.step.episode_widths): the update compiles once.
 
 Everything else (model, tokenizer, data, engine, optimizer state, metrics writer, checkpoints: rl.run.setup;
 the SFT warm-up, non-finite guard, `--resume`, evals and the run loop: rl.run.loop) is shared with rl.train;
@@ -25,27 +25,19 @@ import sys
 from collections.abc import Sequence
 
 from rl import cli as command
-from rl.agent_step import GRID_SYSTEM, GRID_WARMUP_SEEDS, AgentStep, EnvFactory
-from rl.agent_update import (
-  AgentBatch,
-  UpdateSettings,
-  old_logps_and_values,
-  update_step,
-)
+from rl.agent.step import AgentStep, EnvFactory
 from rl.config import GRPOConfig
 from rl.run.loop import Run
 from rl.run.setup import Policy, build
 
-# bench.memory lowers the update from here; tests read the grid's warm-up constants.
-__all__ = ["GRID_SYSTEM", "GRID_WARMUP_SEEDS", "AgentBatch", "AgentStep", "UpdateSettings"]
-__all__ += ["cli", "main", "make_run", "old_logps_and_values", "update_step"]
+__all__ = ["cli", "main", "make_run"]
 
 
 def make_run(
   cfg: GRPOConfig, env_factory: EnvFactory | None = None, system: str | None = None
 ) -> Run:
   """The multi-turn run of `cfg`: the shared set-up (no dataset prompt-room check: an episode's
-  prompt is an environment observation; its widths are rl.agent_step's), the policy and the agent's
+  prompt is an environment observation; its widths are rl.agent.step's), the policy and the agent's
   step over `env_factory` (default: env.name's) with `system` as the system prompt."""
   setup = build(cfg, prompt_room=False)
   policy = Policy(setup)

@@ -2,7 +2,7 @@
 episodes, rolled out turn by turn (rl.rollout.multiturn) -> rows packed at the run's fixed widths,
 whose loss mask holds only model tokens -> the pre-update pass (old log-probs, the critic's values) and
 advantages (grpo: each episode's return normalised within its seed's group; ppo: GAE over model tokens,
-optionally whitened) -> one update per PPO epoch (rl.agent_update) -> the step's metrics.
+optionally whitened) -> one update per PPO epoch (rl.agent.update) -> the step's metrics.
 
 `AgentStep` binds it into the `rl.run.loop.Program` the run loop drives, with the environment, the critic
 and its optimizer state (checkpointed as "value_head" / "value_opt"), the multi-turn evals and the
@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl import ppo, sharding
+from rl import sharding
 from rl.advantages import group_advantages
-from rl.agent_update import (
+from rl.agent import ppo
+from rl.agent.critic import CriticModel, ValueHead
+from rl.agent.update import (
   AgentBatch,
   compile_update,
   head_optimizer,
@@ -35,7 +37,6 @@ from rl.agent_update import (
   update_settings,
 )
 from rl.configlib import ConfigError
-from rl.critic import CriticModel, ValueHead
 from rl.data.tokenizer import IM_END, chatml
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.logging.metrics import step_time_metrics

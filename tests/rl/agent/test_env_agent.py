@@ -11,7 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from rl import agent, train
+from rl import train
+from rl.agent import __main__ as agent
+from rl.agent.step import GRID_SYSTEM, GRID_WARMUP_SEEDS
 from rl.configlib import ConfigError
 from rl.env.base import StepResult
 from rl.logging.metrics import read_metrics
@@ -264,11 +266,11 @@ def test_grid_warmup_teaches_expert_moves_on_unseen_layouts(tmp_path):
     for i in range(20):
       prompt, answer = trainer.program.sft_pair(i)
       text = decode(prompt)
-      assert text.count(agent.GRID_SYSTEM) == 1 and text.endswith("assistant\n")
+      assert text.count(GRID_SYSTEM) == 1 and text.endswith("assistant\n")
       turns = text.split("\nuser\n")[1:]  # each: board [+ question], assistant header, reply
       replies = [t.split("assistant\n")[1].strip() for t in turns[:-1]]
       env = trainer.program.env_factory()
-      env.reset(agent.GRID_WARMUP_SEEDS + i)
+      env.reset(GRID_WARMUP_SEEDS + i)
       for move in replies:
         assert move in ("up", "down", "left", "right"), move
         env.step(move)
@@ -342,7 +344,7 @@ def test_config_keys_are_checked():
 
 
 _RUN_ASCII = (
-  "import sys; from rl import agent, train; from tests.rl.test_env_agent import AsciiEnv; "
+  "import sys; from rl import train; from rl.agent import __main__ as agent; from tests.rl.agent.test_env_agent import AsciiEnv; "
   "cfg = train.parse_args(sys.argv[1:]); train.start_process(cfg); "
   "t = agent.make_run(cfg, AsciiEnv, 'Be brief.'); t.run(); t.close()"
 )
@@ -353,7 +355,9 @@ def test_two_processes_match_one(tmp_path):
   each rolls out its share of the episodes, GAE runs on its own rows, whitening, explained variance
   and the episode metrics are over both, the update is on the global batch; eval's 3 problems split
   2 + 1 (unequal shares gathered without counting the padding)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  )
   common = [
     "model.preset=tiny",
     "rollout.max_seq_len=384",  # eval: calc problems under the GSM8K system prompt
