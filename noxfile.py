@@ -258,7 +258,7 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 
 TPU_COMPILE_TESTS = (
   "tests/test_tpu_compile.py",
-  "tests/rl/test_tpu_check.py",
+  "tests/rl/aot/test_tpu_check.py",
   "tests/test_optim_tiled.py",
   "tests/test_tpu_targets.py",
   "tests/test_tpu_schedule.py",
@@ -270,7 +270,7 @@ def tpu_compile(session: nox.Session):
   """Every TPU kernel and TPU config through libtpu's real compiler, no TPU needed:
   tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
   inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
-  tests/rl/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
+  tests/rl/aot/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
   twins); the TPU optimizer's, the slice table's and the scheduled code's compile tests. Its own
   environment: the project + jax[tpu] at the version the project resolved (jax 0.10.x on 3.11;
   libtpu's compiler must match jaxlib). Pytest arguments after --."""
@@ -283,7 +283,7 @@ def tpu_compile(session: nox.Session):
 # over a whole 0.5B tree (XLA programs around the same kernels) stay in `tpu_compile`, so the two
 # sessions fit .ci/run's 45 minutes.
 TPU_COMPILE_JAX011_TESTS = (
-  *(t for t in TPU_COMPILE_TESTS if t != "tests/rl/test_tpu_check.py"),
+  *(t for t in TPU_COMPILE_TESTS if t != "tests/rl/aot/test_tpu_check.py"),
   *("-k", "not full_0_5b_tree"),
 )
 

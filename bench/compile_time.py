@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import jax
 
-from rl import check, configlib
+from rl import configlib
+from rl.aot import check
 from rl.config import GRPOConfig
 from rl.model import preset
 

@@ -152,12 +152,12 @@ def step_account(model, engine) -> byte_account.StepAccount | None:
 
 
 def tpu_step_account(model, engine):
-  """On a TPU: the compiled decode step's bytes from rl.decode_bytes.decode_account (the TPU compiler's
+  """On a TPU: the compiled decode step's bytes from rl.aot.decode_bytes.decode_account (the TPU compiler's
   cost analysis, the paged kernel's KV reads added) instead of XLA:CPU's byte account: the floor
   check of the rollout on the platform it runs on. The same (ideal, accessed, ratio) row fields."""
   import types
 
-  from rl.decode_bytes import decode_account
+  from rl.aot.decode_bytes import decode_account
 
   with steps.precision_scope(engine.config.matmul_precision):
     a = decode_account(engine.config, model.cfg, jax.devices()[0])

@@ -165,7 +165,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
 
 def head_optimizer(cfg: GRPOConfig) -> optax.GradientTransformation:
   """The critic's optimizer: AdamW on the policy's learning-rate schedule (rl.agent.step.AgentStep
-  trains the critic with it; rl.programs compiles the same update for --check)."""
+  trains the critic with it; rl.aot.programs compiles the same update for --check)."""
   from rl.run.setup import learning_rate_schedule
 
   tcfg = cfg.train

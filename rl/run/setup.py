@@ -2,7 +2,7 @@
 rollout engine, the optimizers, the metric sinks and the checkpointer, with the up-front checks that
 stop a bad config before anything compiles (prompt room, process counts) and the packed widths fixed
 from the data. `build` gathers them into one frozen `Setup`; `Policy` holds what moves (the weights,
-their optimizer state, the frozen reference). `rl.train`, `rl.agent` and `rl.check` (--check) build
+their optimizer state, the frozen reference). `rl.train`, `rl.agent` and `rl.aot.check` (--check) build
 from these functions, so a check and a run agree.
 """
 
@@ -298,7 +298,7 @@ def rollout_replica(params, compute_dtype, tp: int = 1):
 
 def rollout_mesh(devices, tp: int = 1):
   """The mesh a process rolls out on when several share a run: its own `devices`, fsdp over them
-  (and tp, as the run's, where it divides them). rl.slice_check lays host 0's out the same way."""
+  (and tp, as the run's, where it divides them). rl.aot.slice_check lays host 0's out the same way."""
   return sharding.make_mesh(1, -1, tp if len(devices) % tp == 0 else 1, devices=devices)
 
 

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from bench import device_plan
-from rl import check, configlib, train
+from rl import configlib, train
+from rl.aot import check
 from rl.config import GRPOConfig
 from rl.config import platform as platforms
 from rl.configlib import ConfigError
@@ -126,12 +127,12 @@ def test_bad_values_are_clear_errors(overrides, match):
 
 
 def test_check_modules_do_not_import_the_entry_points():
-  """rl.agent -> rl.cli -> rl.check used to import rl.agent back (an import circle): the check and the
+  """rl.agent -> rl.cli -> rl.aot.check used to import rl.agent back (an import circle): the check and the
   programs it builds import the update modules, never an entry point."""
   import subprocess
   import sys
 
-  code = "import sys, rl.check, rl.slice_check; assert 'rl.agent.__main__' not in sys.modules, 'rl.agent'"
+  code = "import sys, rl.aot.check, rl.aot.slice_check; assert 'rl.agent.__main__' not in sys.modules, 'rl.agent'"
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -1,6 +1,6 @@
 """The decode step's bytes on one TPU chip, by XLA's cost analysis of the compiled programs, next to
 the ideal (weights once in the compute dtype + the live KV once + the logits): `--check`'s decode
-figure (rl.slice_check) and bench.rollout's floor check on a TPU. See `decode_account`.
+figure (rl.aot.slice_check) and bench.rollout's floor check on a TPU. See `decode_account`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rl import programs
+from rl.aot import programs
 from rl.model import qwen
 from rl.rollout.config import EngineConfig
 
@@ -29,7 +29,7 @@ ITEM_BYTES = dict(
 def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
   """Bytes per decode step of the decode chunk on one chip (all max_slots rows at the compiled
   context) by XLA's cost analysis: the chunk with one (unrolled) layer, plus L - 1 trips of the
-  layer scan's body (rl.programs.engine_layer_program: one layer's step, its own weights); the
+  layer scan's body (rl.aot.programs.engine_layer_program: one layer's step, its own weights); the
   paged kernel's KV reads (a custom call XLA does not charge) are added as the live KV read once
   (modelled). Next to the ideal (decode_ideal).
 
@@ -38,7 +38,7 @@ def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
   VMEM before the program starts, and the cost analysis bills that weight about 5 times over. In
   the real decode chunk the layer's weights are slices of the stacked [L, ...] parameters inside
   the layer scan, which XLA does not prefetch: the compiled chunk holds no cross-program prefetch
-  (rl.slice_check reports the count per program). `decode_layer_xla_bytes_prefetched` keeps the
+  (rl.aot.slice_check reports the count per program). `decode_layer_xla_bytes_prefetched` keeps the
   layer's figure with the prefetch, for comparison."""
   twin = dataclasses.replace(model_cfg, num_layers=1)
   fn, args = chunk_on(device, ecfg, twin)
@@ -71,7 +71,7 @@ def decode_account(ecfg: EngineConfig, model_cfg, device) -> dict:
 
 
 def chunk_on(device, ecfg: EngineConfig, model_cfg):
-  """The engine's decode chunk (rl.programs.engine_decode_program) with its arrays on `device`
+  """The engine's decode chunk (rl.aot.programs.engine_decode_program) with its arrays on `device`
   alone; the static arguments (steps, filtered) stay as they are."""
   one = jax.sharding.SingleDeviceSharding(device)
   fn, args = programs.engine_decode_program(ecfg, model_cfg)

@@ -1,4 +1,4 @@
-"""`--check` on every TPU config's slice, compiled by libtpu from this CPU host (rl.slice_check).
+"""`--check` on every TPU config's slice, compiled by libtpu from this CPU host (rl.aot.slice_check).
 
 Skipped without libtpu (the default test environment); the TPU compile session (`nox -s tpu_compile`,
 which has `jax[tpu]`) runs this file. CI compiles each config's declared reduced-layer twin
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
   reason='needs libtpu: pip install "jax[tpu]" (nox -s tpu_compile)',
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CONFIGS = sorted(
   os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "tpu-*.yaml"))
 )
@@ -68,7 +68,8 @@ def test_check_command_line_on_a_slice(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", [c for c in CONFIGS if c != "tpu-qwen2.5-1.5b.yaml"])
 def test_config_compiles_and_fits_on_its_slice(name, monkeypatch):
   """Every other TPU config's twin (the decode bytes left to the tests above and below)."""
-  from rl import check, configlib
+  from rl import configlib
+  from rl.aot import check
   from rl.config import GRPOConfig
 
   monkeypatch.chdir(ROOT)
@@ -79,14 +80,15 @@ def test_config_compiles_and_fits_on_its_slice(name, monkeypatch):
 
 
 def test_agent_check_compiles_its_update_on_a_slice(monkeypatch):
-  """rl.agent's --check (rl.check.check, entry rl.agent) on the 1.5B config's twin as a PPO run
+  """rl.agent's --check (rl.aot.check.check, entry rl.agent) on the 1.5B config's twin as a PPO run
   (value head): the agent's own programs (its update with the critic, its pre-update pass) compile
   for v6e-4 with the run's shardings, the loss kernels inside the sharded update. Catches: the
   agent's update calling the Pallas loss outside a shard_map ("Mosaic kernels cannot be
   automatically partitioned"), its policy optimizer built without the mesh (the fused kernels then
   too), and a check that lowers the agent's programs instead of compiling them. Narrow episodes
   (max_seq_len 256) and no decode account keep it short (the CLI path is rl.train's test above)."""
-  from rl import check, configlib
+  from rl import configlib
+  from rl.aot import check
   from rl.config import GRPOConfig
 
   monkeypatch.chdir(ROOT)
@@ -103,14 +105,15 @@ def test_agent_check_compiles_its_update_on_a_slice(monkeypatch):
 
 def test_decode_step_updates_the_pool_in_place():
   """The 1.5B config's paged decode step on one v6e chip (128 slots x 1664, 28 layers: the 1-layer
-  chunk + 27 trips of the layer body, rl.decode_bytes.decode_account), with the pool aliased in
+  chunk + 27 trips of the layer body, rl.aot.decode_bytes.decode_account), with the pool aliased in
   place: within the issue's 1.3x of the ideal. Catches the pool converted to the kernel's layout and
   back in every layer (~45x the ideal at 256 slots, before; ~0.2 GB a layer), the KV read by an XLA
   gather instead of the kernel, and the account's layer program compiled with cross-program
   prefetch again (1.37x: XLA bills the prefetched MLP weight ~5 times over; the real chunk, also
   compiled here, prefetches nothing, which is the account's premise). ~20 s of compiles."""
   from kernels import backend
-  from rl import configlib, decode_bytes
+  from rl import configlib
+  from rl.aot import decode_bytes
   from rl.config import GRPOConfig
   from rl.model import preset
 

@@ -278,7 +278,7 @@ def engine_layer_program(ecfg: EngineConfig, model_cfg, slots: int | None = None
   """One decoder layer's decode step as the decode chunk's layer scan runs it (one trip of the
   scan body): [slots] new tokens through the layer's own weights (compute dtype, unstacked) and a
   one-layer paged pool, the pool donated (updated in place). What the decode step's bytes are
-  counted per layer from (rl.decode_bytes.decode_account)."""
+  counted per layer from (rl.aot.decode_bytes.decode_account)."""
   s = slots or ecfg.max_slots
   one = dataclasses.replace(model_cfg, num_layers=1)
   layers = abstract_model(one).layers

@@ -9,7 +9,7 @@ another; any other file name: this host's). In order, each a ConfigError naming 
      pool, unfused logits), against the device's memory where the table knows it (a lower bound:
      activations are left out, so a config over it surely does not fit);
   5. a TPU config naming its slice (mesh.topology, or --topology) with libtpu installed: the run's
-     sharded programs compiled for the slice's abstract devices (rl.slice_check: per-device memory
+     sharded programs compiled for the slice's abstract devices (rl.aot.slice_check: per-device memory
      against the generation's HBM, "fits" or "does not fit by N GiB", Mosaic calls, compile seconds,
      the decode step's bytes); else AOT lowering, from this host, for the platform
      (kernels.backend.use_target; for GPU the abstract H100), of the train step and of the rollout's
@@ -30,14 +30,14 @@ from flax import nnx
 
 from kernels import tpu_targets
 from kernels.backend import Platform, make_target, use_target
-from rl import programs, slice_check
+from rl.aot import programs, slice_check
+from rl.aot.programs import abstract_cache, decode_chunk_program, train_step_program
 from rl.config import GRPOConfig
 from rl.config import platform as platforms
 from rl.configlib import ConfigError
 from rl.data.prompts import TEMPLATES
 from rl.model import abstract_model, preset
 from rl.optimizer import make_optimizer
-from rl.programs import abstract_cache, decode_chunk_program, train_step_program
 from rl.run import setup
 
 GIB = 2**30

@@ -1,6 +1,6 @@
 """`--check` on a TPU slice: the run's real sharded programs compiled for the slice's abstract devices.
 
-`check_slice` builds, with the shardings the run uses (rl.programs), the train step (the config's
+`check_slice` builds, with the shardings the run uses (rl.aot.programs), the train step (the config's
 loss impl, remat and optimizer), the reference / old log-prob pass when the config uses one (for
 rl.agent: its update with the critic, and its pre-update log-prob / value pass), the rollout's
 prefill and its decode chunk, and compiles each with libtpu's compiler for the slice's
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels import backend, tpu_targets
-from rl import programs
+from rl.aot import programs
+from rl.aot.decode_bytes import ITEM_BYTES, MOSAIC, PREFETCH, decode_account
 from rl.config import GRPOConfig
 from rl.configlib import ConfigError
-from rl.decode_bytes import ITEM_BYTES, MOSAIC, PREFETCH, decode_account
 from rl.rollout.engine import bucket
 from rl.run.setup import rollout_mesh
 from rl.sharding import make_mesh
