@@ -176,7 +176,7 @@ def profile(session: nox.Session):
 @nox.session(python="3.12")
 def sglang(session: nox.Session):
   """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12) on CPU: its tests, then tokens/s of
-  sglang_jax vs paged vs dense on one workload (`bench.rollout --size h128`, parity-gated rows).
+  sglang_jax vs paged vs dense on one workload (`bench.rollout.throughput --size h128`, parity-gated rows).
 
   One pytest process per engine: sglang-jax 0.1.0rc0's scheduler thread outlives `close()` and keeps a
   core busy, so each engine gets a process of its own (as the loop has). `-- --no-bench`: the tests
@@ -207,7 +207,7 @@ def sglang(session: nox.Session):
     "-W",
     "ignore::DeprecationWarning",
     "-m",
-    "bench.rollout",
+    "bench.rollout.throughput",
     "--size",
     "h128",
     "--backend",

@@ -29,7 +29,6 @@ from tqdm import tqdm
 from bench import loop as loop_bench
 from bench import mismatch as mismatch_bench
 from bench import report, roofline
-from bench import rollout as rollout_bench
 from bench.cases import SUITES, all_cases
 from bench.cli import (
   ALL_SUITES,
@@ -43,6 +42,8 @@ from bench.cli import (
   parse_args,
   tpu_slice,
 )
+from bench.rollout import table as rollout_table
+from bench.rollout import throughput as rollout_bench
 from bench.run import release, run_case
 from kernels import backend
 
@@ -217,7 +218,7 @@ def _finish(run: Run, profile_dir) -> int:
   run.save(final=True)  # complete: the partial marker goes
   print(report.markdown_table(run.results))
   for r in run.rollout_runs:
-    print(f"\nrollout ({r['size']}):\n" + rollout_bench.markdown(r["rows"], r))
+    print(f"\nrollout ({r['size']}):\n" + rollout_table.markdown(r["rows"], r))
   for r in run.mismatch_runs:
     print(f"\nengine mismatch ({r['size']}):\n" + mismatch_bench.markdown(r["rows"]))
   print(f"\nwrote {run.out}/ (results.json, summary.md{', plots' if run.cfg.plots else ''})")

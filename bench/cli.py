@@ -11,7 +11,9 @@ import pathlib
 from bench import loop as loop_bench
 from bench.cases import SIZES, SUITES
 
-ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
+ROLLOUT = (
+  "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout/throughput.py)
+)
 LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
 PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional

@@ -1,6 +1,6 @@
 """The decode step's bytes on one TPU chip, by XLA's cost analysis of the compiled programs, next to
 the ideal (weights once in the compute dtype + the live KV once + the logits): `--check`'s decode
-figure (rl.aot.slice_check) and bench.rollout's floor check on a TPU. See `decode_account`.
+figure (rl.aot.slice_check) and bench.rollout.throughput's floor check on a TPU. See `decode_account`.
 """
 
 from __future__ import annotations

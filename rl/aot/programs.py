@@ -259,7 +259,7 @@ def decode_chunk_program(cfg: GRPOConfig, model_cfg, mesh=None, slots: int | Non
 
 
 def engine_decode_program(ecfg: EngineConfig, model_cfg, mesh=None, slots: int | None = None):
-  """`decode_chunk_program` of an engine's own settings (bench.rollout's engines)."""
+  """`decode_chunk_program` of an engine's own settings (bench.rollout.throughput's engines)."""
   s = slots or ecfg.max_slots
   graph, state = rollout_state(model_cfg, mesh)
   rows = row_sharding(mesh, ecfg.max_slots)

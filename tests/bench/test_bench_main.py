@@ -246,9 +246,9 @@ def test_a_rollout_suite_stopped_mid_way_keeps_its_measured_rows(tmp_path, monke
   """The rollout suite ran ~160 s on the H100: a report written once per suite would lose every row
   of a suite its step's limit cut short. Each row is saved as it is measured: stopped after the first
   row, results.json holds that row and still names the suite as left to run."""
-  from bench import rollout as rollout_bench
+  from bench.rollout import table as rollout_table
 
-  row = rollout_bench.RolloutBenchRow(
+  row = rollout_table.RolloutBenchRow(
     "paged", "fixed", 1.0, 64, 64.0, 0.1, 0.9, 8, 0, 0.1, 1e-3, True
   )
 

@@ -160,23 +160,23 @@ def test_the_parity_gate_needs_engine_and_check_at_one_precision():
   same weights decoded with bf16 operands (what an f32 dot at GPU default / "bfloat16" precision
   does) fail a gate that checks against full f32, by far more than the tolerance; and a wrong engine
   (a shifted position) fails even at matched precision."""
-  from bench import rollout
+  from bench.rollout import parity, throughput
 
   model = scale_weights(init_model(preset("tiny", dtype="float32"), seed=0), 10.0)
-  size = rollout.SIZES["tiny"]
-  prompts, params = rollout.workload(size, "fixed")
+  size = throughput.SIZES["tiny"]
+  prompts, params = throughput.workload(size, "fixed")
   cfg = EngineConfig(
     backend="paged", max_seq_len=16, max_slots=4, page_size=8, matmul_precision="highest"
   )
   res = make_engine(model, cfg, eos_ids=[]).generate(prompts, params)
-  err, _, _ = rollout.teacher_forced_error(model, res, 8, 8, precision="highest")
+  err, _, _ = parity.teacher_forced_error(model, res, 8, 8, precision="highest")
   assert err <= 1.0
   reduced = scale_weights(init_model(preset("tiny", dtype="bfloat16"), seed=0), 10.0)
   low = make_engine(reduced, cfg, eos_ids=[]).generate(prompts, params)
-  err_low, _, _ = rollout.teacher_forced_error(model, low, 8, 8, precision="highest")
+  err_low, _, _ = parity.teacher_forced_error(model, low, 8, 8, precision="highest")
   assert err_low > 1.0
   shifted = dataclasses.replace(
     res,
     completions=[dataclasses.replace(c, logprobs=np.roll(c.logprobs, 1)) for c in res.completions],
   )
-  assert rollout.teacher_forced_error(model, shifted, 8, 8, precision="highest")[0] > 1.0
+  assert parity.teacher_forced_error(model, shifted, 8, 8, precision="highest")[0] > 1.0

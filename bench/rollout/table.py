@@ -1,17 +1,46 @@
-"""The rollout suite's markdown table (bench.rollout's rows): measured times beside the compiled byte
-account and the parity gates, one row per workload and backend."""
+"""The rollout suite's rows (`RolloutBenchRow`, one per workload and backend: bench.rollout.throughput
+fills them) and their markdown table: measured times beside the compiled byte account and the parity
+gates."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
-if TYPE_CHECKING:
-  from bench.rollout import RolloutBenchRow
+
+@dataclasses.dataclass
+class RolloutBenchRow:
+  backend: str
+  workload: str
+  median_s: float
+  tokens: int
+  tokens_per_s: float
+  prefill_s: float
+  decode_s: float
+  decode_steps: int
+  preemptions: int
+  # report-only: the timed run (compute dtype) against the teacher-forced forward, err / tolerance
+  logprob_parity: float
+  logprob_max_abs_diff: float  # the same comparison in nats
+  ok: bool  # the gate passed: gate_parity <= 1
+  # the teacher-forced forward's own re-layout change in nats (see above); NaN in older results
+  logprob_floor: float = float("nan")
+  # the decode step's byte account (bench.rollout.byte_account; compile only, the engine's compiled shape:
+  # max_slots x max_seq_len): ideal and XLA-accessed bytes per step, their ratio; NaN for sglang_jax
+  bytes_ideal: float = float("nan")
+  bytes_accessed: float = float("nan")
+  bytes_ratio: float = float("nan")
+  step_ms: float = float("nan")  # measured: decode_s / decode_steps of the median run
+  # the timed run's divergence in ulps of its compute dtype at the largest |logit| (report-only)
+  logit_scale: float = float("nan")
+  rounding_ulps: float = float("nan")
+  # the gate: the f32 + "highest" run of the same engine and workload, err / tolerance and nats
+  gate_parity: float = float("nan")
+  gate_max_abs_diff: float = float("nan")
 
 
 def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
   """The suite's table. Time columns and "time vs dense" are measured; the byte columns and "bytes vs
-  dense" come from XLA's cost analysis of the compiled decode step (bench.byte_account), not measured;
+  dense" come from XLA's cost analysis of the compiled decode step (bench.rollout.byte_account), not measured;
   "gate" is the f32 + highest parity run (ok), "own dtype" the timed run's report-only divergence."""
   ref = (extra or {}).get("reference", "dense")
   lines = [

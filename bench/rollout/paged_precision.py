@@ -1,8 +1,8 @@
 """Why the paged engine's bf16 log-probs were further from the trainer's than the dense engine's (issue
 18), measured: the same model and requests through the paged engine with three decode attentions.
 
-    python -m bench.paged_precision            # bf16 and f32, the rollout bench's small CPU workload
-    python -m bench.paged_precision --pallas   # also the Pallas kernel (CPU: the interpreter, slow)
+    python -m bench.rollout.paged_precision            # bf16 and f32, the rollout bench's small CPU workload
+    python -m bench.rollout.paged_precision --pallas   # also the Pallas kernel (CPU: the interpreter, slow)
 
   * "model attention": the fix, what attn_impl "xla" (and "auto" on CPU) runs: the model's `rl.model.cache.attention`
     over the gathered pages (softmax in f32, probabilities rounded to the compute dtype, then PV);
@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from bench.mismatch import trainer_logps
-from bench.rollout import SIZES, bench_engine, greedy_agreement, workload
+from bench.rollout.parity import greedy_agreement
+from bench.rollout.throughput import SIZES, bench_engine, workload
 from rl.model import init_model, preset, scale_weights
 from rl.rollout.paged import PagedEngine
 from rl.rollout.paged_cache import PYTREE_FIELDS, PagedKVCache
@@ -83,7 +84,7 @@ def run(variants=VARIANTS[:2], dtypes=("bfloat16", "float32")) -> list[dict]:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
-    prog="python -m bench.paged_precision", description=__doc__.split("\n")[0]
+    prog="python -m bench.rollout.paged_precision", description=__doc__.split("\n")[0]
   )
   p.add_argument("--pallas", action="store_true", help="also the Pallas kernel (CPU: interpreter)")
   a = p.parse_args(argv)

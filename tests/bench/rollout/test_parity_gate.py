@@ -1,4 +1,4 @@
-"""The rollout bench's parity gate (bench.rollout_parity): an f32 + "highest" run of each engine
+"""The rollout bench's parity gate (bench.rollout.parity): an f32 + "highest" run of each engine
 against a teacher-forced forward at the same precision. It must pass a correct engine whatever the
 platform's precision defaults, and fail an engine with a real cache bug injected (a shifted position,
 a lost KV write whose page is then read stale), where the bug lives: in the engine's cache."""
@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from bench import rollout
+from bench.rollout import parity, throughput
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, make_engine
 from rl.rollout.paged import PagedEngine
 from rl.rollout.paged_cache import PYTREE_FIELDS, PagedKVCache
 
-SIZE = rollout.SIZES["tiny"]  # 2 prompts x 2 samples, 8 + 8 tokens, page 8, 4 steps per sync
+SIZE = throughput.SIZES["tiny"]  # 2 prompts x 2 samples, 8 + 8 tokens, page 8, 4 steps per sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _gate_engine(model, cls=PagedKVCache):
     max_slots=SIZE["prompts"] * SIZE["n"],
     page_size=SIZE["page_size"],
     steps_per_sync=SIZE["steps"],
-    matmul_precision=rollout.GATE_PRECISION,
+    matmul_precision=parity.GATE_PRECISION,
   )
   return Engine(model, cfg, eos_ids=[])
 
@@ -73,7 +73,7 @@ def _gate_engine(model, cls=PagedKVCache):
 @pytest.fixture(scope="module")
 def models():
   bf16 = scale_weights(init_model(preset("tiny"), seed=0), 10.0)
-  return bf16, rollout.gate_model(bf16)
+  return bf16, parity.gate_model(bf16)
 
 
 def test_gate_model_is_the_same_weights_in_f32_compute(models):
@@ -92,9 +92,9 @@ def test_gate_passes_a_correct_engine_and_fails_an_injected_cache_bug(models, cl
   tolerance on CPU), the same engine with the bug in its cache fails by far (3.8 / 5.8 nats, ~2e4x the
   tolerance): a gate loose enough to pass bf16 rounding on a GPU must still catch these."""
   _, twin = models
-  good = rollout.gate(_gate_engine(twin), SIZE, "fixed")
+  good = throughput.gate(_gate_engine(twin), SIZE, "fixed")
   assert good.err <= 1.0
-  bad = rollout.gate(_gate_engine(twin, cls), SIZE, "fixed")
+  bad = throughput.gate(_gate_engine(twin, cls), SIZE, "fixed")
   assert bad.err > 10.0 and bad.max_abs_diff > 1e-2
 
 
@@ -108,10 +108,10 @@ def test_reduced_precision_fails_the_old_gate_and_passes_the_new(models):
   compute-dtype rows (`rounding_ulps`: bf16 ulps at the largest |logit|; 1.2 measured here), far from a
   cache bug's (millions, see above): reported, not gating."""
   bf16, twin = models
-  prompts, params = rollout.workload(SIZE, "fixed")
+  prompts, params = throughput.workload(SIZE, "fixed")
   reduced = make_engine(bf16, _gate_engine(twin).config, eos_ids=[]).generate(prompts, params)
-  old = rollout.parity(twin, reduced, SIZE["prompt_len"], SIZE["new_tokens"])
+  old = parity.parity(twin, reduced, SIZE["prompt_len"], SIZE["new_tokens"])
   assert old.err > 10.0  # 362 measured
-  assert rollout.gate(_gate_engine(twin), SIZE, "fixed").err <= 1.0
+  assert throughput.gate(_gate_engine(twin), SIZE, "fixed").err <= 1.0
   ulps = old.max_abs_diff / (float(jnp.finfo(jnp.bfloat16).eps) * old.logit_scale)
   assert 0.1 < ulps < 4.0

@@ -3,7 +3,7 @@ writes per step, next to the floor (weights once in the compute dtype + the KV t
 the logits). Compile only: the model and cache are abstract (`jax.ShapeDtypeStruct`), nothing runs,
 so it works on CPU at the real Qwen2.5-0.5B shape.
 
-    python -m bench.byte_account                        # Qwen2.5-0.5B, 128 slots x 768, paged + dense
+    python -m bench.rollout.byte_account                        # Qwen2.5-0.5B, 128 slots x 768, paged + dense
 
 What XLA's cost model counts (`compiled.cost_analysis()["bytes accessed"]`, HloCostAnalysis):
   * every instruction of a non-fused computation is charged its operands' and its result's bytes; a
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
   from rl.model import preset
 
   p = argparse.ArgumentParser(
-    prog="python -m bench.byte_account", description=__doc__.split("\n")[0]
+    prog="python -m bench.rollout.byte_account", description=__doc__.split("\n")[0]
   )
   p.add_argument("--model", default="qwen2.5-0.5b")
   p.add_argument("--batch", type=int, default=128)

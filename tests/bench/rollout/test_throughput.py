@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import rollout
+from bench.rollout import parity, throughput
+from bench.rollout.table import markdown
 from bench.tolerances import FLOOR_FACTOR, parity_error
 from rl.model import init_model, preset, scale_weights
 from rl.model.cache import DenseKVCache, attention
@@ -16,7 +17,7 @@ from rl.rollout import EngineConfig, make_engine
 
 
 def test_rollout_bench_reports_both_backends(tmp_path):
-  rows, extra = rollout.run("tiny", repeats=1)
+  rows, extra = throughput.run("tiny", repeats=1)
   assert {(r.backend, r.workload) for r in rows} == {
     (b, w) for b in ("paged", "dense") for w in ("fixed", "varied")
   }
@@ -30,10 +31,10 @@ def test_rollout_bench_reports_both_backends(tmp_path):
   assert by["paged", "fixed"].tokens == 2 * 2 * 8
   # the gate (f32 + highest run) decides ok; the bf16 run's divergence is reported beside it
   assert all(r.ok and r.gate_parity <= 1.0 and r.rounding_ulps < 4.0 for r in rows)
-  table = rollout.markdown(rows, extra)
+  table = markdown(rows, extra)
   assert "time vs dense (measured)" in table and "bytes vs dense (compiled)" in table
   argv = ["--size", "tiny", "--repeats", "1", "--warmup", "0", "--backend", "paged"]
-  assert rollout.main([*argv, "--out", str(tmp_path)]) == 0  # the CLI, one backend: cheap
+  assert throughput.main([*argv, "--out", str(tmp_path)]) == 0  # the CLI, one backend: cheap
   assert (tmp_path / "results.json").exists() and (tmp_path / "summary.md").exists()
 
 
@@ -51,25 +52,25 @@ def test_parity_error_allows_the_measured_floor_times_the_factor():
 
 def test_teacher_forced_check_catches_wrong_logprobs():
   model = scale_weights(init_model(preset("tiny"), seed=0), 10.0)
-  size = rollout.SIZES["tiny"]
-  prompts, params = rollout.workload(size, "fixed")
+  size = throughput.SIZES["tiny"]
+  prompts, params = throughput.workload(size, "fixed")
   engine = make_engine(
     model, EngineConfig(backend="paged", max_seq_len=16, max_slots=4, page_size=8), eos_ids=[]
   )
   res = engine.generate(prompts, params)
-  err, _, floor = rollout.teacher_forced_error(model, res, size["prompt_len"], size["new_tokens"])
+  err, _, floor = parity.teacher_forced_error(model, res, size["prompt_len"], size["new_tokens"])
   assert err <= 1.0
   # the floor is the same model's forward under two layouts: rounding-sized, never a model-sized gap
   # (a floor taken against the wrong rows or model would let any engine through)
   assert 0.0 <= floor < 1e-3
   # the log-probs of a different model (as a stale or mis-synced engine would report) fail the check
   other = scale_weights(init_model(preset("tiny"), seed=1), 10.0)
-  assert rollout.teacher_forced_error(other, res, size["prompt_len"], size["new_tokens"])[0] > 1.0
+  assert parity.teacher_forced_error(other, res, size["prompt_len"], size["new_tokens"])[0] > 1.0
   greedy = [dataclasses.replace(p, temperature=0.0) for p in params]
   a, b = engine.generate(prompts, greedy), engine.generate(prompts, greedy)
-  assert rollout.greedy_agreement(a, b) == 1.0
+  assert parity.greedy_agreement(a, b) == 1.0
   b.completions[0].token_ids = b.completions[0].token_ids + 1
-  assert rollout.greedy_agreement(a, b) == 0.75
+  assert parity.greedy_agreement(a, b) == 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
   shows as a small excess, the engine-side check is in tests/rl/rollout/test_rollout.py) and a per-step copy
   of the cache (`_CopyingCache`, a masked rewrite of the whole cache instead of a scatter: at least
   one whole cache more per step than the engines' in-place scatter)."""
-  from bench import byte_account
+  from bench.rollout import byte_account
 
   cfg = preset("tiny")
   held = byte_account.account(cfg, "paged", batch=8, context=64, page_size=16, steps_per_sync=1)
@@ -124,7 +125,7 @@ def test_byte_account_catches_a_per_step_weight_cast_and_cache_copy():
 def test_inplace_fix_charges_fused_scatter_and_gather_by_what_they_touch():
   """By hand on HLO text: a fusion around an in-place scatter into a [4, 1024] u16 pool, and one
   around a gather of 2 rows of it, are charged their updates / gathered rows, not the whole pool."""
-  from bench.byte_account import inplace_fix
+  from bench.rollout.byte_account import inplace_fix
 
   hlo = """
 %sc (p0: u16[4,1024], p1: s32[2,1], p2: u16[2,1024]) -> u16[4,1024] {

@@ -1,9 +1,9 @@
 """Rollout throughput: generated tokens/s of the paged engine against the dense reference sampler, in
 the same run, on a random model of a real preset's shape (no checkpoint needed).
 
-    python -m bench.rollout                       # CPU: the tiny model, small batch
-    python -m bench.rollout --size large          # GPU/TPU: Qwen2.5-0.5B shape, 128 x (256 + 512)
-    python -m bench.rollout --size h128 --backend paged --backend sglang_jax --backend dense
+    python -m bench.rollout.throughput                       # CPU: the tiny model, small batch
+    python -m bench.rollout.throughput --size large          # GPU/TPU: Qwen2.5-0.5B shape, 128 x (256 + 512)
+    python -m bench.rollout.throughput --size h128 --backend paged --backend sglang_jax --backend dense
                                                   # with sglang-jax (needs head_dim 128: tiny-h128 here,
                                                   # Qwen2.5-1.5B with --size large-h128 on a TPU / GPU)
 
@@ -14,7 +14,7 @@ different lengths: continuous batching refills finished slots, a static batch wa
 One engine per backend serves both workloads: `warmup` untimed calls (compiles), then `repeats` timed
 runs; the median is reported.
 
-Parity on the run's own outputs, so a fast wrong engine never shows as a win (bench.rollout_parity
+Parity on the run's own outputs, so a fast wrong engine never shows as a win (bench.rollout.parity
 says why it is built this way): the gate is a separate run of each engine on each workload with the
 same weights in float32 compute and "highest" matmul precision, its sampler log-probs against a
 teacher-forced forward at the same precision (the tolerance table's f32 "value" budget, or
@@ -43,16 +43,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from bench import byte_account, trace
-from bench.rollout_parity import (  # noqa: F401 (re-exported: the bench's checks)
-  GATE_PRECISION,
-  Parity,
-  gate_model,
-  greedy_agreement,
-  parity,
-  teacher_forced_error,
-)
-from bench.rollout_table import markdown
+from bench import trace
+from bench.rollout import byte_account
+from bench.rollout.parity import GATE_PRECISION, Parity, gate_model, greedy_agreement, parity
+from bench.rollout.table import RolloutBenchRow, markdown
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine, steps
 
@@ -86,37 +80,6 @@ BACKENDS = (
   "paged",
   "dense",
 )  # the default comparison; the last named backend is the greedy reference
-
-
-@dataclasses.dataclass
-class RolloutBenchRow:
-  backend: str
-  workload: str
-  median_s: float
-  tokens: int
-  tokens_per_s: float
-  prefill_s: float
-  decode_s: float
-  decode_steps: int
-  preemptions: int
-  # report-only: the timed run (compute dtype) against the teacher-forced forward, err / tolerance
-  logprob_parity: float
-  logprob_max_abs_diff: float  # the same comparison in nats
-  ok: bool  # the gate passed: gate_parity <= 1
-  # the teacher-forced forward's own re-layout change in nats (see above); NaN in older results
-  logprob_floor: float = float("nan")
-  # the decode step's byte account (bench.byte_account; compile only, the engine's compiled shape:
-  # max_slots x max_seq_len): ideal and XLA-accessed bytes per step, their ratio; NaN for sglang_jax
-  bytes_ideal: float = float("nan")
-  bytes_accessed: float = float("nan")
-  bytes_ratio: float = float("nan")
-  step_ms: float = float("nan")  # measured: decode_s / decode_steps of the median run
-  # the timed run's divergence in ulps of its compute dtype at the largest |logit| (report-only)
-  logit_scale: float = float("nan")
-  rounding_ulps: float = float("nan")
-  # the gate: the f32 + "highest" run of the same engine and workload, err / tolerance and nats
-  gate_parity: float = float("nan")
-  gate_max_abs_diff: float = float("nan")
 
 
 def workload(size: dict, kind: str, seed: int = 0):
@@ -313,7 +276,9 @@ def _version(dist: str) -> str | None:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m bench.rollout.throughput", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--size", choices=sorted(SIZES), default=None)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument(

@@ -15,7 +15,7 @@ round at 2^-24 instead of 2^-8; "highest" makes the GPU's f32 dots (XLA's cuBLAS
 Triton's `dot`) run in IEEE f32 rather than TF32 (a 10-bit mantissa; XLA:CPU ignores the setting, so
 CPU could never show this). The gap is then the model's own f32 sensitivity, the measured floor
 (bench.tolerances.FLOOR_FACTOR), on either platform, while a wrong engine (a shifted position, a
-stale page, stale weights) stays nats off (tests/bench/test_rollout_parity_gate.py).
+stale page, stale weights) stays nats off (tests/bench/rollout/test_parity_gate.py).
 So: the gate is the f32 + "highest" run; the compute-dtype run's divergence is reported beside it, in
 nats and in ulps of its dtype at the logits' magnitude (`rounding_ulps`), never gating, until GPU
 measurements of correct engines give that unit a bound.
