@@ -137,15 +137,16 @@ def learning(session: nox.Session):
   in_dev(
     session,
     "-m",
-    "bench.learning",
+    "bench.loop.learning",
     *(session.posargs or ["--config", "configs/cpu-default.yaml", "--seeds", "0", "1", "2"]),
   )
 
 
 @nox.session(**SHARED)
 def loop(session: nox.Session):
-  """The loop step-time regression benchmark (bench/history/loop.jsonl; args after -- to bench.loop)."""
-  in_dev(session, "-m", "bench.loop", *session.posargs)
+  """The loop step-time regression benchmark (bench/history/loop.jsonl; args after -- to
+  bench.loop.step_time)."""
+  in_dev(session, "-m", "bench.loop.step_time", *session.posargs)
 
 
 @nox.session(**SHARED)

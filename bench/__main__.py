@@ -11,7 +11,7 @@ Examples::
 Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png. The ``mismatch`` suite adds each rollout engine's log-prob mismatch
 against the trainer (bench/mismatch.py). ``--suite tunix`` (asked for by name; needs google-tunix)
-compiles tunix's GRPO step with its loss and ours (bench/tunix_memory.py).
+compiles tunix's GRPO step with its loss and ours (bench/loop/tunix_memory.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 
 from tqdm import tqdm
 
-from bench import loop as loop_bench
 from bench import mismatch as mismatch_bench
 from bench import report, roofline
 from bench.cases import SUITES, all_cases
@@ -42,6 +41,7 @@ from bench.cli import (
   parse_args,
   tpu_slice,
 )
+from bench.loop import step_time as loop_bench
 from bench.rollout import table as rollout_table
 from bench.rollout import throughput as rollout_bench
 from bench.run import release, run_case
@@ -271,7 +271,7 @@ def compiled_main(cfg: BenchConfig) -> int:
 def main(argv=None) -> int:
   cfg = parse_args(argv)
   if cfg.suites and TUNIX in cfg.suites:
-    from bench import tunix_memory
+    from bench.loop import tunix_memory
 
     rc = tunix_memory.bench_suite(
       cfg.out or ROOT / "bench" / "results" / f"tunix-memory-{_stamp()}"

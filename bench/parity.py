@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from bench import learning
+from bench.loop import learning
 from rl.logging.wandb_sink import ALIASES
 from rl.logging.wandb_summary import read_summary
 
@@ -83,7 +83,7 @@ def _arm(text: str) -> list[str]:
 
 
 def run_summary(run_dir: str) -> dict:
-  """`bench.learning.summarize` of one run, plus the two figures the arms are compared on."""
+  """`bench.loop.learning.summarize` of one run, plus the two figures the arms are compared on."""
   out = learning.summarize(run_dir)
   out["eval_full_accuracy"] = out["eval_after"]
   return out

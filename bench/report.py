@@ -209,7 +209,7 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
     body += rollout_table.markdown(rows, run)
   if env.get("loop"):
-    from bench import loop  # lazily: it runs the GRPO loop (rl.train)
+    from bench.loop import step_time as loop  # lazily: it runs the GRPO loop (rl.train)
 
     body += "\n\n## GRPO loop step time (regression benchmark, `bench/history/loop.jsonl`)\n\n"
     body += loop.describe(env["loop"]["row"], env["loop"]["comparison"]) + "\n"

@@ -1,5 +1,5 @@
 """The run's compiled programs at the config's shapes, from abstract inputs, laid out as the run lays
-them out: what `--check` lowers or compiles and `bench.compile_time` times. Nothing is allocated.
+them out: what `--check` lowers or compiles and `bench.loop.compile_time` times. Nothing is allocated.
 
 Each `*_program` returns (the jitted function, its abstract arguments). With a `mesh` the arguments are
 `jax.ShapeDtypeStruct`s placed as the run places the real arrays — parameters by the partition rules

@@ -366,7 +366,7 @@ def test_the_committed_h100_example_renders_unchanged(tmp_path):
 
 
 def test_tunix_suite_is_asked_for_and_says_what_it_needs():
-  """`--suite tunix` (bench.tunix_memory: 10-30 minutes a compile) is a choice, not part of the
+  """`--suite tunix` (bench.loop.tunix_memory: 10-30 minutes a compile) is a choice, not part of the
   default run, and without google-tunix it says how to get it instead of failing on an import.
   Catches: the default `nox -s bench` starting hour-long tunix compiles, or a bare ImportError."""
   import importlib.util

@@ -1,6 +1,6 @@
 """Compile time of the loop's two big programs, ahead of time, from abstract inputs.
 
-`python -m bench.compile_time [--config configs/gpu-qwen2.5-0.5b.yaml] [key=value ...]` traces,
+`python -m bench.loop.compile_time [--config configs/gpu-qwen2.5-0.5b.yaml] [key=value ...]` traces,
 lowers and compiles for this host's backend (XLA:CPU here) (a) the GRPO train step the loop builds
 (`rl.update.train_step` with the config's loss and optimizer) and (b) the rollout's decode chunk
 (`rl.rollout.steps.decode_chunk` over the paged cache at the config's slots, pages and steps per sync),

@@ -1,11 +1,11 @@
-"""bench.loop: the step-time history (comparison by hand, a corrupt row named) and one tiny run that
+"""bench.loop.step_time: the step-time history (comparison by hand, a corrupt row named) and one tiny run that
 appends to it and is compared with the row before."""
 
 import json
 
 import pytest
 
-from bench import loop
+from bench.loop import step_time as loop
 from tests.rl.test_train import TINY
 
 KEYS = dict(

@@ -1,4 +1,4 @@
-"""bench.learning: the learning figures from a hand-written metrics.jsonl, the verdict, the report, and
+"""bench.loop.learning: the learning figures from a hand-written metrics.jsonl, the verdict, the report, and
 one tiny end-to-end run."""
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import learning
+from bench.loop import learning
 from tests.rl.test_train import TINY
 
 

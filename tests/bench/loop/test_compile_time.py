@@ -1,8 +1,8 @@
-"""bench.compile_time at a tiny preset: the programs it times are the loop's, and it reports them."""
+"""bench.loop.compile_time at a tiny preset: the programs it times are the loop's, and it reports them."""
 
 import json
 
-from bench import compile_time
+from bench.loop import compile_time
 
 
 def test_reports_every_program_at_the_configs_shapes(tmp_path):

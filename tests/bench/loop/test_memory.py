@@ -1,8 +1,8 @@
-"""bench.memory: the two updates' XLA memory analysis at tiny shapes."""
+"""bench.loop.memory: the two updates' XLA memory analysis at tiny shapes."""
 
 import pytest
 
-from bench import memory
+from bench.loop import memory
 
 
 def test_update_memory_scales_with_the_batch_and_the_critic_is_small():

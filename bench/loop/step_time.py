@@ -2,7 +2,7 @@
 their median step time, appended to a history file kept in git, and compared with the last row taken
 on the same device, config and jax version.
 
-    python -m bench.loop [--config configs/cpu-default.yaml] [--steps 12] [key=value ...]
+    python -m bench.loop.step_time [--config configs/cpu-default.yaml] [--steps 12] [key=value ...]
     python -m bench --suite loop        # the same, inside the main bench report
 
 A row is one JSON line of ``bench/history/loop.jsonl``: date, commit, device kind, jax version, the
@@ -35,7 +35,7 @@ from bench.provenance import git_commit
 from rl import train
 from rl.logging.metrics import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HISTORY = ROOT / "bench" / "history" / "loop.jsonl"
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 # The fields that make two rows comparable: the same work on the same software and hardware.
@@ -180,7 +180,9 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m bench.loop", description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m bench.loop.step_time", description=__doc__.split("\n\n")[0]
+  )
   ap.add_argument("--config", default=DEFAULT_CONFIG)
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--skip", type=int, default=2, help="first steps left out of the median")

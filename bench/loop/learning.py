@@ -1,7 +1,7 @@
 """Does the loop learn? One config over several seeds: the training correctness reward of the first
 vs the last steps, eval_full before vs after GRPO, and the reward curves (mean and band over seeds).
 
-    python -m bench.learning --config configs/cpu-default.yaml --seeds 0 1 2 [key=value ...]
+    python -m bench.loop.learning --config configs/cpu-default.yaml --seeds 0 1 2 [key=value ...]
 
 Writes learning.json, learning.md and reward_curve.png into --out (default
 bench/results/learning-<time>/). The verdict applies the embedded default's bar (issue 17): the mean
@@ -197,7 +197,7 @@ def plot_curves(arms: Mapping[str, Mapping[int, dict]], path: str, smooth: int =
 
 def main(argv: Sequence[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(
-    prog="python -m bench.learning", description=__doc__.split("\n\n")[0]
+    prog="python -m bench.loop.learning", description=__doc__.split("\n\n")[0]
   )
   ap.add_argument("--config", required=True)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

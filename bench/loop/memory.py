@@ -1,7 +1,7 @@
 """Memory of one update from XLA's memory analysis: GRPO (`rl.update.train_step`) beside PPO with the
 value head (`rl.agent.update.update_step`), at any preset's sizes, with no device and nothing allocated.
 
-    python -m bench.memory --preset qwen2.5-0.5b --micro-batch 16 --prompt 256 --completion 768
+    python -m bench.loop.memory --preset qwen2.5-0.5b --micro-batch 16 --prompt 256 --completion 768
 
 The update is compiled for the host backend from abstract arrays (`jax.ShapeDtypeStruct`), so the
 figures are that backend's buffer assignment (the CPU compiler does not rematerialise): a comparison of
@@ -122,7 +122,9 @@ def markdown(result: dict[str, dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(
+    prog="python -m bench.loop.memory", description=__doc__.split("\n\n")[0]
+  )
   ap.add_argument("--preset", default="qwen2.5-0.5b")
   ap.add_argument("--micro-batch", type=int, default=16, help="M: rows per micro-batch")
   ap.add_argument("--prompt", type=int, default=256, help="P: prompt tokens per row")

@@ -1,6 +1,6 @@
 """Tunix's GRPO train step, compiled with its own loss and with ours: does it fit one chip?
 
-``python -m bench.tunix_memory [--backend cpu|tpu] [--models ...] [--tokens ...] [--out FILE]``
+``python -m bench.loop.tunix_memory [--backend cpu|tpu] [--models ...] [--tokens ...] [--out FILE]``
 compiles (never runs) tunix's train step — ``PeftTrainer._train_step``'s body: ``nnx.value_and_grad``
 of the policy loss over every parameter, ``optax.global_norm`` of the gradients, an SGD update of
 the donated parameters — for Qwen2.5-1.5B and Qwen3-4B (tunix's own model configs, bf16 parameters
@@ -154,7 +154,13 @@ def _run_subprocess(case: Case, timeout: int) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   if case.backend == "tpu":
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-  cmd = [sys.executable, "-m", "bench.tunix_memory", "--one", json.dumps(dataclasses.asdict(case))]
+  cmd = [
+    sys.executable,
+    "-m",
+    "bench.loop.tunix_memory",
+    "--one",
+    json.dumps(dataclasses.asdict(case)),
+  ]
   try:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
