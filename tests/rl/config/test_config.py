@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from bench import device_plan
+from bench.device import plan as device_plan
 from rl import configlib, train
 from rl.aot import check
 from rl.config import GRPOConfig

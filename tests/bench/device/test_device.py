@@ -9,7 +9,8 @@ import tarfile
 import jax
 import pytest
 
-from bench import device, device_plan
+from bench.device import __main__ as device
+from bench.device import plan as device_plan
 
 
 @pytest.mark.parametrize("call", device_plan.CALLS)

@@ -44,9 +44,9 @@ import tempfile
 import threading
 import time
 
-from bench.device_plan import CALL_BUDGET_S, CALLS, Step, plan
+from bench.device.plan import CALL_BUDGET_S, CALLS, Step, plan
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ECHO_SKIP = ("\r",)  # progress bars: the log keeps them, the console does not
 BIG_FILE = 8 << 20  # files above this stay out of the archive (listed in <call>.json)
 ARCHIVE_RAW_BUDGET = (
@@ -194,7 +194,7 @@ def step_status(r: StepResult) -> str:
 def summary(results: list[StepResult], meta: dict, work: pathlib.Path | None = None) -> str:
   """The call's table (a row per step: status, wall, limit, what it kept), then each step's own
   figures read from its results (bench rows, tune winners, parity, trace summary)."""
-  from bench import device_summary
+  from bench.device import summary as device_summary
 
   lines = [
     f"# bench.device --call {meta.get('call')}: {meta.get('device')} — jax {meta.get('jax')} — "

@@ -146,7 +146,7 @@ def loop_steps(size: str, work: pathlib.Path, limit, data: pathlib.Path | None) 
   over = loop_overrides(size, data)
   skip = None
   if not tiny:
-    path = data or pathlib.Path(__file__).resolve().parents[1] / "../shared/data/gsm8k"
+    path = data or pathlib.Path(__file__).resolve().parents[2] / "../shared/data/gsm8k"
     if not (path / "train.jsonl").exists():
       skip = f"no GSM8K at {path} (pass --data DIR)"
   parity = ["bench.parity", "--config", config, "--seeds", "0", "1", "--out", str(work / "parity")]
