@@ -258,18 +258,18 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 
 
 TPU_COMPILE_TESTS = (
-  "tests/test_tpu_compile.py",
+  "tests/bench/tpu/test_compile.py",
   "tests/rl/aot/test_tpu_check.py",
   "tests/test_optim_tiled.py",
   "tests/test_tpu_targets.py",
-  "tests/test_tpu_schedule.py",
+  "tests/bench/tpu/test_schedule.py",
 )
 
 
 @nox.session(python="3.11", default=False)
 def tpu_compile(session: nox.Session):
   """Every TPU kernel and TPU config through libtpu's real compiler, no TPU needed:
-  tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
+  tests/bench/tpu/test_compile.py compiles each case of bench/tpu/compile.py for v4, v5e, v5p, v6e and v7x,
   inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
   tests/rl/aot/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
   twins); the TPU optimizer's, the slice table's and the scheduled code's compile tests. Its own

@@ -211,7 +211,7 @@ def _finish(run: Run, profile_dir) -> int:
   if profile_dir:
     run.env["profile"] = str(profile_dir)
   if run.cfg.target and run.results:  # on the TPU itself: the modelled times beside the measured
-    from bench import compiled
+    from bench.tpu import compiled
 
     rows = [r for s in _kernel_suites(run) for r in compiled.run_suite(tpu_slice(run.cfg.target), s, run.sizes[0])]  # fmt: skip
     run.results = compiled.merge_modelled(run.results, rows)
@@ -245,7 +245,7 @@ def _kernel_suites(run_or_cfg) -> tuple[str, ...]:
 def compiled_main(cfg: BenchConfig) -> int:
   """--target without that TPU here: every kernel suite compiled for it, one subprocess per suite
   (libtpu's schedule dump is switched on per process), the report labelled compiled / modelled."""
-  from bench import compiled
+  from bench.tpu import compiled
 
   name = tpu_slice(cfg.target)
   sizes = cfg.sizes or ("large",)

@@ -332,7 +332,7 @@ def run(
   """Tune ``ops`` at the bench's ``size`` on this host, one op after the other (each within
   ``budget_s`` seconds of candidates); returns the cache file, rewritten after every problem.
   ``search``: :func:`kernels.autotune.tune`'s platform / kind / evaluate / source, for the modelled
-  search of ``--target`` (bench.compiled.tune_in_process)."""
+  search of ``--target`` (bench.tpu.compiled.tune_in_process)."""
   unknown = sorted(set(ops) - set(PROBLEMS))
   if unknown:
     raise ValueError(f"ops must be among {tuple(PROBLEMS)}, got {unknown}")
@@ -370,7 +370,7 @@ def main(argv=None):
   )  # the op's subprocess
   args = ap.parse_args(argv)
   if args.target:
-    from bench import compiled
+    from bench.tpu import compiled
 
     if args.in_process:
       ops = tuple(dict.fromkeys(args.op or autotune.OPS))

@@ -1,8 +1,8 @@
 """The compiled report: every bench case compiled for a TPU generation on a host without one.
 
 ``python -m bench --target tpu-v6e`` (any generation or slice name: ``v5e``, ``v5litepod-8``, ``v4-8``)
-runs each suite in a subprocess of this module (``python -m bench.compiled``) with libtpu's dump of
-its scheduled code switched on (:func:`bench.tpu_schedule.dump_env`). Per case, on one abstract chip
+runs each suite in a subprocess of this module (``python -m bench.tpu.compiled``) with libtpu's dump of
+its scheduled code switched on (:func:`bench.tpu.schedule.dump_env`). Per case, on one abstract chip
 of the slice, it compiles the kernel and its pure-JAX reference and records
 
 * compile status (the compiler's reason when it fails: a Mosaic error, VMEM / HBM exhausted);
@@ -11,7 +11,7 @@ of the slice, it compiles the kernel and its pure-JAX reference and records
 * XLA's cost model of both programs (``cost_analysis()``: bytes accessed against the case's ideal
   bytes, ``optimal_seconds``) — *compiled* (XLA's own model; it does not see inside Mosaic kernels);
 * each Mosaic kernel's static schedule (bundles per grid step, spill loads / stores per step:
-  :mod:`bench.tpu_schedule`) — *compiled*;
+  :mod:`bench.tpu.schedule`) — *compiled*;
 * a time per case — *modelled*: ``max(compute, memory)``, compute = the kernels' bundles at the
   generation's clock (no stalls) plus XLA's optimal time for the program's other ops, memory = the
   case's ideal bytes at the datasheet HBM bandwidth (traffic a kernel adds above ideal is not
@@ -33,9 +33,9 @@ import subprocess
 import sys
 import tempfile
 
-from bench import tpu_schedule
+from bench.tpu import schedule as tpu_schedule
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LABEL = "compiled for {gen} on a host without a TPU: compiled or modelled figures, never measured"
 
 
@@ -154,7 +154,9 @@ def compile_case(case, slice_name: str, dump: pathlib.Path | None, keep=None) ->
 
 # ---------------------------------------------------------------------------- the suite subprocess
 def _suite_main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m bench.compiled", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m bench.tpu.compiled", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--target", required=True, help="TPU generation or slice, e.g. v6e, v5litepod-8")
   p.add_argument("--suite", required=True)
   p.add_argument("--size", default="large")
@@ -184,7 +186,7 @@ def run_suite(target: str, suite: str, size: str, timeout_s: float = 1800.0) -> 
   with tempfile.TemporaryDirectory(prefix="tpu-compiled-") as tmp:
     out, dump = pathlib.Path(tmp) / "rows.jsonl", pathlib.Path(tmp) / "dump"
     dump.mkdir()
-    cmd = [sys.executable, "-m", "bench.compiled", "--target", target, "--suite", suite,
+    cmd = [sys.executable, "-m", "bench.tpu.compiled", "--target", target, "--suite", suite,
            "--size", size, "--out", str(out), "--dump", str(dump)]  # fmt: skip
     env = tpu_schedule.dump_env(dump)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -1,4 +1,4 @@
-"""bench.tpu_schedule: libtpu's scheduled-code dumps read into bundles per grid step and spills.
+"""bench.tpu.schedule: libtpu's scheduled-code dumps read into bundles per grid step and spills.
 
 The excerpts under tests/data/tpu_schedule/ are trimmed from real dumps of libtpu 0.0.42.1 (jax
 0.10.2): ``1-grpo_loss_fwd.1`` is the forward loss kernel before its rework (qwen2.5-8k on v6e: grid
@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-from bench import tpu_schedule
+from bench.tpu import schedule as tpu_schedule
 from kernels import tpu_targets
 
-DATA = pathlib.Path(__file__).parent / "data" / "tpu_schedule"
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = pathlib.Path(__file__).resolve().parents[2] / "data" / "tpu_schedule"
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 needs_libtpu = pytest.mark.skipif(
   not tpu_targets.libtpu_available(), reason="needs libtpu (jax[tpu]) for deviceless compiles"
 )
@@ -142,7 +142,7 @@ def test_loss_kernel_schedule_stays_off_spills(mode):
   with tempfile.TemporaryDirectory() as dump:
     code = (
       "import json, pathlib, sys\n"
-      "from bench import compiled\n"
+      "from bench.tpu import compiled\n"
       "from bench.cases import all_cases\n"
       f"(c,) = [c for c in all_cases('large', 'tpu', ('grpo_loss',)) if c.name == {case.name!r}]\n"
       f"row = compiled.compile_case(c, 'v6e', pathlib.Path({dump!r}))\n"

@@ -1,8 +1,8 @@
 """Every TPU kernel case through libtpu's real compiler, per generation, alone and in sharded programs.
 
 The one list of compile cases (:data:`CASES`: production shapes from :mod:`bench.shapes`, the option
-sets of ``tests/test_lowering.py``) that ``tests/test_tpu_compile.py`` (``nox -s tpu_compile``)
-compiles for v4, v5e, v5p, v6e and v7x, and that ``python -m bench.tpu_compile`` prints as a table.
+sets of ``tests/test_lowering.py``) that ``tests/bench/tpu/test_compile.py`` (``nox -s tpu_compile``)
+compiles for v4, v5e, v5p, v6e and v7x, and that ``python -m bench.tpu.compile`` prints as a table.
 A case builds its function and argument shapes for a :class:`kernels.sharding.KernelSharding` (or
 none: one chip); :func:`compile_case` places them on a generation's abstract devices
 (:func:`kernels.backend.tpu_devices`) and runs ``jit(...).trace().lower().compile()`` inside
@@ -12,8 +12,8 @@ XLA's partitioner run as on the chip. Nothing executes; every figure is *compile
 Needs libtpu (``pip install "jax[tpu]==<jax>"``) and, on a host without a TPU, ``JAX_PLATFORMS=cpu``
 and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` in the environment (``nox -s tpu_compile`` sets both).
 
-    python -m bench.tpu_compile                       # every case x generation, then the sharded ones
-    python -m bench.tpu_compile --gen v4 --case grpo  # a selection (substring of the case name)
+    python -m bench.tpu.compile                       # every case x generation, then the sharded ones
+    python -m bench.tpu.compile --gen v4 --case grpo  # a selection (substring of the case name)
 """
 
 from __future__ import annotations

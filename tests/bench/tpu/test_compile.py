@@ -1,5 +1,5 @@
 """Every TPU kernel through libtpu's real compiler (``nox -s tpu_compile``): each case of
-:data:`bench.tpu_compile.CASES` (production shapes, the option sets of test_lowering.py) compiled for
+:data:`bench.tpu.compile.CASES` (production shapes, the option sets of test_lowering.py) compiled for
 one chip of v4, v5e, v5p, v6e and v7x, and inside a sharded program on a 4-chip v6e slice; then every
 TPU candidate the autotuner offers on each generation (after its legality filter), so that
 ``impl="auto"`` can never pick a kernel that does not compile. A compile error or a missing Mosaic
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
   not tpu_targets.libtpu_available(), reason="needs libtpu (nox -s tpu_compile)"
 )
 
-from bench import tpu_compile as tc  # noqa: E402  (after the skip: the cases need no libtpu to import)
+from bench.tpu import compile as tc  # noqa: E402  (after the skip: the cases need no libtpu to import)
 
 
 @pytest.mark.parametrize("generation", tc.GENERATIONS)
