@@ -27,8 +27,7 @@ import time
 from tqdm import tqdm
 
 from bench import mismatch as mismatch_bench
-from bench import report, roofline
-from bench.cases import SUITES, all_cases
+from bench import report
 from bench.cli import (
   ALL_SUITES,
   LOOP,
@@ -41,10 +40,12 @@ from bench.cli import (
   parse_args,
   tpu_slice,
 )
+from bench.kernels import roofline
+from bench.kernels.cases import SUITES, all_cases
+from bench.kernels.run import release, run_case
 from bench.loop import step_time as loop_bench
 from bench.rollout import table as rollout_table
 from bench.rollout import throughput as rollout_bench
-from bench.run import release, run_case
 from kernels import backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def _plan(cfg: BenchConfig) -> Run:
   env["sizes"] = list(sizes)
   stamp = _stamp()
   out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   pending = [c.name for c in cases]
   pending += [peers.row_name(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []  # fmt: skip
@@ -157,7 +158,7 @@ def _kernel_cases(run: Run) -> None:
 
 
 def _peer_cases(run: Run) -> None:
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   platform = backend.resolve().platform
   for peer, shape in [(p, s) for size in run.sizes for p, s in peers.rows(size)]:

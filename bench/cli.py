@@ -8,7 +8,7 @@ import dataclasses
 import fnmatch
 import pathlib
 
-from bench.cases import SIZES, SUITES
+from bench.kernels.cases import SIZES, SUITES
 from bench.loop import step_time as loop_bench
 
 # the engine suite: tokens/s of paged vs dense generation (bench/rollout/throughput.py)
@@ -16,7 +16,8 @@ ROLLOUT = "rollout"
 # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop/step_time.py)
 LOOP = "loop"
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
-PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional
+# Liger-Kernel / tokamax beside our kernels (bench/kernels/cases/peers.py), each optional
+PEERS = "peers"
 ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)  # the default: every suite but tunix's
 # tunix's GRPO step compiled with its loss and ours (bench/loop/tunix_memory.py): its own environment
 # (google-tunix) and 10-30 minutes a compile, so only when asked for

@@ -18,10 +18,10 @@ import tempfile
 import jax
 
 from bench import mismatch
+from bench.kernels.roofline import DevicePeaks
+from bench.kernels.run import CaseResult
 from bench.provenance import git_commit
 from bench.rollout import table as rollout_table
-from bench.roofline import DevicePeaks
-from bench.run import CaseResult
 
 
 def environment(peaks: DevicePeaks, target_platform: str, interpret: bool) -> dict:

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from bench.cases import fused_linear as linear_cases
-from bench.cases import grpo_loss as loss_cases
-from bench.cases import optim as optim_cases
-from bench.cases import paged_attention as paged_cases
+from bench.kernels.cases import fused_linear as linear_cases
+from bench.kernels.cases import grpo_loss as loss_cases
+from bench.kernels.cases import optim as optim_cases
+from bench.kernels.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
 from kernels.fused_linear import LinearBlocks

@@ -7,7 +7,7 @@ and results), ``<call>.json`` (per step: command, limit, return code, wall time)
 which is also printed last:
 
   kernels  the gpu-marked tests; every kernel suite at --size large, one subprocess per suite
-           (grpo_loss, paged_attention, mosaic_gpu, fused_linear, optim); the peers (bench/cases/peers.py)
+           (grpo_loss, paged_attention, mosaic_gpu, fused_linear, optim); the peers (bench/kernels/cases/peers.py)
   tune     the autotuner, one subprocess per op, each with a time budget; its cache is installed
            into kernels/tuning/ (and is in the archive)
   loop     the rollout suite; a 2-seed xla vs pallas ``bench.parity`` on configs/gpu-qwen2.5-0.5b.yaml

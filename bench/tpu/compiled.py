@@ -77,7 +77,7 @@ def compile_side(fn, specs, donate, dump: pathlib.Path | None, keep=None) -> dic
   """Compile one side of a case for the current target; its status, memory, cost and kernels."""
   import jax
 
-  from bench import harness
+  from bench.kernels import harness
 
   before = {f.name for f in dump.iterdir()} if dump else set()
   try:
@@ -164,7 +164,7 @@ def _suite_main(argv=None) -> int:
   p.add_argument("--dump", type=pathlib.Path, help="libtpu's dump folder (LIBTPU_INIT_ARGS)")
   p.add_argument("--keep-bundles", type=pathlib.Path, help="keep each kernel's final bundles here")
   a = p.parse_args(argv)
-  from bench.cases import all_cases
+  from bench.kernels.cases import all_cases
 
   for case in all_cases(a.size, "tpu", (a.suite,)):
     keep = a.keep_bundles / case.name.replace("/", "_") if a.keep_bundles else None

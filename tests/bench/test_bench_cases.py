@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from bench import harness
-from bench.cases import all_cases
+from bench.kernels import harness
+from bench.kernels.cases import all_cases
 from bench.rollout import parity as rollout_parity
 from bench.rollout import throughput as rollout
 from bench.tolerances import parity_error
@@ -94,7 +94,7 @@ def test_rollout(benchmark, rollout_size, workload, backend):
 def _fake_peer(scale: float = 1.0):
   """A jax stand-in for a peer (the real ones need torch / tokamax and a GPU): the sum cross-entropy
   over grpo_loss's logits, forward + backward, times ``scale``."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   def build(inputs):
     logits, ids = inputs[0], inputs[1]  # [B, T, V], [B, T]
@@ -118,7 +118,7 @@ def _fake_peer(scale: float = 1.0):
 def test_peers_are_skipped_with_their_reason_where_missing():
   """Catches an import error crashing the run where Liger / tokamax / torch are absent (CPU, CI):
   every real peer yields a skipped row naming what is missing."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
   from bench.report import markdown_table
 
   for peer, shape in peers.rows("tiny"):
@@ -132,7 +132,7 @@ def test_a_peer_row_times_both_sides_and_checks_the_peers_value():
   """The row plumbing with a fake peer: both sides timed, the peer's loss checked against minus the
   sum of our kernel's log-probs; a peer off by 1% fails its row (catches a parity that compares the
   peer with itself, or with our GRPO loss value instead of the cross-entropy)."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   good = peers.run_peer(_fake_peer(), "tiny", "cpu", repeats=1, warmup=0)
   assert good.ok and good.parity["ce_sum"] <= 1.0, good

@@ -73,7 +73,7 @@ def test_steps_record_ok_failure_timeout_and_skip(tmp_path):
 _PARTIAL_STEP = """
 import pathlib, sys, time
 from bench import report
-from bench.run import CaseResult
+from bench.kernels.run import CaseResult
 # a finished row (an error row: the plumbing, not a kernel, is under test here), then a hang
 r = CaseResult("optim/done/step", "optim", "done", "step", {}, None, None, None, None, {}, False, None,
                error="ValueError: the row this step finished")

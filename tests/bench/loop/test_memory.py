@@ -30,9 +30,9 @@ def test_a_case_leaves_no_live_arrays_behind():
   1.5B shape ran out of memory after earlier cases): live arrays return to the baseline."""
   import jax
 
-  from bench.cases import all_cases
-  from bench.roofline import DevicePeaks
-  from bench.run import run_case
+  from bench.kernels.cases import all_cases
+  from bench.kernels.roofline import DevicePeaks
+  from bench.kernels.run import run_case
 
   case = next(c for c in all_cases("tiny", "cpu", ("grpo_loss",)) if c.mode == "fwd+bwd")
   run_case(case, DevicePeaks(None, None, "none"), repeats=1, warmup=0)  # warm caches, constants
@@ -45,9 +45,9 @@ def test_a_case_leaves_no_live_arrays_behind():
 def test_a_case_that_cannot_fit_is_skipped_before_any_allocation():
   """Catches an OOM instead of a skip: XLA's memory analysis (compiled from abstract inputs) is
   compared with the limit before the inputs exist; the row says why and is not a failure."""
-  from bench.cases import all_cases
-  from bench.roofline import DevicePeaks
-  from bench.run import run_case
+  from bench.kernels.cases import all_cases
+  from bench.kernels.roofline import DevicePeaks
+  from bench.kernels.run import run_case
 
   case = next(c for c in all_cases("tiny", "cpu", ("grpo_loss",)))
   import jax

@@ -134,7 +134,7 @@ def test_loss_kernel_schedule_stays_off_spills(mode):
   """
   import tempfile
 
-  from bench.cases import all_cases
+  from bench.kernels.cases import all_cases
 
   name = f"grpo_loss/qwen2.5-8k/{mode}"
   (case,) = [c for c in all_cases("large", "tpu", ("grpo_loss",)) if c.name == name]
@@ -143,7 +143,7 @@ def test_loss_kernel_schedule_stays_off_spills(mode):
     code = (
       "import json, pathlib, sys\n"
       "from bench.tpu import compiled\n"
-      "from bench.cases import all_cases\n"
+      "from bench.kernels.cases import all_cases\n"
       f"(c,) = [c for c in all_cases('large', 'tpu', ('grpo_loss',)) if c.name == {case.name!r}]\n"
       f"row = compiled.compile_case(c, 'v6e', pathlib.Path({dump!r}))\n"
       "print(json.dumps(row))\n"

@@ -18,7 +18,7 @@ need 34.50 donated. SGD: 28.75 / 40.26 not donated, 17.25 / 28.75 donated.
 Without donation the in-place kernel also pays XLA's copies of param, mu and nu before the aliased
 launch (13 words, not 7), so every optim case sets ``Case.donate_argnums``: the harness compiles both
 sides with params and state donated, gives each timed call fresh inputs (made outside the timer) and
-checks parity on two fresh copies of the seed's inputs (``bench.run``).
+checks parity on two fresh copies of the seed's inputs (``bench.kernels.run``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bench.cases import Case, Check
+from bench.kernels.cases import Case, Check
 from bench.shapes import decoder_param_shapes
 from kernels import optim
 from kernels.optim.evidence import launch_evidence

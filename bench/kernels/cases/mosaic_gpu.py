@@ -11,9 +11,9 @@ import functools
 
 import jax.numpy as jnp
 
-from bench.cases import Case
-from bench.cases import grpo_loss as loss_cases
-from bench.cases import paged_attention as paged_cases
+from bench.kernels.cases import Case
+from bench.kernels.cases import grpo_loss as loss_cases
+from bench.kernels.cases import paged_attention as paged_cases
 from kernels.grpo_loss.mosaic_cluster import default_blocks as cluster_blocks
 from kernels.paged_attention.mosaic_gpu import DTYPES as PAGED_DTYPES
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from bench.cases import Case, Check
+from bench.kernels.cases import Case, Check
 from bench.shapes import LOSS_SHAPES, PRODUCTION_LOSS_SHAPES, LossShape
 
 SHAPES_BY_SIZE = {

@@ -54,7 +54,7 @@ SUITES = ("grpo_loss", "fused_linear", "paged_attention", "optim", "mosaic_gpu")
 
 def all_cases(size: str, platform: str, suites: tuple[str, ...] | None = None) -> list[Case]:
   """Every selected suite's cases at ``size`` for kernels targeting ``platform``."""
-  from bench.cases import fused_linear, grpo_loss, mosaic_gpu, optim, paged_attention
+  from bench.kernels.cases import fused_linear, grpo_loss, mosaic_gpu, optim, paged_attention
 
   registry = {
     "grpo_loss": grpo_loss.cases,

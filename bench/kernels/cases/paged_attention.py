@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from bench.cases import Case, Check
+from bench.kernels.cases import Case, Check
 from bench.shapes import PAGED_SHAPES, PRODUCTION_PAGED_SHAPES, PagedShape
 
 SHAPES_BY_SIZE = {"tiny": ("tiny",), "small": ("cpu-small",), "large": PRODUCTION_PAGED_SHAPES}

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from bench.cases import Case, Check
+from bench.kernels.cases import Case, Check
 from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
 from kernels.fused_linear import mosaic_gpu
 

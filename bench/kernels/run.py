@@ -2,7 +2,7 @@
 
 Before anything is allocated the case is compiled from abstract inputs and XLA's memory analysis is
 compared with what the device can hold: a case that cannot fit is a skipped row with that reason, not an
-out-of-memory error. Parity is reduced on the device (:func:`bench.harness.device_parity`). Every
+out-of-memory error. Parity is reduced on the device (:func:`bench.kernels.harness.device_parity`). Every
 input, output and executable of a case is released before the next one starts.
 """
 
@@ -13,8 +13,8 @@ import gc
 
 import jax
 
-from bench import harness, roofline
-from bench.cases import Case
+from bench.kernels import harness, roofline
+from bench.kernels.cases import Case
 
 
 @dataclasses.dataclass

@@ -31,11 +31,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from bench import harness
-from bench.cases import Check
-from bench.cases import fused_linear as linear_cases
-from bench.cases import grpo_loss as loss_cases
-from bench.run import CaseResult, ImplResult
+from bench.kernels import harness
+from bench.kernels.cases import Check
+from bench.kernels.cases import fused_linear as linear_cases
+from bench.kernels.cases import grpo_loss as loss_cases
+from bench.kernels.run import CaseResult, ImplResult
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES
 
 SHAPES_BY_SIZE = {
