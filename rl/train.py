@@ -22,23 +22,17 @@ from collections.abc import Sequence
 from rl.cli import (
   arg_parser,
   config_of,
-  parse_args,
   run_check,
   run_cli,
   start_process,
-  target_platform,
 )
 from rl.config import GRPOConfig
 from rl.run.evaluate import before_after_table
 from rl.run.loop import Run
-from rl.run.setup import WIDTH_ALIGN, Policy, build, load_data, round_up
+from rl.run.setup import Policy, build
 from rl.step import GRPOStep
-from rl.update import init_optimizer_state
 
-# The command line's and the set-up's names, as rl.train always offered them (rl.agent, bench, tests).
-__all__ = ["WIDTH_ALIGN", "arg_parser", "cli", "config_of", "init_optimizer_state", "load_data"]
-__all__ += ["main", "make_run", "parse_args", "round_up", "run_check", "start_process"]
-__all__ += ["target_platform"]
+__all__ = ["cli", "main", "make_run"]
 
 
 def make_run(cfg: GRPOConfig) -> Run:

@@ -27,6 +27,7 @@ from rl.agent import update as agent
 from rl.agent.critic import ValueHead
 from rl.model import preset
 from rl.model.qwen import Qwen
+from rl.optimizer import make_optimizer
 
 GIB = 2**30
 
@@ -63,7 +64,7 @@ def update_memory(
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   head = nnx.eval_shape(lambda: ValueHead(cfg.hidden_size, rngs=nnx.Rngs(0)))
   head_graphdef, head_params = nnx.split(head, nnx.Param)
-  opt = update.make_optimizer("adamw", 1e-6, 0.0, 1.0, fused=False)
+  opt = make_optimizer("adamw", 1e-6, 0.0, 1.0, fused=False)
   head_opt = optax.adamw(1e-6)
   opt_state = jax.eval_shape(opt.init, params)
   head_opt_state = jax.eval_shape(head_opt.init, head_params)

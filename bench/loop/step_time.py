@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import jax
 
 from bench.provenance import git_commit
-from rl import train
+from rl import cli, train
 from rl.logging.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ KEY = ("device_kind", "jax", "config", "config_digest", "overrides", "steps", "s
 def config_digest(config: str, overrides: Sequence[str] = ()) -> str:
   """A short hash of the typed config the loop runs (YAML + overrides + defaults), `run.*` (paths,
   logging) left out: the same digest means the same work."""
-  resolved = dataclasses.asdict(train.parse_args(["--config", str(config), *overrides]))
+  resolved = dataclasses.asdict(cli.parse_args(["--config", str(config), *overrides]))
   resolved.pop("run", None)
   text = json.dumps(resolved, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -41,6 +41,7 @@ from rl.data.tokenizer import IM_END, chatml
 from rl.env import CalcEnv, Environment, GridEnv
 from rl.logging.metrics import step_time_metrics
 from rl.model import init_model, preset
+from rl.optimizer import init_optimizer_state
 from rl.rollout import SamplingParams
 from rl.rollout.multiturn import (
   EPISODE_METRICS,
@@ -60,7 +61,7 @@ from rl.run.setup import (
   round_up,
 )
 from rl.step import dataset_sft_pair, dataset_sft_widths
-from rl.update import batch_token_logps, init_optimizer_state
+from rl.update import batch_token_logps
 
 GRID_SYSTEM = "Walk @ to G on the ice, avoiding holes H. Reply with one move."
 # Grid warm-up layouts come from seeds above the steps' (< 2**31) and eval's (2**31 + i).

@@ -22,8 +22,8 @@ from rl import kernel_sharding
 from rl.agent import ppo
 from rl.agent.critic import critic_values
 from rl.config import GRPOConfig
-from rl.optimizer import _all_finite, _global_norm, guarded_step
-from rl.update import completion_hidden, shardings_of
+from rl.optimizer import _all_finite, _global_norm, guarded_step, shardings_of
+from rl.update import completion_hidden
 
 
 class AgentBatch(NamedTuple):

@@ -20,9 +20,10 @@ import numpy as np
 from tqdm import tqdm
 
 from rl.logging.metrics import profiler_options, read_metrics
+from rl.optimizer import init_optimizer_state
 from rl.run.evaluate import process_slice
 from rl.run.setup import Policy, Setup
-from rl.update import LossSettings, NonFiniteGuard, compile_train_step, init_optimizer_state, pack
+from rl.update import LossSettings, NonFiniteGuard, compile_train_step, pack
 
 
 class Program(Protocol):

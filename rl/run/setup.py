@@ -32,16 +32,16 @@ from rl.data.tokenizer import load_tokenizer
 from rl.logging.metrics import CompileWatch, MetricsWriter, StepAverage, StepTimer
 from rl.logging.wandb_sink import open_sink
 from rl.model import init_model, load_checkpoint, partition, preset, shard_model
-from rl.rollout import make_engine
-from rl.run.checkpointing import Checkpointer
-from rl.update import (
-  Batch,
+from rl.optimizer import (
   Optimizer,
   init_optimizer_state,
   make_optimizer,
   shardings_of,
   warmup_schedule,
 )
+from rl.rollout import make_engine
+from rl.run.checkpointing import Checkpointer
+from rl.update import Batch
 
 # Packed widths are multiples of this. They are fixed before step 1 from the data (the train split's
 # longest prompt, and its longest worked solution for the SFT warm-up), so the update, the reference /

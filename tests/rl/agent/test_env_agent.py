@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from rl import train
+from rl import cli
 from rl.agent import __main__ as agent
 from rl.agent.step import GRID_SYSTEM, GRID_WARMUP_SEEDS
 from rl.configlib import ConfigError
 from rl.env.base import StepResult
 from rl.logging.metrics import read_metrics
+from rl.optimizer import init_optimizer_state
 from tests.compiles import compiled_functions
 from tests.rl.test_train import _free_port
 
@@ -39,7 +40,7 @@ class AsciiEnv:
 
 
 def _cfg(tmp_path, *overrides):
-  return train.parse_args(
+  return cli.parse_args(
     [
       "model.preset=tiny",
       "rollout.max_seq_len=128",
@@ -152,7 +153,7 @@ def _fresh_state(trainer):
   """(params, critic, optimizer states) as copies (the update donates them), with fresh optimizer
   states: the first step's Adam momentum would move every weight by itself."""
   program, params = trainer.program, trainer.policy.params
-  opt_state = train.init_optimizer_state(program.policy_opt, params, trainer.setup.mesh)
+  opt_state = init_optimizer_state(program.policy_opt, params, trainer.setup.mesh)
   state = (params, program.head_params, opt_state, program.head_opt.init(program.head_params))
   return jax.tree.map(jax.numpy.copy, state)
 
@@ -335,17 +336,17 @@ def test_config_keys_are_checked():
     ("train.critic_preset=tiny", "train.critic_preset"),
   ):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-      train.parse_args([override])
-  cfg = train.parse_args(["--config", "configs/cpu-multiturn.yaml"])
+      cli.parse_args([override])
+  cfg = cli.parse_args(["--config", "configs/cpu-multiturn.yaml"])
   assert cfg.train.algorithm == "ppo" and cfg.env.name == "calc"
   assert dataclasses.replace(cfg.env, name="grid").name == "grid"
-  assert train.parse_args(["--config", "configs/cpu-grid.yaml"]).env.name == "grid"
-  assert train.parse_args(["env.grid_observation=safe"]).env.grid_observation == "safe"
+  assert cli.parse_args(["--config", "configs/cpu-grid.yaml"]).env.name == "grid"
+  assert cli.parse_args(["env.grid_observation=safe"]).env.grid_observation == "safe"
 
 
 _RUN_ASCII = (
-  "import sys; from rl import train; from rl.agent import __main__ as agent; from tests.rl.agent.test_env_agent import AsciiEnv; "
-  "cfg = train.parse_args(sys.argv[1:]); train.start_process(cfg); "
+  "import sys; from rl import cli; from rl.agent import __main__ as agent; from tests.rl.agent.test_env_agent import AsciiEnv; "
+  "cfg = cli.parse_args(sys.argv[1:]); cli.start_process(cfg); "
   "t = agent.make_run(cfg, AsciiEnv, 'Be brief.'); t.run(); t.close()"
 )
 

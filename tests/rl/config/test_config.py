@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from bench.device import plan as device_plan
-from rl import configlib, train
+from rl import cli, configlib, train
 from rl.aot import check
 from rl.config import GRPOConfig
 from rl.config import platform as platforms
@@ -233,7 +233,7 @@ def _checked_args(name: str, overrides=()):
       extra = [f"data.path={default_dir()}"]
     except FileNotFoundError as e:
       pytest.skip(str(e))
-  args = train.arg_parser().parse_intermixed_args([path, "--check", *overrides, *extra][1:])
+  args = cli.arg_parser().parse_intermixed_args([path, "--check", *overrides, *extra][1:])
   args.config = path
   return args, entry
 
@@ -248,8 +248,8 @@ def test_every_config_checks_for_its_platform(name, overrides, monkeypatch):
   (fused pallas on GPU)."""
   monkeypatch.chdir(ROOT)  # configs name data paths relative to the checkout
   args, entry = _checked_args(name, overrides)
-  cfg = train.config_of(args, entry)
-  target = train.target_platform(args)
+  cfg = cli.config_of(args, entry)
+  target = cli.target_platform(args)
   assert target == name.split("-")[0]
   report = check.check(cfg, target, entry, lower=False)
   assert report["memory_gib"]["total"] > 0
@@ -268,7 +268,7 @@ def test_every_config_lowers_at_its_real_shapes(name, overrides, monkeypatch):
   """The whole --check, the real model included (the 0.5B GPU train step: ~32 s to lower on CPU)."""
   monkeypatch.chdir(ROOT)
   args, entry = _checked_args(name, overrides)
-  assert train.run_check(args, entry)["lowered_s"]["train_step"] > 0
+  assert cli.run_check(args, entry)["lowered_s"]["train_step"] > 0
 
 
 def test_check_command_line(capsys, monkeypatch):
@@ -327,7 +327,7 @@ def test_check_refuses_what_the_platform_cannot_run(overrides, match, monkeypatc
   monkeypatch.chdir(ROOT)
   args, entry = _checked_args("gpu-qwen2.5-0.5b.yaml", overrides)
   with compile_events() as compiles, pytest.raises(ConfigError, match=match):
-    check.check(train.config_of(args, entry), "gpu", entry)
+    check.check(cli.config_of(args, entry), "gpu", entry)
   assert not [e for e in compiles if "backend_compile" in e]  # (eval_shape traces)
 
 
@@ -338,8 +338,8 @@ def test_a_section_the_entry_point_ignores_is_an_error_naming_the_right_one(caps
   err = capsys.readouterr().err
   assert "env.name" in err and "use python -m rl.agent" in err, err
   with pytest.raises(ConfigError, match=r"train\.vf_coef: not read by python -m rl\.train"):
-    train.parse_args(["train.vf_coef=0.5"], entry="rl.train")
+    cli.parse_args(["train.vf_coef=0.5"], entry="rl.train")
   with pytest.raises(ConfigError, match=r"train\.is_mode: .*use python -m rl\.train"):
-    train.parse_args(["train.is_mode=token_mask"], entry="rl.agent")
-  assert train.parse_args(["env.name=grid"], entry="rl.agent").env.name == "grid"
-  assert train.parse_args(["train.is_mode=token_mask"], entry="rl.train").train.is_mode
+    cli.parse_args(["train.is_mode=token_mask"], entry="rl.agent")
+  assert cli.parse_args(["env.name=grid"], entry="rl.agent").env.name == "grid"
+  assert cli.parse_args(["train.is_mode=token_mask"], entry="rl.train").train.is_mode

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rl import train
+from rl import cli, train
 from rl.configlib import ConfigError
 from rl.logging.metrics import MetricsWriter, read_metrics
 from rl.logging.wandb_config import WandbConfig
@@ -71,13 +71,13 @@ def _config(run) -> dict:
 
 
 def test_the_config_key_is_off_by_default_and_bad_values_name_it(tmp_path, monkeypatch):
-  cfg = train.parse_args(TINY)
+  cfg = cli.parse_args(TINY)
   assert cfg.run.wandb == WandbConfig() and cfg.run.wandb.mode == "disabled"
   assert open_sink(cfg.run.wandb, str(tmp_path), {}) is None  # disabled: wandb never imported
   with pytest.raises(ConfigError, match=r"run\.wandb\.mode must be one of .*'cloud'"):
-    train.parse_args([*TINY, "run.wandb.mode=cloud"])
+    cli.parse_args([*TINY, "run.wandb.mode=cloud"])
   with pytest.raises(ConfigError, match=r"run\.wandb\.project must be a non-empty string"):
-    train.parse_args([*TINY, "run.wandb.mode=offline", "run.wandb.project=' '"])
+    cli.parse_args([*TINY, "run.wandb.mode=offline", "run.wandb.project=' '"])
   monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
   with pytest.raises(ConfigError, match=r'run\.wandb\.mode=offline .*"grpo-kernels\[wandb\]"'):
     open_sink(OFFLINE, str(tmp_path), {})
