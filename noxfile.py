@@ -148,15 +148,16 @@ def learning(session: nox.Session):
   in_dev(
     session,
     "-m",
-    "bench.learning",
+    "bench.loop.learning",
     *(session.posargs or ["--config", "configs/cpu-default.yaml", "--seeds", "0", "1", "2"]),
   )
 
 
 @nox.session(**SHARED)
 def loop(session: nox.Session):
-  """The loop step-time regression benchmark (bench/history/loop.jsonl; args after -- to bench.loop)."""
-  in_dev(session, "-m", "bench.loop", *session.posargs)
+  """The loop step-time regression benchmark (bench/history/loop.jsonl; args after -- to
+  bench.loop.step_time)."""
+  in_dev(session, "-m", "bench.loop.step_time", *session.posargs)
 
 
 @nox.session(**SHARED)
@@ -187,7 +188,7 @@ def profile(session: nox.Session):
 @nox.session(python="3.12")
 def sglang(session: nox.Session):
   """The sglang_jax rollout backend (sglang-jax needs Python >= 3.12) on CPU: its tests, then tokens/s of
-  sglang_jax vs paged vs dense on one workload (`bench.rollout --size h128`, parity-gated rows).
+  sglang_jax vs paged vs dense on one workload (`bench.rollout.throughput --size h128`, parity-gated rows).
 
   One pytest process per engine: sglang-jax 0.1.0rc0's scheduler thread outlives `close()` and keeps a
   core busy, so each engine gets a process of its own (as the loop has). `-- --no-bench`: the tests
@@ -205,8 +206,12 @@ def sglang(session: nox.Session):
     *(a for a in session.posargs if a != "--no-bench"),
   )
   for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
-    session.run(*pytest, "tests/rl/test_sglang_jax.py", "-k", selection)
-  session.run(*pytest, "tests/rl/test_sglang_jax_logprobs.py", "tests/rl/test_sglang_jax_loop.py")
+    session.run(*pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection)
+  session.run(
+    *pytest,
+    "tests/rl/rollout/test_sglang_jax_logprobs.py",
+    "tests/rl/rollout/test_sglang_jax_loop.py",
+  )
   if not bench:
     return
   session.run(
@@ -214,7 +219,7 @@ def sglang(session: nox.Session):
     "-W",
     "ignore::DeprecationWarning",
     "-m",
-    "bench.rollout",
+    "bench.rollout.throughput",
     "--size",
     "h128",
     "--backend",
@@ -264,21 +269,21 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 
 
 TPU_COMPILE_TESTS = (
-  "tests/test_tpu_compile.py",
-  "tests/rl/test_tpu_check.py",
+  "tests/bench/tpu/test_compile.py",
+  "tests/rl/aot/test_tpu_check.py",
   "tests/test_optim_tiled.py",
   "tests/test_tpu_targets.py",
-  "tests/test_tpu_schedule.py",
-  "tests/bench/test_compiled_report.py",  # a compiled report's every row at or above its floors
+  "tests/bench/tpu/test_schedule.py",
+  "tests/bench/tpu/test_compiled_report.py",  # a compiled report's every row at or above its floors
 )
 
 
 @nox.session(python="3.11", default=False)
 def tpu_compile(session: nox.Session):
   """Every TPU kernel and TPU config through libtpu's real compiler, no TPU needed:
-  tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
+  tests/bench/tpu/test_compile.py compiles each case of bench/tpu/compile.py for v4, v5e, v5p, v6e and v7x,
   inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
-  tests/rl/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
+  tests/rl/aot/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
   twins); the TPU optimizer's, the slice table's and the scheduled code's compile tests. Its own
   environment: the project + jax[tpu] at the version the project resolved (jax 0.10.x on 3.11;
   libtpu's compiler must match jaxlib). Pytest arguments after --."""
@@ -291,7 +296,7 @@ def tpu_compile(session: nox.Session):
 # over a whole 0.5B tree (XLA programs around the same kernels) stay in `tpu_compile`, so the two
 # sessions fit .ci/run's 45 minutes.
 TPU_COMPILE_JAX011_TESTS = (
-  *(t for t in TPU_COMPILE_TESTS if t != "tests/rl/test_tpu_check.py"),
+  *(t for t in TPU_COMPILE_TESTS if t != "tests/rl/aot/test_tpu_check.py"),
   *("-k", "not full_0_5b_tree"),
 )
 

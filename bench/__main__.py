@@ -11,7 +11,7 @@ Examples::
 Writes ``bench/results/<device kind>-<time>/`` (e.g. ``cpu-20261123-101500``): results.json, summary.md, roofline.png,
 time_vs_size.png and rollout.png. The ``mismatch`` suite adds each rollout engine's log-prob mismatch
 against the trainer (bench/mismatch.py). ``--suite tunix`` (asked for by name; needs google-tunix)
-compiles tunix's GRPO step with its loss and ours (bench/tunix_memory.py).
+compiles tunix's GRPO step with its loss and ours (bench/loop/tunix_memory.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,8 @@ import time
 
 from tqdm import tqdm
 
-from bench import loop as loop_bench
 from bench import mismatch as mismatch_bench
-from bench import report, roofline
-from bench import rollout as rollout_bench
-from bench.cases import SUITES, all_cases
+from bench import report
 from bench.cli import (
   ALL_SUITES,
   LOOP,
@@ -43,7 +40,12 @@ from bench.cli import (
   parse_args,
   tpu_slice,
 )
-from bench.run import release, run_case
+from bench.kernels import roofline
+from bench.kernels.cases import SUITES, all_cases
+from bench.kernels.run import release, run_case
+from bench.loop import step_time as loop_bench
+from bench.rollout import table as rollout_table
+from bench.rollout import throughput as rollout_bench
 from kernels import backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,7 +124,7 @@ def _plan(cfg: BenchConfig) -> Run:
   env["sizes"] = list(sizes)
   stamp = _stamp()
   out = cfg.out or ROOT / "bench" / "results" / f"{device_slug(env['device_kind'])}-{stamp}"
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   pending = [c.name for c in cases]
   pending += [peers.row_name(p, s) for size in sizes for p, s in peers.rows(size)] if PEERS in suites else []  # fmt: skip
@@ -156,7 +158,7 @@ def _kernel_cases(run: Run) -> None:
 
 
 def _peer_cases(run: Run) -> None:
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   platform = backend.resolve().platform
   for peer, shape in [(p, s) for size in run.sizes for p, s in peers.rows(size)]:
@@ -210,14 +212,14 @@ def _finish(run: Run, profile_dir) -> int:
   if profile_dir:
     run.env["profile"] = str(profile_dir)
   if run.cfg.target and run.results:  # on the TPU itself: the modelled times beside the measured
-    from bench import compiled
+    from bench.tpu import compiled
 
     rows = [r for s in _kernel_suites(run) for r in compiled.run_suite(tpu_slice(run.cfg.target), s, run.sizes[0])]  # fmt: skip
     run.results = compiled.merge_modelled(run.results, rows)
   run.save(final=True)  # complete: the partial marker goes
   print(report.markdown_table(run.results))
   for r in run.rollout_runs:
-    print(f"\nrollout ({r['size']}):\n" + rollout_bench.markdown(r["rows"], r))
+    print(f"\nrollout ({r['size']}):\n" + rollout_table.markdown(r["rows"], r))
   for r in run.mismatch_runs:
     print(f"\nengine mismatch ({r['size']}):\n" + mismatch_bench.markdown(r["rows"]))
   print(f"\nwrote {run.out}/ (results.json, summary.md{', plots' if run.cfg.plots else ''})")
@@ -244,7 +246,7 @@ def _kernel_suites(run_or_cfg) -> tuple[str, ...]:
 def compiled_main(cfg: BenchConfig) -> int:
   """--target without that TPU here: every kernel suite compiled for it, one subprocess per suite
   (libtpu's schedule dump is switched on per process), the report labelled compiled / modelled."""
-  from bench import compiled
+  from bench.tpu import compiled
 
   name = tpu_slice(cfg.target)
   sizes = cfg.sizes or ("large",)
@@ -270,7 +272,7 @@ def compiled_main(cfg: BenchConfig) -> int:
 def main(argv=None) -> int:
   cfg = parse_args(argv)
   if cfg.suites and TUNIX in cfg.suites:
-    from bench import tunix_memory
+    from bench.loop import tunix_memory
 
     rc = tunix_memory.bench_suite(
       cfg.out or ROOT / "bench" / "results" / f"tunix-memory-{_stamp()}"

@@ -8,15 +8,18 @@ import dataclasses
 import fnmatch
 import pathlib
 
-from bench import loop as loop_bench
-from bench.cases import SIZES, SUITES
+from bench.kernels.cases import SIZES, SUITES
+from bench.loop import step_time as loop_bench
 
-ROLLOUT = "rollout"  # the engine suite: tokens/s of paged vs dense generation (bench/rollout.py)
-LOOP = "loop"  # the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop.py)
+# the engine suite: tokens/s of paged vs dense generation (bench/rollout/throughput.py)
+ROLLOUT = "rollout"
+# the GRPO loop's step time, kept in bench/history/loop.jsonl (bench/loop/step_time.py)
+LOOP = "loop"
 MISMATCH = "mismatch"  # each engine's sampler log-probs against the trainer's (bench/mismatch.py)
-PEERS = "peers"  # Liger-Kernel / tokamax beside our kernels (bench/cases/peers.py), each optional
+# Liger-Kernel / tokamax beside our kernels (bench/kernels/cases/peers.py), each optional
+PEERS = "peers"
 ALL_SUITES = SUITES + (PEERS, ROLLOUT, MISMATCH, LOOP)  # the default: every suite but tunix's
-# tunix's GRPO step compiled with its loss and ours (bench/tunix_memory.py): its own environment
+# tunix's GRPO step compiled with its loss and ours (bench/loop/tunix_memory.py): its own environment
 # (google-tunix) and 10-30 minutes a compile, so only when asked for
 TUNIX = "tunix"
 CHOICES = ALL_SUITES + (TUNIX,)

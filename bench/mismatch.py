@@ -18,7 +18,7 @@ the top-k / nucleus: in bf16 on a kernel other than the trainer's).
 
 Engines: "paged", "dense", "sglang_jax" (skipped, with the reason, where sglang-jax is not installed or
 the model's head_dim is not 128: use --size h128), and "paged:<attn_impl>" for a paged decode attention
-other than the default. The random weights are scaled x10 as in bench.rollout, so distributions are
+other than the default. The random weights are scaled x10 as in bench.rollout.throughput, so distributions are
 peaked and the bf16 differences between kernels show.
 """
 
@@ -182,7 +182,7 @@ def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLING
   rows = []
   for dtype in dtypes:
     model = scale_weights(init_model(preset(size["model"], dtype=dtype), seed=0), 10.0)
-    # sglang_jax last: its in-process scheduler thread lingers after close() (see bench.rollout)
+    # sglang_jax last: its in-process scheduler thread lingers after close() (see bench.rollout.throughput)
     for name in sorted(engines, key=lambda e: e.startswith("sglang_jax")):
       reason = skip_reason(name, model.cfg)
       if reason:

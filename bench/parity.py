@@ -15,7 +15,7 @@ success rate.
 
 prints the seed runs' comparison table of two finished runs from their W&B summaries (a run's
 `run.out_dir` with `run.wandb.mode` set, an offline run directory, a `run-<id>.wandb` log or a
-`wandb-summary.json`; read offline by `rl.wandb_summary`): eval_full accuracy, the eval correctness
+`wandb-summary.json`; read offline by `rl.logging.wandb_summary`): eval_full accuracy, the eval correctness
 reward, step_avg_last10 and the eval_full step time, each with B - A.
 """
 
@@ -29,9 +29,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from bench import learning
-from rl.wandb_sink import ALIASES
-from rl.wandb_summary import read_summary
+from bench.loop import learning
+from rl.logging.wandb_sink import ALIASES
+from rl.logging.wandb_summary import read_summary
 
 # Two-sided 95% Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96).
 _T975 = {
@@ -83,7 +83,7 @@ def _arm(text: str) -> list[str]:
 
 
 def run_summary(run_dir: str) -> dict:
-  """`bench.learning.summarize` of one run, plus the two figures the arms are compared on."""
+  """`bench.loop.learning.summarize` of one run, plus the two figures the arms are compared on."""
   out = learning.summarize(run_dir)
   out["eval_full_accuracy"] = out["eval_after"]
   return out

@@ -1,5 +1,5 @@
 """Where a result came from: the commit of the tree that produced it (bench reports, the loop's
-history rows). Its own module so that bench.report and bench.loop both import it, not each other."""
+history rows). Its own module so that bench.report and bench.loop.step_time both import it, not each other."""
 
 from __future__ import annotations
 

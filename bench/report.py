@@ -17,10 +17,11 @@ import tempfile
 
 import jax
 
-from bench import mismatch, rollout
+from bench import mismatch
+from bench.kernels.roofline import DevicePeaks
+from bench.kernels.run import CaseResult
 from bench.provenance import git_commit
-from bench.roofline import DevicePeaks
-from bench.run import CaseResult
+from bench.rollout import table as rollout_table
 
 
 def environment(peaks: DevicePeaks, target_platform: str, interpret: bool) -> dict:
@@ -204,11 +205,11 @@ def render(out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
   if any(c.get("compiled") for c in cases):  # a TPU run with --target: modelled beside measured
     body += "\n\n## Compiled and modelled beside measured\n\n" + compiled_table(cases)
   for run in rollout_runs:
-    rows = [rollout.RolloutBenchRow(**r) for r in run["rows"]]
+    rows = [rollout_table.RolloutBenchRow(**r) for r in run["rows"]]
     body += f"\n\n## Rollout engines ({run['size']}: {_rollout_shape(run['config'])})\n\n"
-    body += rollout.markdown(rows, run)
+    body += rollout_table.markdown(rows, run)
   if env.get("loop"):
-    from bench import loop  # lazily: it runs the GRPO loop (rl.train)
+    from bench.loop import step_time as loop  # lazily: it runs the GRPO loop (rl.train)
 
     body += "\n\n## GRPO loop step time (regression benchmark, `bench/history/loop.jsonl`)\n\n"
     body += loop.describe(env["loop"]["row"], env["loop"]["comparison"]) + "\n"

@@ -5,7 +5,7 @@ plugin / xprof), its Chrome-trace JSON (`*.trace.json.gz`) and a Perfetto trace 
 `profiles/<run>/plugins/profile/<time>/`. Inspection reads them with xprof's own converters (op table:
 `framework_op_stats`) and the trace events jax wrote (phases, kernels, gaps); no protobuf parsing here.
 
-Phases are `jax.profiler.TraceAnnotation`s named `grpo/...` (the loop's `rl.metrics.StepTimer` and the
+Phases are `jax.profiler.TraceAnnotation`s named `grpo/...` (the loop's `rl.logging.metrics.StepTimer` and the
 rollout engines emit `grpo/rollout`, `grpo/rollout/prefill`, `grpo/rollout/decode`, `grpo/update`, ...)
 or `bench/<case>/<kernel|reference>` (the timed repeats of `python -m bench --profile`).
 
@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
-from rl.metrics import profiler_options
+from rl.logging.metrics import profiler_options
 from rl.update import LOSS_SCOPE, OPTIMIZER_SCOPE
 
 PHASE_PREFIX = "grpo/"  # the loop's phases, reported without the prefix

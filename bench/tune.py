@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from bench.cases import fused_linear as linear_cases
-from bench.cases import grpo_loss as loss_cases
-from bench.cases import optim as optim_cases
-from bench.cases import paged_attention as paged_cases
+from bench.kernels.cases import fused_linear as linear_cases
+from bench.kernels.cases import grpo_loss as loss_cases
+from bench.kernels.cases import optim as optim_cases
+from bench.kernels.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
 from kernels.fused_linear import LinearBlocks
@@ -332,7 +332,7 @@ def run(
   """Tune ``ops`` at the bench's ``size`` on this host, one op after the other (each within
   ``budget_s`` seconds of candidates); returns the cache file, rewritten after every problem.
   ``search``: :func:`kernels.autotune.tune`'s platform / kind / evaluate / source, for the modelled
-  search of ``--target`` (bench.compiled.tune_in_process)."""
+  search of ``--target`` (bench.tpu.compiled.tune_in_process)."""
   unknown = sorted(set(ops) - set(PROBLEMS))
   if unknown:
     raise ValueError(f"ops must be among {tuple(PROBLEMS)}, got {unknown}")
@@ -370,7 +370,7 @@ def main(argv=None):
   )  # the op's subprocess
   args = ap.parse_args(argv)
   if args.target:
-    from bench import compiled
+    from bench.tpu import compiled
 
     if args.in_process:
       ops = tuple(dict.fromkeys(args.op or autotune.OPS))

@@ -174,7 +174,7 @@ def _timed(fn, args, repeats: int) -> float:
 def _parity(actual, expected, checks) -> float:
   """Worst parity error over the checks (<= 1 is within tolerance; inf on a NaN mismatch), reduced on
   the device by the bench's own implementation (only scalars reach the host)."""
-  from bench.harness import device_parity
+  from bench.kernels.harness import device_parity
 
   return max(device_parity(actual, expected, checks).values(), default=0.0)
 

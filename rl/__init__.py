@@ -1,8 +1,9 @@
-"""The GRPO loop around the kernels: `python -m rl.train` (single-turn GRPO) and `python -m rl.agent`
-(multi-turn episodes, GRPO or PPO with a critic).
-
-The Qwen-family model (`rl.model`), rollout engines (`rl.rollout`: paged, dense, sglang-jax), data
-(`rl.data`), rewards, environments (`rl.env`), the update through the loss and optimizer kernels, the
-run around the steps (set-up, SFT warm-up, evals, metrics, checkpoints and exact resume), and the
-typed configuration tree (`rl.config`) checked before anything compiles. The manual: docs/training.md.
+"""The end-to-end GRPO loop. `python -m rl.train` (rl.train: single-turn GRPO, its step rl.step, the
+update rl.update with its optimizer rl.optimizer, advantages and the training-inference mismatch)
+and `python -m rl.agent` (rl/agent: multi-turn episodes, GRPO or PPO) share their command line
+(rl.cli) and the run around a step (rl/run). The rest by concern: rl/config (the typed configuration
+tree; rl.configlib its YAML machinery), rl/model (the Qwen decoder), rl/rollout (the engines),
+rl/data (the task's text, tokenizer and rewards), rl/env (text environments), rl/logging (metric
+sinks), rl/aot (compiled programs and `--check`, nothing allocated) and the device mesh
+(rl.sharding, rl.kernel_sharding). The manual: docs/training.md.
 """

@@ -13,10 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from kernels.backend import host_platform
-from rl import check, configlib, platform, sharding, slice_check
-from rl.checkpointing import CheckpointError
-from rl.config import GRPOConfig, check_entry
+from rl import configlib, sharding
+from rl.aot import check, slice_check
+from rl.config import GRPOConfig, check_entry, platform
 from rl.configlib import ConfigError
+from rl.run.checkpointing import CheckpointError
 from rl.update import NonFiniteError
 
 
@@ -34,7 +35,7 @@ def arg_parser(prog: str = "python -m rl.train", doc: str = "") -> argparse.Argu
     "--check",
     action="store_true",
     help="check the config for its platform (configs/gpu-*: gpu, tpu-*: tpu, cpu-*: cpu) and "
-    "AOT-lower the train step and the decode chunk there; nothing runs (rl.check)",
+    "AOT-lower the train step and the decode chunk there; nothing runs (rl.aot.check)",
   )
   ap.add_argument(
     "--platform", choices=platform.PLATFORMS, help="--check for this platform, not the config's"
@@ -97,7 +98,7 @@ def config_of(args: argparse.Namespace, entry: str | None = None) -> GRPOConfig:
 
 
 def run_check(args: argparse.Namespace, entry: str) -> dict:
-  """--check: rl.check's figures for the config, printed (and written to --json, also when a check
+  """--check: rl.aot.check's figures for the config, printed (and written to --json, also when a check
   fails after some were found); its ConfigError propagates."""
   cfg = config_of(args, entry)
   report: dict = {"config": args.config}

@@ -5,7 +5,7 @@ cannot be automatically partitioned" when one sits in a program over several dev
 The kernels take it as ``sharding=kernels.sharding.KernelSharding(mesh, batch_axes=...)``: each device
 runs the kernel on its own rows of the batch axes (and, for the fused LM-head loss, its slice of the
 vocabulary on the tensor-parallel axis). The loop calls the kernels from ONE place each — the policy
-loss (rl.update.policy_loss, with LossSettings' kernel_sharding; rl.agent's through rl.ppo.policy_loss,
+loss (rl.update.policy_loss, with LossSettings' kernel_sharding; rl.agent's through rl.agent.ppo.policy_loss,
 with UpdateSettings') and the paged decode attention
 (`paged_attention` below, from rl.rollout.paged_cache.PagedKVCache.attend, with the cache's
 kernel_sharding) — and builds the value here.

@@ -3,7 +3,7 @@ prompt) -> rewards -> group-normalised advantages -> rows packed at the run's fi
 reference log-probs when needed and one micro-batched, gradient-accumulated optimizer update per PPO
 epoch (the rollout engine sees the new weights) -> the step's metrics. The helpers it calls, the
 single-turn evals and the SFT warm-up's worked solutions sit beside it; `GRPOStep` binds them into the
-`rl.run.Program` the run loop drives.
+`rl.run.loop.Program` the run loop drives.
 
 Everything random is a function of (train.seed, step): the prompts of step s, each prompt's sampling
 seed, the SFT batches. Restoring the step from a checkpoint therefore restores the data order and RNG.
@@ -17,14 +17,14 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from rl import kernel_sharding, mismatch, rewards, sharding
+from rl import kernel_sharding, mismatch, sharding
 from rl.advantages import advantage_stats, group_advantages
-from rl.data import Example
-from rl.evaluate import evaluate, process_slice
-from rl.metrics import step_time_metrics
+from rl.data import Example, rewards
+from rl.data.tokenizer import IM_END
+from rl.logging.metrics import step_time_metrics
 from rl.rollout import RolloutResult, SamplingParams
-from rl.setup import WIDTH_ALIGN, Policy, Setup, example_at, prompt_seed, round_up
-from rl.tokenizer import IM_END
+from rl.run.evaluate import evaluate, process_slice
+from rl.run.setup import WIDTH_ALIGN, Policy, Setup, example_at, prompt_seed, round_up
 from rl.update import Batch, LossSettings, batch_token_logps, compile_train_step, pack
 
 
@@ -171,7 +171,7 @@ def eval_sampled(s: Setup, step: int) -> dict[str, float]:
   return {
     "eval/accuracy": result["accuracy"],
     "eval/format": result["format"],
-    # the weighted sum, as reward/total/mean in training (rl.rewards.score): a mean of sums
+    # the weighted sum, as reward/total/mean in training (rl.data.rewards.score): a mean of sums
     "eval/reward/total/mean": sum(w * means[n] for n, w in s.cfg.reward.weights().items()),
     "time/eval/step_s": result["seconds"],
   }
@@ -209,7 +209,7 @@ def dataset_sft_widths(s: Setup) -> tuple[int, int]:
 
 
 class GRPOStep:
-  """rl.train's `rl.run.Program`: the GRPO step over a Setup and a Policy, its evals and the SFT
+  """rl.train's `rl.run.loop.Program`: the GRPO step over a Setup and a Policy, its evals and the SFT
   warm-up's worked solutions (it adds nothing to a checkpoint)."""
 
   def __init__(self, setup: Setup, policy: Policy):

@@ -3,8 +3,8 @@
 A step reads top to bottom (rl.step.grpo_step): rollout (a group of `group_size` completions per
 prompt) -> rewards -> group-normalised advantages -> old / reference log-probs when needed -> one
 micro-batched, gradient-accumulated optimizer update per PPO epoch -> the rollout engine sees the new
-weights. What is set up once is rl.setup's (`build`, `Policy`); the run around the steps (resume, SFT
-warm-up, evals, metrics, checkpoints, profile window) is rl.run's.
+weights. What is set up once is rl.run.setup's (`build`, `Policy`); the run around the steps (resume, SFT
+warm-up, evals, metrics, checkpoints, profile window) is rl.run.loop's.
 
 Everything random is a function of (train.seed, step): the prompts of step s, each prompt's sampling
 seed, the SFT batches. Restoring the step from a checkpoint therefore restores the data order and RNG.
@@ -22,28 +22,22 @@ from collections.abc import Sequence
 from rl.cli import (
   arg_parser,
   config_of,
-  parse_args,
   run_check,
   run_cli,
   start_process,
-  target_platform,
 )
 from rl.config import GRPOConfig
-from rl.evaluate import before_after_table
-from rl.run import Run
-from rl.setup import WIDTH_ALIGN, Policy, build, load_data, round_up
+from rl.run.evaluate import before_after_table
+from rl.run.loop import Run
+from rl.run.setup import Policy, build
 from rl.step import GRPOStep
-from rl.update import init_optimizer_state
 
-# The command line's and the set-up's names, as rl.train always offered them (rl.agent, bench, tests).
-__all__ = ["WIDTH_ALIGN", "arg_parser", "cli", "config_of", "init_optimizer_state", "load_data"]
-__all__ += ["main", "make_run", "parse_args", "round_up", "run_check", "start_process"]
-__all__ += ["target_platform"]
+__all__ = ["cli", "main", "make_run"]
 
 
 def make_run(cfg: GRPOConfig) -> Run:
   """The single-turn GRPO run of `cfg`: its set-up (every config error first), its policy and the
-  GRPO step, in rl.run's loop."""
+  GRPO step, in rl.run.loop."""
   setup = build(cfg)
   policy = Policy(setup)
   return Run(setup, policy, GRPOStep(setup, policy), "rl.train")

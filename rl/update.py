@@ -39,12 +39,6 @@ from kernels.grpo_loss import token_logps_and_entropy
 from rl import mismatch
 from rl.optimizer import Optimizer, _global_norm, guarded_step
 
-# The optimizer's names, as rl.update always offered them (rl.setup, rl.run, rl.check, bench, tests)
-from rl.optimizer import init_optimizer_state as init_optimizer_state
-from rl.optimizer import make_optimizer as make_optimizer
-from rl.optimizer import shardings_of as shardings_of
-from rl.optimizer import warmup_schedule as warmup_schedule
-
 Objective = Literal["grpo", "sft"]
 # Name scopes of the train step's two phases: loss forward + backward over the micro-batches, then
 # clipping + the optimizer. Backward ops carry `transpose(` in their scope path (how JAX names VJPs).

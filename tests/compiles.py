@@ -8,7 +8,7 @@ import contextlib
 
 import jax
 
-from rl.metrics import COMPILE_EVENT
+from rl.logging.metrics import COMPILE_EVENT
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 from bench import tune as bench_tune
-from bench.cases import Check
+from bench.kernels.cases import Check
 from kernels import autotune, backend, optim
 from kernels.fused_linear import mosaic_gpu as linear_mosaic
 from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks

@@ -1,6 +1,6 @@
 """The compile-checked (modelled) tuning cache: its merge rule and who reads it.
 
-Nothing compiles here: ``evaluate`` is a stand-in for bench.compiled.evaluate_modelled, so these run
+Nothing compiles here: ``evaluate`` is a stand-in for bench.tpu.compiled.evaluate_modelled, so these run
 everywhere in a second. The real search is ``python -m bench.tune --target tpu-v6e`` (libtpu).
 """
 

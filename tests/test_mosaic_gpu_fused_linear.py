@@ -233,7 +233,7 @@ def test_bench_times_the_stored_columns_beside_the_plain_path():
   """A GPU bench run measures the stored-columns path (fwd+bwd, production shapes) next to the plain
   mosaic_gpu and chunked rows, with the tuner's largest stored candidate: catches the built option
   never being timed when a GPU is lent. Off GPU there is no such row (the interpreter is no bench)."""
-  from bench.cases import fused_linear as linear_cases
+  from bench.kernels.cases import fused_linear as linear_cases
 
   rows = [c for c in linear_cases.cases("large", "gpu") if c.op.endswith("-stored")]
   assert [c.shape_name for c in rows] == ["qwen2.5-3b-8k", "qwen2.5-3b-16k"]

@@ -194,7 +194,7 @@ def test_unsupported_problems_raise(dtype, d, page_size, match):
 @pytest.mark.parametrize("shape_name", ["decode-4k", "decode-16k-b8"])
 def test_parity_on_gpu_production_shape(shape_name):
   """On hardware: the scores wgmma with a transposed K tile, register layouts, swizzled TMA gathers."""
-  from bench.cases.paged_attention import make_inputs
+  from bench.kernels.cases.paged_attention import make_inputs
 
   s = PAGED_SHAPES[shape_name]
   args = make_inputs(s, seed=0)
@@ -207,7 +207,7 @@ def test_stale_pages_never_leak_on_gpu_production_shape():
   """On hardware, at decode-4k: NaN in every K / V slot past each length (the zeroing of the last
   block's V rows in the WGMMA register layout, which the interpreter cannot check) leaves the
   output identical to that with clean pages."""
-  from bench.cases.paged_attention import make_inputs
+  from bench.kernels.cases.paged_attention import make_inputs
 
   q, k, v, lengths, pages = make_inputs(PAGED_SHAPES["decode-4k"], seed=0)
   ps = k.shape[2]

@@ -573,10 +573,10 @@ def test_launch_evidence_by_hand_and_docstring_table():
 
 
 def test_bench_case_memory_donated_outputs_alias_inputs():
-  """bench/cases/optim.py's memory figures at the tiny tree: donated, the in-place step and the
+  """bench/kernels/cases/optim.py's memory figures at the tiny tree: donated, the in-place step and the
   reference write into their inputs (peak = the 4 input trees, no output buffers), and the case
   needs less than undonated (a state conversion that broke aliasing would give 7 trees)."""
-  from bench.cases.optim import memory_need
+  from bench.kernels.cases.optim import memory_need
 
   tree = 4 * sum(np.prod(s) for s in decoder_param_shapes("tiny").values()) / 2**30
   donated, kept = memory_need("tiny", "adamw", True), memory_need("tiny", "adamw", False)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 
 import kernels
-from bench.cases.paged_attention import make_inputs
+from bench.kernels.cases.paged_attention import make_inputs
 from bench.shapes import PAGED_SHAPES, PRODUCTION_PAGED_SHAPES
 from bench.tolerances import assert_close
 from kernels.backend import Target
@@ -305,7 +305,7 @@ def test_bench_inputs_match_at_cpu_size():
 def test_reference_agrees_withjax_shipped_paged_attention_gpu_op():
   """Cross-check against JAX's own GPU paged-attention op (run in the interpreter), through the
   bench's wrapper — which is also what the GPU bench rows time."""
-  from bench.cases.paged_attention import jax_shipped_paged_attention
+  from bench.kernels.cases.paged_attention import jax_shipped_paged_attention
 
   args = _draw(np.random.default_rng(4), 2, 4, 2, 16, 16, 8, [37, 128], jnp.float32)
   assert_close(

@@ -147,7 +147,7 @@ def render(directory: pathlib.Path, root: pathlib.Path, out: pathlib.Path) -> st
 
 
 def loop_history(root: pathlib.Path) -> str:
-  """bench/history/loop.jsonl (python -m bench.loop's rows) as a table, every row as recorded."""
+  """bench/history/loop.jsonl (python -m bench.loop.step_time's rows) as a table, every row as recorded."""
   path = root / "bench" / "history" / "loop.jsonl"
   rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
   lines = [

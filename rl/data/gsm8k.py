@@ -6,7 +6,7 @@ import dataclasses
 import json
 import os
 
-from rl.rewards import normalize_number
+from rl.data.rewards import normalize_number
 
 
 @dataclasses.dataclass(frozen=True)

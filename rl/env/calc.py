@@ -3,7 +3,7 @@
 Each turn the model either calls the calculator, `<calc>12*7</calc>` (the first complete tag counts;
 the rest of the reply is ignored), and the next observation is `<result>84</result>` (or
 `<error>...</error>` for an expression it cannot evaluate), or replies without a tag: that reply is
-the final answer, scored with `rl.rewards.score` (correctness + format weights), and the episode ends.
+the final answer, scored with `rl.data.rewards.score` (correctness + format weights), and the episode ends.
 After `max_turns` turns the episode ends anyway, unanswered, with reward 0.
 
 The calculator evaluates +, -, *, /, ** and parentheses on exact fractions from a parsed syntax tree,
@@ -19,8 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
-from rl import rewards
-from rl.data import Example
+from rl.data import Example, rewards
 from rl.env.base import StepResult, check_max_turns
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)

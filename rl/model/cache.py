@@ -71,7 +71,7 @@ class DenseKVCache:
   Storage: `create` keeps the values as their bits (an unsigned integer of the value dtype's width,
   `value_dtype` naming the values' dtype), so the per-token write is an integer scatter: XLA:CPU runs
   a bf16 scatter as an f32 round trip of the whole [L, B, S, Hkv, D] cache per layer per step
-  (bench.byte_account: ~120 GB of the 0.5B-shape decode step), an integer one in place. The bits are
+  (bench.rollout.byte_account: ~120 GB of the 0.5B-shape decode step), an integer one in place. The bits are
   exact: values and attention are the same either way. `value_dtype=None`: k / v hold the values.
   """
 

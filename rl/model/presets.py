@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rl.model.config import ModelConfig
 
-EMBEDDED_VOCAB = 384  # >= rl.tokenizer.ByteTokenizer().vocab_size, a multiple of 128.
+EMBEDDED_VOCAB = 384  # >= rl.data.tokenizer.ByteTokenizer().vocab_size, a multiple of 128.
 
 _QWEN25 = dict(
   vocab_size=151936,

@@ -39,7 +39,7 @@ _UNROLL_LAYERS = contextvars.ContextVar("unroll_layers", default=False)
 def unrolled_layers():
   """Trace the L layers one by one inside the block (same math, each layer's weights a static slice of
   the stack). For accounting only: XLA's cost analysis charges a while loop's body once, so a scanned
-  decoder would be billed one layer per step; `bench.byte_account` compiles under this to charge all L."""
+  decoder would be billed one layer per step; `bench.rollout.byte_account` compiles under this to charge all L."""
   token = _UNROLL_LAYERS.set(True)
   try:
     yield

@@ -40,7 +40,7 @@ class EngineConfig:
   matmul_precision: None (the backend's default) or a `jax.default_matmul_precision` name, applied
     while the engine's steps are traced. It matters for f32 dots only: on GPU an f32 dot runs at TF32
     unless asked for "highest" (XLA:CPU always runs f32), so an f32 engine whose log-probs are checked
-    against a teacher-forced forward sets "highest" there and in the check (bench.rollout does).
+    against a teacher-forced forward sets "highest" there and in the check (bench.rollout.throughput does).
   sglang_mem_fraction: sglang_jax only: the fraction of device memory its weights + KV pool may take
     (None: sglang-jax's default). Its KV pool holds max_slots * max_seq_len tokens, its context
     length is max_seq_len and it runs at most max_slots requests at once.

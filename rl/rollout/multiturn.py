@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from rl.data.tokenizer import IM_END, chatml
 from rl.env.base import Environment
 from rl.rollout.engine import RolloutEngine
 from rl.rollout.types import SamplingParams
-from rl.tokenizer import IM_END, chatml
 
 PROMPT, MODEL, ENV = 0, 1, 2
 _GOLDEN = 0x9E3779B1  # spreads turn indices over the uint32 seed space

@@ -8,7 +8,7 @@ kernel impl ("pallas", "mosaic_gpu", "auto" on TPU / GPU) runs `kernels.paged_at
 the pages. Why not the kernel's XLA reference on CPU: it keeps the softmax probabilities in f32 for the
 PV product while the model rounds them to the compute dtype (as Hugging Face's attention does), which
 in bf16 put the paged engine 3x further from a teacher-forced forward than the dense engine and made
-its greedy completions diverge from dense (bench/paged_precision.py measures it).
+its greedy completions diverge from dense (bench/rollout/paged_precision.py measures it).
 
 Page 0 is never handed out: unused page-table entries point at it, so writes from padding tokens land
 there and are never read into a result.

@@ -3,7 +3,7 @@
 Both are cache-agnostic (the dense and paged caches implement the same `attend`), so the backends
 differ only in where KV lives and how sequences are scheduled, never in the math.
 
-Byte discipline (bench/byte_account.py measures it): the steps take the weights already in the
+Byte discipline (bench/rollout/byte_account.py measures it): the steps take the weights already in the
 compute dtype (`rollout_weights`, once per generate, i.e. per weight sync) so no step re-reads the f32
 master weights and casts them; the cache is donated and updated in place; the sampler is the plain
 log-softmax + Gumbel pass unless a row of the chunk filters (`filtered`, static), so the default GRPO

@@ -2,7 +2,7 @@
 
 Kernel and reference of a case share a benchmark group, so pytest-benchmark prints them side by side
 (``--benchmark-autosave`` / ``--benchmark-compare`` track them across runs). The kernel side asserts
-parity first: a fast wrong kernel fails instead of timing. The rollout suite's cases (bench/rollout.py:
+parity first: a fast wrong kernel fails instead of timing. The rollout suite's cases (bench/rollout/throughput.py:
 workload x backend, one `generate` call timed) share a group per workload the same way, each engine's
 log-probs checked against a teacher-forced forward before it is timed. The default test run passes
 ``--benchmark-disable``, which runs each body once as a smoke test, at the harness's tiny size; a
@@ -15,8 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from bench import harness, rollout
-from bench.cases import all_cases
+from bench.kernels import harness
+from bench.kernels.cases import all_cases
+from bench.rollout import parity as rollout_parity
+from bench.rollout import throughput as rollout
 from bench.tolerances import parity_error
 from kernels import backend
 
@@ -68,10 +70,12 @@ def test_rollout(benchmark, rollout_size, workload, backend):
   model = _rollout_model(rollout_size)
   size = rollout.SIZES[rollout_size]
   prompts, params = rollout.workload(size, workload)
-  # parity before any timing, gated as bench.rollout gates it: the engine on the model's f32 twin at
+  # parity before any timing, gated as bench.rollout.throughput gates it: the engine on the model's f32 twin at
   # GATE_PRECISION against the teacher-forced forward at the same precision (a compute-dtype gate
   # fails correct engines on a GPU, whose bf16 and default-precision f32 dots round differently)
-  gated = rollout.gates(rollout.gate_model(model), rollout_size, backend, (workload,))[workload]
+  gated = rollout.gates(rollout_parity.gate_model(model), rollout_size, backend, (workload,))[
+    workload
+  ]
   assert gated.err <= 1.0, (
     f"{backend} log-probs off a teacher-forced forward: {gated.err:.3g}x the tolerance "
     f"({gated.max_abs_diff:.3g} nats)"
@@ -90,7 +94,7 @@ def test_rollout(benchmark, rollout_size, workload, backend):
 def _fake_peer(scale: float = 1.0):
   """A jax stand-in for a peer (the real ones need torch / tokamax and a GPU): the sum cross-entropy
   over grpo_loss's logits, forward + backward, times ``scale``."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   def build(inputs):
     logits, ids = inputs[0], inputs[1]  # [B, T, V], [B, T]
@@ -114,7 +118,7 @@ def _fake_peer(scale: float = 1.0):
 def test_peers_are_skipped_with_their_reason_where_missing():
   """Catches an import error crashing the run where Liger / tokamax / torch are absent (CPU, CI):
   every real peer yields a skipped row naming what is missing."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
   from bench.report import markdown_table
 
   for peer, shape in peers.rows("tiny"):
@@ -128,7 +132,7 @@ def test_a_peer_row_times_both_sides_and_checks_the_peers_value():
   """The row plumbing with a fake peer: both sides timed, the peer's loss checked against minus the
   sum of our kernel's log-probs; a peer off by 1% fails its row (catches a parity that compares the
   peer with itself, or with our GRPO loss value instead of the cross-entropy)."""
-  from bench.cases import peers
+  from bench.kernels.cases import peers
 
   good = peers.run_peer(_fake_peer(), "tiny", "cpu", repeats=1, warmup=0)
   assert good.ok and good.parity["ce_sum"] <= 1.0, good

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from bench import __main__ as bench_main
-from bench import report, run
-from bench.cases import all_cases
-from bench.roofline import DevicePeaks
+from bench import report
+from bench.kernels import run
+from bench.kernels.cases import all_cases
+from bench.kernels.roofline import DevicePeaks
 
 # The module fixture runs the tiny bench (grpo_loss, AdamW's two optim cases, rollout, profiled): 200 s
 # of setup on the shared 2-core machine under load with all six optim cases, 440 s once.
@@ -131,7 +132,7 @@ def test_a_donated_case_gets_fresh_inputs_for_every_call_and_parity(tmp_path):
   warm-up / timed call or for the reference would fail with a deleted buffer (or, where the backend
   ignores donation, time and compare the wrong step). Here every call must see the seed's own input:
   the kernel counts its calls into a consumed buffer, and parity still holds."""
-  from bench.cases import Case, Check
+  from bench.kernels.cases import Case, Check
 
   made = []
 
@@ -246,9 +247,9 @@ def test_a_rollout_suite_stopped_mid_way_keeps_its_measured_rows(tmp_path, monke
   """The rollout suite ran ~160 s on the H100: a report written once per suite would lose every row
   of a suite its step's limit cut short. Each row is saved as it is measured: stopped after the first
   row, results.json holds that row and still names the suite as left to run."""
-  from bench import rollout as rollout_bench
+  from bench.rollout import table as rollout_table
 
-  row = rollout_bench.RolloutBenchRow(
+  row = rollout_table.RolloutBenchRow(
     "paged", "fixed", 1.0, 64, 64.0, 0.1, 0.9, 8, 0, 0.1, 1e-3, True
   )
 
@@ -277,8 +278,8 @@ def test_a_finished_run_is_not_marked_partial(tiny_report):
 
 # ---------------------------------------------------------------------------- parity on the device
 def _numpy_and_device(actual, expected, quantity="value", dtype="float32", n=4):
-  from bench.cases import Check
-  from bench.harness import device_parity
+  from bench.kernels.cases import Check
+  from bench.kernels.harness import device_parity
   from bench.tolerances import parity_error
 
   check = Check(0, quantity, dtype, n, "x")
@@ -305,8 +306,8 @@ def test_device_parity_agrees_with_numpy_on_edge_cases_and_bf16():
   host, dev = _numpy_and_device([nan, 1.0], [nan, 1.0])  # a NaN reference scale: never a pass
   assert np.isnan(host) and np.isnan(dev)
   assert _numpy_and_device([inf, 1.0], [inf, 1.0]) == (0.0, 0.0)  # equal infinities agree
-  from bench.cases import Check
-  from bench.harness import device_parity
+  from bench.kernels.cases import Check
+  from bench.kernels.harness import device_parity
 
   check = Check(0, "grad", "bfloat16", 8, "g")
   assert device_parity((jnp.ones(3),), (jnp.ones(4),), (check,))["g"] == inf
@@ -328,7 +329,7 @@ def test_measured_ceilings_sit_beside_the_datasheet_and_drive_the_fractions():
   median > 0, the compiled copy really copies (XLA emits a `copy`, so bytes move), the report shows
   measured and datasheet side by side, and fractions use the measured best. Catches a probe that
   times an elided no-op, or a report that silently mixes the two sources."""
-  from bench import roofline
+  from bench.kernels import roofline
 
   cfg = roofline.CeilingConfig(copy_bytes=1 << 20, matmul_n=64, iters=2, rounds=3)
   peaks = roofline.measured_peaks(cfg=cfg)
@@ -366,7 +367,7 @@ def test_the_committed_h100_example_renders_unchanged(tmp_path):
 
 
 def test_tunix_suite_is_asked_for_and_says_what_it_needs():
-  """`--suite tunix` (bench.tunix_memory: 10-30 minutes a compile) is a choice, not part of the
+  """`--suite tunix` (bench.loop.tunix_memory: 10-30 minutes a compile) is a choice, not part of the
   default run, and without google-tunix it says how to get it instead of failing on an import.
   Catches: the default `nox -s bench` starting hour-long tunix compiles, or a bare ImportError."""
   import importlib.util

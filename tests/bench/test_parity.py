@@ -72,9 +72,9 @@ def test_wandb_summaries_table_with_deltas(tmp_path, capsys):
 def test_wandb_summaries_of_two_offline_runs(tmp_path, capsys):
   """The same table from two runs' out_dirs, read from their offline W&B logs."""
   pytest.importorskip("wandb")
-  from rl.metrics import MetricsWriter
-  from rl.wandb_config import WandbConfig
-  from rl.wandb_sink import open_sink
+  from rl.logging.metrics import MetricsWriter
+  from rl.logging.wandb_config import WandbConfig
+  from rl.logging.wandb_sink import open_sink
 
   for name, accuracy, step_s in (("a", 0.25, 3.0), ("b", 0.75, 2.0)):
     out = str(tmp_path / name)

@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from rl import train
+from rl import cli, train
 from rl.configlib import ConfigError
-from rl.metrics import read_metrics
+from rl.logging.metrics import read_metrics
 from rl.rollout import paged
 from rl.rollout.engine import bucket
+from rl.run.setup import WIDTH_ALIGN, round_up
 from rl.step import step_examples
 from tests.compiles import compile_events, compiled_functions
 
@@ -318,7 +319,7 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   per-step shape. The SFT warm-up compiles its step once too. Also: compiling steps are left out of
   step_avg and report compiles / compile_s."""
   data = _spread_gsm8k(tmp_path / "gsm8k", range(0, 43, 3))
-  cfg = train.parse_args(
+  cfg = cli.parse_args(
     TINY
     + [
       "data.dataset=gsm8k",
@@ -334,7 +335,7 @@ def test_widths_are_fixed_up_front_so_later_steps_do_not_recompile(tmp_path):
   run = train.make_run(cfg)
   s = run.setup
   longest = max(len(s.encode(e.question)) for e in s.train_data)
-  assert s.prompt_width == train.round_up(longest, train.WIDTH_ALIGN) == 512
+  assert s.prompt_width == round_up(longest, WIDTH_ALIGN) == 512
   seen, rows, widths = set(), [], []
   # the decode chunk's declared shapes: rows and page-table width are powers of two chosen by the
   # engine (rl.rollout.paged.decode_rows / decode_width), so a run compiles it at most that many times

@@ -11,6 +11,7 @@ from flax import nnx
 
 from bench.tolerances import assert_close
 from kernels import LossSpec
+from rl import optimizer as O
 from rl import update as U
 from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, shard_model
@@ -197,10 +198,10 @@ def test_train_step_descends_and_does_not_recompile(name, fused):
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
   params = nnx.state(shard_model(model, mesh), nnx.Param)
-  opt = U.make_optimizer(name, 3e-3, 0.0, 1.0, fused)
-  state = U.init_optimizer_state(opt, params, mesh)
+  opt = O.make_optimizer(name, 3e-3, 0.0, 1.0, fused)
+  state = O.init_optimizer_state(opt, params, mesh)
   step = U.compile_train_step(
-    graphdef, opt, U.LossSettings(C), "sft", (U.shardings_of(params), U.shardings_of(state))
+    graphdef, opt, U.LossSettings(C), "sft", (O.shardings_of(params), O.shardings_of(state))
   )
   batch = _batch(tokens, mask, np.ones(8, np.float32), 2)
   params, state, m = step(params, state, batch)  # compiles
@@ -218,10 +219,10 @@ def _sft_step(fused: bool, learning_rate=3e-3):  # a float or an optax schedule
   graphdef, params = nnx.split(model, nnx.Param)
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
   params = nnx.state(shard_model(model, mesh), nnx.Param)
-  opt = U.make_optimizer("adamw", learning_rate, 0.01, 1.0, fused)
-  state = U.init_optimizer_state(opt, params, mesh)
+  opt = O.make_optimizer("adamw", learning_rate, 0.01, 1.0, fused)
+  state = O.init_optimizer_state(opt, params, mesh)
   step = U.compile_train_step(
-    graphdef, opt, U.LossSettings(C), "grpo", (U.shardings_of(params), U.shardings_of(state))
+    graphdef, opt, U.LossSettings(C), "grpo", (O.shardings_of(params), O.shardings_of(state))
   )
   return step, params, state, tokens, mask
 
@@ -258,7 +259,7 @@ def test_warmup_schedule_scales_the_first_updates(fused):
   the second by lr / 2 of the same optimizer. Same batch, same start, so only the rate differs."""
   adv = np.random.default_rng(9).normal(size=8).astype(np.float32)
   deltas = {}
-  for name, rate in (("constant", 3e-3), ("warmup", U.warmup_schedule(3e-3, 4))):
+  for name, rate in (("constant", 3e-3), ("warmup", O.warmup_schedule(3e-3, 4))):
     step, params, state, tokens, mask = _sft_step(fused, rate)
     start = _host(params)
     params, state, _ = step(params, state, _batch(tokens, mask, adv, 2))
@@ -275,17 +276,17 @@ def test_warmup_schedule_scales_the_first_updates(fused):
   # The second update: Adam's moments now differ between the runs, so compare the rate's scale only.
   ratio = np.median(np.abs(deltas["warmup"][1][big]) / np.abs(deltas["constant"][1][big]))
   assert 0.35 < ratio < 0.7, ratio
-  assert U.warmup_schedule(3e-3, 0) == 3e-3
+  assert O.warmup_schedule(3e-3, 0) == 3e-3
   with pytest.raises(ValueError, match="warmup_steps and decay_steps must be >= 0"):
-    U.warmup_schedule(3e-3, -1)
+    O.warmup_schedule(3e-3, -1)
 
 
 def test_warmup_cosine_schedule_by_hand():
   """4 warm-up updates to the peak, then a cosine to a tenth of it at update 12, held after."""
-  rate = U.warmup_schedule(1.0, 4, 12)
+  rate = O.warmup_schedule(1.0, 4, 12)
   got = [float(rate(k)) for k in (0, 3, 4, 8, 12, 20)]
   np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
-  decay_only = U.warmup_schedule(1.0, 0, 10)
+  decay_only = O.warmup_schedule(1.0, 0, 10)
   np.testing.assert_allclose(
     [float(decay_only(k)) for k in (0, 5, 10)], [1.0, 0.55, 0.1], rtol=1e-6
   )

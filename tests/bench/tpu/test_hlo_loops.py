@@ -1,0 +1,87 @@
+"""bench.tpu.hlo_loops and the compiled report's model: loops counted by their trip counts, never below
+the case's byte or flop floor, and no figure XLA gives negative ever used.
+
+``tests/data/hlo_loops/chunked-fwd-bwd-v6e.hlo`` is the optimized HLO libtpu 0.0.42.1 (jax 0.10.2)
+compiled for v6e from the fused head's ``chunked`` path, forward and backward, at N = 512 tokens in
+chunks of 128 (H 256, V 1000, bf16): a ``lax.scan`` of 4 trips around the statistics and backward
+kernels and three matmuls per chunk. Trimmed of its metadata and backend configs (the Mosaic kernels'
+serialized code) only. The live compiled report is tested in tests/bench/tpu/test_compiled_report.py.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench.tpu import compiled, hlo_loops
+from kernels import tpu_targets
+
+DATA = pathlib.Path(__file__).parents[2] / "data" / "hlo_loops"
+V6E = tpu_targets.generation("v6e")
+
+
+def test_tpu_scan_trip_count_and_kernel_runs():
+  """Catches: a scan body's kernels counted once (the compiled report modelled the chunked fused
+  head at 1.04 ms / 5.36 ms, below its 5.55 / 16.66 ms flop floor), the trip count read from the
+  bound alone (the counter starts at a constant copied into the loop's init tuple, and XLA:TPU
+  writes no known_trip_count), the matmuls inside fusions called from the body missed."""
+  loops = hlo_loops.read((DATA / "chunked-fwd-bwd-v6e.hlo").read_text())
+  assert loops.trips == [4] and loops.unknown == []
+  assert loops.kernels == {"grpo_loss_fwd.4": 4, "grpo_loss_bwd.4": 4}
+  # per chunk: logits [128, 1000] = h @ w, dh [128, 256] = dl @ w^T, dw [256, 1000] += h^T @ dl
+  per_trip = 3 * 2 * 128 * 256 * 1000
+  assert loops.uncounted_dot_flops == 3 * per_trip  # XLA's cost model counted the first trip
+
+
+def test_cpu_scan_and_an_unknown_bound():
+  """Catches: XLA's own known_trip_count ignored, a data-dependent loop given a made-up trip
+  count instead of being reported (it is counted once and the model says so)."""
+  f = lambda x, w: jax.lax.scan(lambda c, xi: (c + jnp.sum(xi @ w), None), 0.0, x)[0]
+  text = jax.jit(f).lower(jnp.ones((7, 16, 32)), jnp.ones((32, 8))).compile().as_text()
+  loops = hlo_loops.read(text)
+  assert loops.trips == [7]
+  assert loops.uncounted_dot_flops == 6 * 2 * 16 * 32 * 8
+
+  def g(n, x):
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ x), (0, x))[1]
+
+  loops = hlo_loops.read(jax.jit(g).lower(3, jnp.ones((8, 8))).compile().as_text())
+  assert loops.trips == [None] and len(loops.unknown) == 1
+  assert loops.uncounted_dot_flops == 0
+
+
+def _kernel_side(optimal_s, runs=4, bundles=1000, grid=(8,)):
+  sched = dict(
+        name="k.1", total_bundles=bundles + 10, grid=grid, step_bundles=bundles,
+        loops=[dict(start=0, depth=1, bundles=bundles, trip=None, children=[])], problems=[],
+    )  # fmt: skip
+  loops = dict(trips=[runs], kernels={"k.1": runs}, uncounted_dot_flops=2e12, unknown=[])
+  return dict(status="ok", cost={"optimal_s": optimal_s}, kernels=[sched], loops=loops)
+
+
+@pytest.mark.parametrize("optimal_s", [-23.990415573120117, None, float("nan")])
+def test_model_never_uses_a_figure_that_is_not_a_time(optimal_s):
+  """Catches: XLA's negative optimal time (-23990.416 ms for the optimizer's reference at the 0.5B
+  tree) or a missing one summed into the compute, which printed negative compute floors."""
+  m = compiled.model({"bytes": 1e6, "flops": None}, _kernel_side(optimal_s), V6E)
+  kernel_s = 4 * (10 + 1000 * 8) / V6E.clock_hz
+  assert m["compute_s"] == pytest.approx(kernel_s + 2e12 / V6E.bf16_flops)
+  assert any("not used" in n for n in m["notes"])
+  assert m["modelled_s"] >= 0
+
+
+def test_model_counts_trips_and_never_beats_the_floors():
+  """Catches: a kernel inside a loop counted once, the loop body's matmuls left out, a modelled
+  time below its case's flop floor (flops at the bf16 peak) or byte floor."""
+  side = _kernel_side(1e-3)
+  m = compiled.model({"bytes": 1e6, "flops": 1e15}, side, V6E)
+  kernel_s = 4 * (10 + 1000 * 8) / V6E.clock_hz
+  assert m["compute_s"] == pytest.approx(1e-3 + kernel_s + 2e12 / V6E.bf16_flops)
+  assert m["modelled_s"] == pytest.approx(1e15 / V6E.bf16_flops)  # the flop floor binds
+  assert m["bound"].startswith("flops at peak")
+  m = compiled.model({"bytes": 1e13, "flops": None}, side, V6E)
+  assert m["modelled_s"] == pytest.approx(1e13 / V6E.hbm_bw) and m["bound"] == "memory"
+  side["loops"]["kernels"] = {}  # a kernel the HLO does not name: once, and said to be a bound
+  m = compiled.model({"bytes": 1.0, "flops": None}, side, V6E)
+  assert m["lower_bound"] and "lower bound" in m["bound"]
