@@ -33,15 +33,14 @@ from bench.cases import paged_attention as paged_cases
 from bench.shapes import LINEAR_LOSS_SHAPES, LOSS_SHAPES, PAGED_SHAPES
 from kernels import autotune, backend, optim
 from kernels.fused_linear import LinearBlocks
-from kernels.fused_linear import blocks as linear_blocks
-from kernels.fused_linear import mosaic_gpu as linear_mosaic
+from kernels.fused_linear import mosaic_gpu_blocks as linear_mosaic
+from kernels.fused_linear import pallas_blocks as linear_blocks
 from kernels.grpo_loss import LossBlocks
-from kernels.grpo_loss import blocks as loss_blocks
-from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
-from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
+from kernels.grpo_loss import pallas_blocks as loss_blocks
+from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, MosaicLossBlocks
 from kernels.paged_attention import PagedBlocks
-from kernels.paged_attention import blocks as paged_blocks
-from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
+from kernels.paged_attention import pallas_blocks as paged_blocks
+from kernels.paged_attention.mosaic_gpu_blocks import MosaicPagedBlocks
 
 
 # --------------------------------------------------------------------------------------- grpo_loss
@@ -73,7 +72,7 @@ def loss_problems(size: str, platform: str) -> list[autotune.Problem]:
 
 def loss_candidates(problem: autotune.Problem, platform: str) -> list[autotune.Candidate]:
   """XLA, the Pallas kernel family of the platform and (GPU / CPU) Mosaic GPU, over the blocks that
-  trade bytes in flight against rows swept at once (kernels/grpo_loss/blocks.py's launch budgets):
+  trade bytes in flight against rows swept at once (kernels/grpo_loss/pallas_blocks.py's launch budgets):
   Triton chunk width x warps x pipeline stages, skipping configurations the register model says
   cannot hold one program per SM; TPU rows per training step; Mosaic GPU tile width x ring depth,
   and on GPU the cluster-split kernels' rows x cluster size (those whose slices fit shared memory).
@@ -233,7 +232,9 @@ def optim_candidates(problem: autotune.Problem, platform: str) -> list[autotune.
   which = problem.shape["rule"]
   fn = lambda impl, blocks: functools.partial(_optim_step, which, impl, platform, blocks)
   cands = [autotune.Candidate("xla", None, fn("xla", None))]
-  if platform == "gpu":  # the multi-tensor launch's grid (kernels.optim.multi), heuristic first
+  if (
+    platform == "gpu"
+  ):  # the multi-tensor launch's grid (kernels.optim.pallas_triton), heuristic first
     for blocks in optim.candidate_blocks(*optim_cases.ARRAYS[which]):
       cands.append(autotune.Candidate("pallas", blocks, fn("pallas", blocks)))
   else:  # TPU Mosaic / CPU interpreter: the heuristic blocks only

@@ -84,15 +84,13 @@ class ChunkBlocks:
 
 
 def _blocks_types():
-  from kernels.fused_linear.blocks import LinearBlocks
-  from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
-  from kernels.grpo_loss.blocks import LossBlocks
-  from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
-  from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
-  from kernels.optim.multi import MultiTensorBlocks
-  from kernels.optim.pallas import ElementwiseBlocks
-  from kernels.paged_attention.blocks import PagedBlocks
-  from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
+  from kernels.fused_linear.mosaic_gpu_blocks import MosaicLinearBlocks
+  from kernels.fused_linear.pallas_blocks import LinearBlocks
+  from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, MosaicLossBlocks
+  from kernels.grpo_loss.pallas_blocks import LossBlocks
+  from kernels.optim.pallas_blocks import ElementwiseBlocks, MultiTensorBlocks
+  from kernels.paged_attention.mosaic_gpu_blocks import MosaicPagedBlocks
+  from kernels.paged_attention.pallas_blocks import PagedBlocks
 
   return {
     # TPU tiles (ElementwiseBlocks) or the GPU multi-tensor launch (MultiTensorBlocks)

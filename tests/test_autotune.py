@@ -14,8 +14,8 @@ import kernels
 from bench import tune as bench_tune
 from bench.cases import Check
 from kernels import autotune, backend, optim
-from kernels.fused_linear import mosaic_gpu as linear_mosaic
-from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
+from kernels.fused_linear import mosaic_gpu_blocks as linear_mosaic
+from kernels.grpo_loss.mosaic_gpu_blocks import MosaicLossBlocks
 
 SHAPE = dict(dtype="float32", tokens=64, vocab=512)
 

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 import kernels
 from bench.tolerances import assert_close
-from kernels import backend
-from kernels.grpo_loss import mosaic_cluster as mc
-from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
+from kernels import backend, lse
+from kernels.grpo_loss import mosaic_gpu_blocks as mb
+from kernels.grpo_loss import mosaic_gpu_cluster as mc
+from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks
 from tests.problems import assert_loss_parity
 from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
 from tests.test_grpo_loss_options import options_problem
@@ -139,7 +140,7 @@ def test_minus_inf_slice_gives_no_nan():
 def _slice_partials(z, lo, hi):
   """A CTA's (max, sum-exp, entropy sum about its max, chosen z) of z[lo:hi], as the kernel."""
   s = z[lo:hi]
-  m = jnp.maximum(jnp.max(s), mc.NEG_BIG)
+  m = jnp.maximum(jnp.max(s), lse.NEG_BIG)
   p = jnp.exp(s - m)
   ent = jnp.sum(jnp.where(p == 0, 0.0, p * (s - m)))
   return m, jnp.sum(p), ent
@@ -166,9 +167,9 @@ def test_slices_cover_the_vocabulary_in_bulk_copy_units():
   """Production vocabularies split without padding (the wrapper would copy the logits); every
   slice is whole 128-byte units and the last CTA keeps columns."""
   for v in (151936, 128256):
-    vp, vc, last = mc.slice_cols(ClusterLossBlocks(4, 8), jnp.bfloat16, v)
+    vp, vc, last = mb.slice_cols(ClusterLossBlocks(4, 8), jnp.bfloat16, v)
     assert vp == v and vc * 2 % 128 == 0 and last * 2 % 128 == 0 and 0 < last <= vc
-  vp, vc, last = mc.slice_cols(ClusterLossBlocks(1, 4), jnp.float32, 70)
+  vp, vc, last = mb.slice_cols(ClusterLossBlocks(1, 4), jnp.float32, 70)
   assert vp % 32 == 0 and 3 * vc + last == vp and last > 0
 
 
@@ -177,12 +178,12 @@ def test_launch_budget_reads_the_logits_once():
   bytes in flight per SM than Little's law asks, and the training path is one read + one write
   (the row kernel's is two reads: its 64-row CTAs outgrow L2 between sweeps). Catches a default
   that no longer fits shared memory or a budget that counts the second sweep."""
-  from kernels.grpo_loss.blocks import mosaic_budget
-  from kernels.grpo_loss.mosaic_gpu import default_blocks as row_blocks
+  from kernels.grpo_loss.mosaic_gpu_blocks import default_blocks as row_blocks
+  from kernels.grpo_loss.pallas_blocks import mosaic_budget
 
   for v in (151936, 128256):
-    blocks = mc.default_blocks(jnp.bfloat16, v)
-    assert 2 * mc.smem_bytes(blocks, jnp.bfloat16, v) <= 227 * 1024
+    blocks = mb.default_cluster_blocks(jnp.bfloat16, v)
+    assert 2 * mb.smem_bytes(blocks, jnp.bfloat16, v) <= 227 * 1024
     b = mc.cluster_budget(8192, v, 2, blocks)
     assert b.programs == 8192 // blocks.rows * blocks.cluster and b.resident_per_sm >= 2
     assert b.in_flight_per_sm >= b.needed_in_flight_per_sm
@@ -214,7 +215,7 @@ def test_parity_on_gpu_production_vocab(vocab):
   the bulk copies."""
   for dtype in (jnp.bfloat16, jnp.float32):
     args, kw = make_problem(4, 64, vocab, dtype, off_policy=True, beta=0.04, seed=0)
-    blocks = mc.default_blocks(dtype, vocab)
+    blocks = mb.default_cluster_blocks(dtype, vocab)
     call = dict(impl="mosaic_gpu", platform="gpu", interpret=False, blocks=blocks)
     ours = loss_and_grad(args, kw, **call)
     assert_loss_parity(ours, loss_and_grad(args, kw, impl="xla"), args, kw, f"gpu {blocks}")

@@ -16,8 +16,7 @@ import kernels
 from bench.tolerances import assert_close
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import vjp as loss_vjp
-from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
-from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks
+from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, MosaicLossBlocks
 from tests.test_grpo_loss import make_problem
 
 CALLS = {
@@ -155,7 +154,7 @@ def test_bad_loss_scale_raises_naming_it(value, error):
 
 
 def test_launch_budgets_at_the_production_shape():
-  """The no-GPU evidence in the kernels' docstrings (kernels/grpo_loss/blocks.py), at N 8192,
+  """The no-GPU evidence in the kernels' docstrings (kernels/grpo_loss/pallas_blocks.py), at N 8192,
   V 151936, bf16, default blocks: the Triton heuristic keeps enough bytes in flight per SM for 80 %
   of the copy rate (Little's law), fills the GPU many times over, and sweeps few enough rows at once
   for the training kernel's reversed re-read to hit L2 (one HBM read). The Mosaic GPU kernel's
@@ -163,8 +162,8 @@ def test_launch_budgets_at_the_production_shape():
   Catches a heuristic change that silently breaks one of these (e.g. 8 warps: two resident rows per
   SM, 80 MB swept > 50 MB of L2)."""
   from kernels import backend
-  from kernels.grpo_loss.blocks import default_blocks, mosaic_budget, rowloop_budget
-  from kernels.grpo_loss.mosaic_gpu import default_blocks as mosaic_default
+  from kernels.grpo_loss.mosaic_gpu_blocks import default_blocks as mosaic_default
+  from kernels.grpo_loss.pallas_blocks import default_blocks, mosaic_budget, rowloop_budget
 
   n, v = 8192, 151936
   gpu = backend.make_target("gpu", interpret=False)

@@ -261,7 +261,7 @@ def test_paged_mosaic_gpu_tuner_configs_lower_at_production_shape(shape_name, ri
   """The Mosaic GPU ring at other depths (1-4 stages), 128-token tiles and split counts whose page ids
   stage as one or several rows (decode-4k, 1 split: 256 ids as 2 rows of 128): TMA gathers, the
   stale-V zeroing in the WGMMA layout and the live-rows write-back lower for sm_90."""
-  from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks
+  from kernels.paged_attention.mosaic_gpu_blocks import MosaicPagedBlocks
 
   text = _lower_paged(shape_name, "mosaic_gpu", MosaicPagedBlocks(*ring))
   assert text.count(backend.MOSAIC_GPU_MARKER) == 1
@@ -296,7 +296,7 @@ def test_fused_linear_mosaic_gpu_stored_columns_lower_at_production_shape(shape_
   row max of its first tiles under a dynamic ``pl.when``; the rest of the vocabulary in dlogits
   chunks from a non-zero start) lowers for sm_90 at N = 8192 / 16384, H = 2048, V = 151936, with
   loss_scale on the path as the loop passes it: statistics + dlogits (loop) + dlogits (tail)."""
-  from kernels.fused_linear import mosaic_gpu as mg
+  from kernels.fused_linear import mosaic_gpu_blocks as mg
 
   shape = LINEAR_LOSS_SHAPES[shape_name]
   cands = [b for b in mg.candidate_blocks(shape, "gpu") if b.stored_cols]
@@ -351,10 +351,10 @@ def test_mosaic_gpu_cluster_loss_lowers_at_production_shape(shape_name, grad):
   of each CTA's 1/8 row slice, the strided register layouts of the in-shared-memory sweeps, the
   cluster barriers and the DSMEM read of the peers' partials (plgpu.cluster_ref), which the
   interpreter cannot run. One kernel: the statistics forward, or the training kernel."""
-  from kernels.grpo_loss import mosaic_cluster
+  from kernels.grpo_loss import mosaic_gpu_blocks
 
   shape = LOSS_SHAPES[shape_name]
-  blocks = mosaic_cluster.default_blocks(jnp.dtype(shape.dtype), shape.vocab)
+  blocks = mosaic_gpu_blocks.default_cluster_blocks(jnp.dtype(shape.dtype), shape.vocab)
   assert blocks.cluster == 8
   text = lower_loss("gpu", shape, grad=grad, impl="mosaic_gpu", blocks=blocks)
   assert text.count(backend.MOSAIC_GPU_MARKER) == 1

@@ -25,9 +25,9 @@ from bench.shapes import LINEAR_LOSS_SHAPES
 from bench.tolerances import assert_close
 from kernels import backend
 from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks
-from kernels.fused_linear import mosaic_evidence as ev
-from kernels.fused_linear import mosaic_gpu as mg
-from kernels.fused_linear.mosaic_evidence import evidence
+from kernels.fused_linear import mosaic_gpu_blocks as mb
+from kernels.fused_linear import mosaic_gpu_evidence as ev
+from kernels.fused_linear.mosaic_gpu_evidence import evidence
 from tests.test_fused_linear import (
   OPTIONS,
   assert_parity,
@@ -188,8 +188,8 @@ def test_heuristic_and_candidates_at_production_shapes(name):
   """The heuristic and every autotuner candidate are legal at the production shapes and need no
   padding copy of the 622 MB head (V = 151936 = 1187 x 128); the heuristic fills the 132 SMs."""
   s = LINEAR_LOSS_SHAPES[name]
-  base = mg.default_blocks(s.tokens, s.hidden, s.vocab)
-  cands = mg.candidate_blocks(s, "gpu")
+  base = mb.default_blocks(s.tokens, s.hidden, s.vocab)
+  cands = mb.candidate_blocks(s, "gpu")
   assert cands[0] == base and len(set(cands)) == len(cands) >= 4
   for blocks in cands:
     blocks.check(s.hidden, jnp.bfloat16)
@@ -197,10 +197,10 @@ def test_heuristic_and_candidates_at_production_shapes(name):
       s.tokens % blocks.block_n == 0 and s.vocab % blocks.block_v == 0
     ) or blocks.block_v > 128
   e = evidence(s.tokens, s.hidden, s.vocab, base)
-  assert e["stats_programs"] >= 2 * mg.NUM_SMS and e["stats_wave_efficiency"] > 0.9
-  assert mg.candidate_blocks(s, "cpu") == [base] and mg.candidate_blocks(s, "tpu") == []
+  assert e["stats_programs"] >= 2 * mb.NUM_SMS and e["stats_wave_efficiency"] > 0.9
+  assert mb.candidate_blocks(s, "cpu") == [base] and mb.candidate_blocks(s, "tpu") == []
   as_dict = dict(tokens=s.tokens, hidden=s.hidden, vocab=s.vocab, dtype="float32")
-  assert mg.candidate_blocks(as_dict, "gpu") == []  # f32: no wgmma path
+  assert mb.candidate_blocks(as_dict, "gpu") == []  # f32: no wgmma path
 
 
 def test_evidence_figures():
@@ -210,7 +210,7 @@ def test_evidence_figures():
   e = evidence(s.tokens, s.hidden, s.vocab)
   n, h, v = s.tokens, s.hidden, s.vocab
   assert e["flops_total"] == 8 * n * h * v
-  assert e["smem_bytes"] <= mg.SMEM_BUDGET
+  assert e["smem_bytes"] <= mb.SMEM_BUDGET
   assert e["temp_bytes"] <= 0.05 * 14244.1 * 2**20
   assert 60 < e["tile_intensity"] < 200  # flops per byte of h / w tile streamed into shared memory
 
@@ -222,7 +222,7 @@ def test_candidates_stay_within_the_temp_target(name):
   and at least one variant exists at N = 16384 (832 MiB at chunk 16384 < 1424 MiB)."""
   s = LINEAR_LOSS_SHAPES[name]
   xla_temp = ev.XLA_REF_TEMP[s.tokens]
-  cands = mg.candidate_blocks(s, "gpu")
+  cands = mb.candidate_blocks(s, "gpu")
   for blocks in cands:
     assert blocks.temp_bytes(s.tokens, s.hidden, s.vocab) <= 0.05 * xla_temp, blocks
   chunks = {b.vocab_chunk for b in cands}
@@ -239,7 +239,7 @@ def test_bench_times_the_stored_columns_beside_the_plain_path():
   assert [c.shape_name for c in rows] == ["qwen2.5-3b-8k", "qwen2.5-3b-16k"]
   for c in rows:
     s = LINEAR_LOSS_SHAPES[c.shape_name]
-    most = max(b.stored_cols for b in mg.candidate_blocks(s, "gpu"))
+    most = max(b.stored_cols for b in mb.candidate_blocks(s, "gpu"))
     assert c.params["stored_cols"] == most > 0 and c.mode == "fwd+bwd"
   assert not [c for c in linear_cases.cases("large", "cpu") if c.op.endswith("-stored")]
 
@@ -266,7 +266,7 @@ def test_backward_options_model():
   assert 7.7 * nhv < f["flops"] < 7.9 * nhv and f["temp_vs_xla"] <= 0.05
   assert f["counted_tfs"][0] > 600e12 > f["counted_tfs"][1]
   assert f["stored_columns"] == max(
-    b.stored_cols for b in mg.candidate_blocks(dict(tokens=n, hidden=h, vocab=v, dtype="bfloat16"))
+    b.stored_cols for b in mb.candidate_blocks(dict(tokens=n, hidden=h, vocab=v, dtype="bfloat16"))
   )
 
 

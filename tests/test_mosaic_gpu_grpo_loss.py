@@ -16,7 +16,7 @@ from hypothesis import given
 import kernels
 from bench.tolerances import assert_close
 from kernels import backend
-from kernels.grpo_loss.mosaic_gpu import MosaicLossBlocks, default_blocks
+from kernels.grpo_loss.mosaic_gpu_blocks import MosaicLossBlocks, default_blocks
 from kernels.grpo_loss.reference import LOSS_TYPES
 from tests.problems import SHAPE_SEARCH_ON_GPU_JAX, assert_loss_parity
 from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem

@@ -20,7 +20,7 @@ import kernels
 from bench.shapes import PAGED_SHAPES
 from bench.tolerances import assert_close
 from kernels import backend
-from kernels.paged_attention.mosaic_gpu import MosaicPagedBlocks, default_blocks
+from kernels.paged_attention.mosaic_gpu_blocks import MosaicPagedBlocks, default_blocks
 from tests.problems import SHAPE_SEARCH_ON_GPU_JAX
 from tests.test_paged_attention import _draw
 
@@ -234,14 +234,16 @@ def test_smem_account_is_the_kernels_allocation(ring, pages_per_seq):
   """MosaicPagedBlocks.smem_bytes (the budget check, the plan's smem figure) against the scratch the
   kernel really allocates, at D = 128 bf16, page 16 / 64: a buffer added to the kernel but not to the
   account would let the budget pass blocks that fail to launch (or misstate the docstrings)."""
-  from kernels.paged_attention import mosaic_gpu
+  from kernels.paged_attention import mosaic_gpu, mosaic_gpu_blocks
 
   blocks = MosaicPagedBlocks(*ring)
   page_size = 64 // ring[0] if ring[0] > 1 else 64
-  cfg = mosaic_gpu.MosaicPagedConfig(backend.make_target("gpu", interpret=False), blocks, 1.0)
-  pps = mosaic_gpu._pages_per_split(pages_per_seq, blocks)
+  cfg = mosaic_gpu_blocks.MosaicPagedConfig(
+    backend.make_target("gpu", interpret=False), blocks, 1.0
+  )
+  pps = mosaic_gpu_blocks.pages_per_split(pages_per_seq, blocks)
   bk = blocks.pages_per_block * page_size
-  scratch = mosaic_gpu._scratch(cfg, bk, 128, jnp.bfloat16, mosaic_gpu._id_shape(pps))
+  scratch = mosaic_gpu._scratch(cfg, bk, 128, jnp.bfloat16, mosaic_gpu_blocks.id_shape(pps))
   allocated = sum(
     int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize for r in scratch if hasattr(r, "dtype")
   )

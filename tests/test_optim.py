@@ -520,9 +520,10 @@ def test_fsdp_step_compiles_without_collectives_in_one_launch():
 def test_pointer_budget_splits_only_past_it():
   """One launch while the operands fit CUDA's kernel-parameter space; a tree past MAX_POINTERS
   buffers splits into consecutive launches that cover every leaf once (none dropped or doubled)."""
-  from kernels.optim import multi
+  from kernels.optim import pallas_triton as multi
+  from kernels.optim.work import LeafWork
 
-  leaf = multi.LeafWork(None, dict.fromkeys("pgmv"), dict.fromkeys("pmv"))  # AdamW: 7 buffers
+  leaf = LeafWork(None, dict.fromkeys("pgmv"), dict.fromkeys("pmv"))  # AdamW: 7 buffers
   fits = multi.MAX_POINTERS // 7
   assert multi._pointer_groups([leaf] * fits) == [list(range(fits))]
   groups = multi._pointer_groups([leaf] * (fits + 1))
@@ -544,7 +545,7 @@ def test_multi_tensor_blocks_validate_and_candidates_are_legal():
       MultiTensorBlocks(**kw)
   cands = kernels.optim.candidate_blocks(4, 3)
   assert cands[0] == kernels.optim.default_blocks(4) and len(set(cands)) == len(cands) > 4
-  from kernels.optim.multi import estimated_registers
+  from kernels.optim.pallas_blocks import estimated_registers
 
   assert all(estimated_registers(b, 4) <= 128 for b in cands)
   with pytest.raises(ValueError, match="n_inputs"):
@@ -556,7 +557,7 @@ def test_launch_evidence_by_hand_and_docstring_table():
   regenerated from it at the bench's trees (a changed heuristic cannot leave stale figures)."""
   import math
 
-  from kernels.optim import evidence
+  from kernels.optim import pallas_triton_evidence as evidence
 
   e = evidence.launch_evidence([5000, 1, 0, 4096], 4, 3, MultiTensorBlocks(1024, 4096, 4))
   assert (e.leaves, e.params, e.programs) == (4, 9097, 2 + 1 + 1)
@@ -631,7 +632,7 @@ def test_xla_cost_bytes_are_the_documented_ones():
   makes the reference cheaper would make the docstring's argument stale)."""
   import math
 
-  from kernels.optim import evidence
+  from kernels.optim import pallas_triton_evidence as evidence
 
   shapes = decoder_param_shapes("tiny")
   n = sum(math.prod(s) for s in shapes.values())

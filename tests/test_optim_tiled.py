@@ -1,4 +1,4 @@
-"""The TPU (tiled) optimizer launch: its plan (kernels.optim.tiles), its pipelined walk in the TPU
+"""The TPU (tiled) optimizer launch: its plan (kernels.optim.pallas_tpu_plan), its pipelined walk in the TPU
 interpreter (on-wait DMAs over two cores), and libtpu's compile of the step — one Mosaic launch for
 the tree, bytes within 1.3x of the 7 / 5 words per parameter, no relayout copy — alone and inside
 the FSDP shard_map (the compile tests skip without libtpu: nox -s tpu_compile has it)."""
@@ -19,7 +19,9 @@ import kernels
 from bench.shapes import decoder_param_shapes
 from bench.tolerances import assert_close
 from kernels import backend, tpu_targets
-from kernels.optim import ElementwiseBlocks, leaf, pallas, tiles
+from kernels.optim import ElementwiseBlocks, leaf
+from kernels.optim import pallas_tpu as pallas
+from kernels.optim import pallas_tpu_plan as tiles
 from kernels.optim.reference import elementwise_reference
 
 F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
@@ -214,7 +216,7 @@ STACKED_1_5B = {
 def test_tpu_step_on_the_loops_stacked_tree_with_ragged_layer_count(gen):
   """Catches: a window of 28 rows sliced out of a shared 64-row f32 buffer, which Mosaic rejects
   ("Slice sizes along tiled dimensions must be aligned to tiles"): the 1.5B config's train step did
-  not compile until ragged row counts got buffers of their own rows (kernels.optim.tiles._plan)."""
+  not compile until ragged row counts got buffers of their own rows (kernels.optim.pallas_tpu_plan._plan)."""
   launches, nbytes, ideal, relayouts = _compiled_step(gen, STACKED_1_5B, "adamw")
   assert launches == 1
   assert ideal <= nbytes <= 1.3 * ideal, nbytes / ideal

@@ -363,18 +363,18 @@ def test_launch_plan_accounts_for_the_production_shapes(shape_name):
   blocks are in flight per CTA, and both kernels' defaults keep more than Little's law's bytes in
   flight per SM and a tail bound under the issue's 0.11 ms (decode-4k). And the docstrings quote
   these very figures: a heuristic change that alters them fails here until the text follows."""
-  from kernels.paged_attention import mosaic_gpu, pallas
-  from kernels.paged_attention.blocks import default_blocks as triton_blocks
+  from kernels.paged_attention import mosaic_gpu, mosaic_gpu_blocks, pallas_triton
+  from kernels.paged_attention.pallas_blocks import default_blocks as triton_blocks
 
   s = PAGED_SHAPES[shape_name]
   dims = dict(batch=s.batch, kv_heads=s.kv_heads, head_dim=s.head_dim, page_size=s.page_size)
   dims.update(pages_per_seq=s.pages_per_seq, lengths=s.lengths())
   tb = triton_blocks(Target("gpu"), s.batch, s.kv_heads, s.pages_per_seq, s.page_size)
-  mb = mosaic_gpu.default_blocks(
+  mb = mosaic_gpu_blocks.default_blocks(
     s.batch, s.kv_heads, s.pages_per_seq, s.page_size, s.head_dim, s.dtype
   )
   plans = {
-    pallas: tb.plan(**dims, q_heads=s.q_heads, itemsize=2),
+    pallas_triton: tb.plan(**dims, q_heads=s.q_heads, itemsize=2),
     mosaic_gpu: mb.plan(**dims, dtype=s.dtype),
   }
   for module, p in plans.items():
@@ -473,7 +473,7 @@ def test_tuner_candidates_are_legal_and_cover_the_heuristic(shape_name):
   tuner can only improve on the heuristic), and the grid stays small enough to tune in minutes."""
   from bench import tune
   from kernels import autotune
-  from kernels.paged_attention import mosaic_gpu
+  from kernels.paged_attention import mosaic_gpu_blocks
 
   s = PAGED_SHAPES[shape_name]
   shape = dict(dtype=s.dtype, batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads)
@@ -489,5 +489,5 @@ def test_tuner_candidates_are_legal_and_cover_the_heuristic(shape_name):
   assert len({b.num_splits for b in triton}) >= 2 and max(b.stages for b in mosaic) >= 3
   assert default_blocks(Target("gpu"), s.batch, s.kv_heads, s.pages_per_seq, s.page_size) in triton
   dims = (s.batch, s.kv_heads, s.pages_per_seq, s.page_size, s.head_dim, s.dtype)
-  assert mosaic_gpu.default_blocks(*dims) in mosaic
+  assert mosaic_gpu_blocks.default_blocks(*dims) in mosaic
   assert len(cands) <= 120

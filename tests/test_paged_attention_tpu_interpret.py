@@ -11,8 +11,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.backend import Target
-from kernels.paged_attention import PagedBlocks, paged_attention_reference
+from kernels.paged_attention import PagedBlocks, paged_attention_reference, pallas_tpu
 from kernels.paged_attention import pallas as paged_pallas
+from kernels.paged_attention.pallas_blocks import PagedConfig
 from kernels.paged_attention.reference import combine_splits
 
 
@@ -49,8 +50,8 @@ def test_tiled_dma_pipeline_in_the_tpu_interpreter(monkeypatch, b, hkv, ps, pps,
     calls.append(kw.get("name"))
     return original(*args, **dict(kw, interpret=params))
 
-  monkeypatch.setattr(paged_pallas.pl, "pallas_call", pallas_call)
-  cfg = paged_pallas.PagedConfig(Target("cpu", True), PagedBlocks(ppb, splits), d**-0.5)
+  monkeypatch.setattr(pallas_tpu.pl, "pallas_call", pallas_call)
+  cfg = PagedConfig(Target("cpu", True), PagedBlocks(ppb, splits), d**-0.5)
   padded = jnp.pad(table, ((0, 0), (0, -pps % (ppb * splits))))
   qg = jnp.asarray(q).reshape(b, hkv, g, d)
   o, lse = paged_pallas.paged_attention_splits(cfg, qg, k, v, lengths, padded)

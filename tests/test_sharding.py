@@ -16,11 +16,12 @@ import kernels
 from bench.tolerances import tolerance
 from kernels import backend
 from kernels.fused_linear import LinearBlocks
-from kernels.fused_linear import blocks as linear_blocks
-from kernels.grpo_loss import LossBlocks, tiles
-from kernels.grpo_loss import blocks as loss_blocks
+from kernels.fused_linear import pallas_blocks as linear_blocks
+from kernels.grpo_loss import LossBlocks
+from kernels.grpo_loss import pallas_blocks as loss_blocks
+from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
 from kernels.paged_attention import PagedBlocks
-from kernels.paged_attention import blocks as paged_blocks
+from kernels.paged_attention import pallas_blocks as paged_blocks
 from kernels.sharding import KernelSharding
 from rl.sharding import make_mesh
 
@@ -193,8 +194,8 @@ def test_loss_blocks_legal_on_each_generation():
   shape = dict(tokens=8192, vocab=151936, dtype="bfloat16")
   heuristic = loss_blocks.default_blocks(V4, 8192, 151936)
   assert loss_blocks.legal_on(V4, heuristic, shape) is None
-  assert tiles.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
-  assert tiles.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
+  assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
+  assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
   assert "16 MiB" in loss_blocks.legal_on(V4, heuristic, dict(shape, dtype="float32"))
   assert loss_blocks.legal_on(V6E, heuristic, dict(shape, dtype="float32")) is None
   assert "scoped default" in loss_blocks.legal_on(V4, LossBlocks(512, 16384), shape)

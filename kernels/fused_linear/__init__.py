@@ -9,15 +9,15 @@ from jax.sharding import Mesh
 
 from kernels import backend, checks, loss_spec
 from kernels.fused_linear import mosaic_gpu as _mosaic
-from kernels.fused_linear import pallas as _pallas
+from kernels.fused_linear import pallas_tpu as _pallas
 from kernels.fused_linear import tuned as _tuned
 from kernels.fused_linear import vjp as _vjp
-from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk, legal_on
-from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
+from kernels.fused_linear.mosaic_gpu_blocks import DTYPES, MosaicLinearBlocks
+from kernels.fused_linear.pallas_blocks import LinearBlocks, default_blocks, default_chunk, legal_on
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
-from kernels.grpo_loss import blocks as loss_blocks
+from kernels.grpo_loss import pallas_blocks as loss_blocks
 from kernels.grpo_loss.args import LOGPS, LossArgs, validate_loss_args
-from kernels.grpo_loss.pallas import LossConfig
+from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.reference import GRPOAux
 from kernels.loss_spec import LossSpec
 from kernels.sharding import KernelSharding, local_batch
@@ -184,8 +184,8 @@ def _static(impl, choice, target, args: LossArgs, hd, vs, spec, sharding, n) -> 
   blocks = choice.blocks
   if impl == "pallas" and target.platform == "gpu":
     # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
-    # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
-    impl = "mosaic_gpu" if args.logits.dtype.name in _mosaic.DTYPES else "chunked"
+    # pallas_tpu.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
+    impl = "mosaic_gpu" if args.logits.dtype.name in DTYPES else "chunked"
   fused = None
   if impl == "mosaic_gpu":
     fused = _mosaic.make_config(target, blocks, n, hd, vs, args.logits.dtype, spec.temperature)

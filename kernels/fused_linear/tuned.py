@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from kernels import autotune, backend
 from kernels.backend import Target
-from kernels.fused_linear.blocks import LinearBlocks
-from kernels.fused_linear.mosaic_gpu import DTYPES, MosaicLinearBlocks
+from kernels.fused_linear.mosaic_gpu_blocks import DTYPES, MosaicLinearBlocks
+from kernels.fused_linear.pallas_blocks import LinearBlocks
 
 OP = "fused_linear"
 TUNED_IMPLS = ("xla", "chunked", "pallas", "mosaic_gpu")

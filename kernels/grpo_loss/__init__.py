@@ -46,13 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from kernels import autotune, backend, checks, loss_spec
-from kernels.grpo_loss import blocks as _blocks
 from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
 from kernels.grpo_loss import pallas as _pallas
+from kernels.grpo_loss import pallas_blocks as _blocks
 from kernels.grpo_loss import train as _train
 from kernels.grpo_loss import vjp as _vjp
 from kernels.grpo_loss.args import LossArgs, validate_loss_args
-from kernels.grpo_loss.blocks import LossBlocks, default_blocks
+from kernels.grpo_loss.pallas_blocks import LossBlocks, default_blocks
 from kernels.grpo_loss.reference import (
   GRPOAux,
   grpo_loss_reference,
@@ -188,7 +188,7 @@ def _kernel_config(impl, args: LossArgs, target, blocks, spec: LossSpec, reuse: 
     return _mosaic_gpu.make_config(x, target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse)  # fmt: skip
   blocks = default_blocks(target, n, v) if blocks is None else blocks
   blocks.check(target, n, v)
-  return _pallas.LossConfig(target, blocks, v, spec.temperature, reuse)
+  return _blocks.LossConfig(target, blocks, v, spec.temperature, reuse)
 
 
 def _token_level(kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, scale, sharding):

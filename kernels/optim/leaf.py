@@ -12,10 +12,10 @@ import jax.numpy as jnp
 
 from kernels import autotune, backend
 from kernels.optim import pallas
-from kernels.optim.multi import LeafWork, MultiTensorBlocks, multi_tensor_call
-from kernels.optim.pallas import ElementwiseBlocks
+from kernels.optim.pallas_blocks import ElementwiseBlocks, MultiTensorBlocks
 from kernels.optim.reference import elementwise_reference
 from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
+from kernels.optim.work import LeafWork
 
 # "param": write the new parameter (and master, state) in place; "delta": return the update that
 # optax.apply_updates adds (the GradientTransformation path), nothing aliased.
@@ -97,7 +97,7 @@ def update_leaves(
   options: KernelOptions,
 ) -> list[RuleUpdate]:
   """Every leaf's step: one multi-tensor launch for all of them (the Triton walk of
-  :mod:`kernels.optim.multi` on GPU, the Mosaic one of :mod:`kernels.optim.pallas` on TPU and its
+  :mod:`kernels.optim.pallas_triton` on GPU, the Mosaic one of :mod:`kernels.optim.pallas_tpu` on TPU and its
   interpreter), else the XLA reference."""
   masters = [None] * len(params) if masters is None else list(masters)
   works, leads = [], []
@@ -111,7 +111,9 @@ def update_leaves(
   stacked = jnp.stack(scalars).astype(jnp.float32) if scalars else jnp.zeros([1], jnp.float32)
   name = f"{type(rules[0]).__name__.lower()}_update" if rules else "update"
   if kernel and works:
-    outs = _launch(works, stacked, target, options.blocks, write, name)
+    outs = pallas.multi_tensor_call(
+      works, stacked, target=target, blocks=options.blocks, in_place=write == "param", name=name
+    )
   else:
     outs = [elementwise_reference(w.body, w.inputs, w.outputs, scalars) for w in works]
   return [
@@ -145,18 +147,6 @@ def _check_tuned(target, impl: str, blocks) -> None:
   want = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
   if blocks is not None and not isinstance(blocks, want):
     raise TypeError(f"tuned blocks {blocks!r} are not {want.__name__} ({target.family} target)")
-
-
-def _launch(works, stacked, target, blocks, write: Write, name: str):
-  """One multi-tensor launch for the whole tree: the Triton (leaf, chunk) walk on the GPU family
-  (kernels.optim.multi), the Mosaic (leaf, window) walk on the tiled one (kernels.optim.pallas)."""
-  family = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
-  if blocks is not None and not isinstance(blocks, family):
-    raise TypeError(
-      f"blocks for the {target.family} kernel must be {family.__name__}, got {blocks!r}"
-    )
-  call = multi_tensor_call if target.family == "rowloop" else pallas.multi_tensor_call
-  return call(works, stacked, target=target, blocks=blocks, in_place=write == "param", name=name)
 
 
 def _leaf_work(rule: Rule, param, grad, slots: tuple, master, write: Write):

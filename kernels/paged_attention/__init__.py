@@ -11,13 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import autotune, backend, checks
 from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
-from kernels.paged_attention.blocks import PagedBlocks, default_blocks, legal_on
-from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
-from kernels.paged_attention.reference import (
-  combine_splits,
-  gather_pages,
-  paged_attention_reference,
-)
+from kernels.paged_attention import pallas as _pallas
+from kernels.paged_attention.pallas_blocks import PagedBlocks, PagedConfig, default_blocks, legal_on
+from kernels.paged_attention.reference import gather_pages, paged_attention_reference
 from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
@@ -30,9 +26,6 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
-GPU_MIN_GROUP = (
-  16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
-)
 
 
 def paged_attention(
@@ -107,7 +100,7 @@ def paged_attention(
     if target.platform == "gpu" and d & (d - 1):
       raise ValueError(f"the GPU kernel needs a power-of-two head_dim, got {d}")
     cfg = PagedConfig(target, blocks, scale)
-    out = _shard(sharding, functools.partial(_pallas, cfg))(q, k_pages, v_pages, lengths, page_indices)  # fmt: skip
+    out = _shard(sharding, functools.partial(_pallas.paged_attention, cfg))(q, k_pages, v_pages, lengths, page_indices)  # fmt: skip
   return jnp.where(poisoned[:, None, None], jnp.nan, out).astype(out.dtype)
 
 
@@ -169,26 +162,6 @@ def _checked_table(
   poisoned = (lengths < 0) | jnp.any(out_of_pool, axis=1)
   safe_pages = jnp.where(reached & ~out_of_pool, page_indices, 0).astype(jnp.int32)
   return jnp.clip(lengths, 0, capacity).astype(jnp.int32), safe_pages, poisoned
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _pallas(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
-  b, hq, d = q.shape
-  hkv = k_pages.shape[0]
-  g = hq // hkv
-  qg = q.reshape(b, hkv, g, d).astype(
-    k_pages.dtype
-  )  # the MXU / tensor cores take both operands alike
-  gp = g
-  if cfg.target.family == "rowloop":
-    gp = max(GPU_MIN_GROUP, 1 << (g - 1).bit_length())
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-  per_step = cfg.blocks.pages_per_block * cfg.blocks.num_splits
-  pad = -page_indices.shape[1] % per_step
-  page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))  # filler page 0: beyond every length
-  o, lse = paged_attention_splits(cfg, qg, k_pages, v_pages, lengths, page_indices)
-  out = o[0] if cfg.blocks.num_splits == 1 else combine_splits(o, lse)
-  return out[:, :, :g].reshape(b, hq, d).astype(q.dtype)
 
 
 def _validate(q, k_pages, v_pages, lengths, page_indices):

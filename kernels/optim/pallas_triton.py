@@ -19,19 +19,17 @@ that rl/update.py shards like the params. The (leaf, chunk) walk needs neither.
 Launches: one per tree (per device under shard_map, see transform.py), split only where the operands
 would overflow CUDA's kernel parameter space (32,764 bytes from CUDA 12.1 on sm_70+, 8 bytes per
 buffer pointer: ``MAX_POINTERS``); AdamW on the 0.5B / 1.5B trees is 2,030 / 2,366 pointers (16-19
-KB), one launch each. See :mod:`kernels.optim.evidence` for programs, bytes and occupancy.
+KB), one launch each. See :mod:`kernels.optim.pallas_triton_evidence` for programs, bytes and occupancy.
 
-The TPU (tiled) family has its own one-launch walk (kernels/optim/pallas.py): (leaf, window) items
+The TPU (tiled) family has its own one-launch walk (kernels/optim/pallas_tpu.py): (leaf, window) items
 DMA'd through VMEM, each leaf in its own tiled layout.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,110 +37,14 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
+from kernels.optim.pallas_blocks import MultiTensorBlocks, default_blocks
+from kernels.optim.work import LeafWork, split_empty
 
 # 32,764 bytes of kernel parameters (CUDA >= 12.1 on sm_70+), 8 bytes per pointer, minus headroom for
 # the scalar operand and Triton's own arguments.
 MAX_POINTERS = 4000
 # The H100 SXM register file and thread limits (per SM), for the occupancy estimate and the check.
 REGS_PER_SM, THREADS_PER_SM, CTAS_PER_SM = 65536, 2048, 32
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTensorBlocks:
-  """block: elements per step (a power of two, 128..16384); chunk: elements per program, a multiple
-  of block (at most 64 steps); num_warps: 1, 2, 4, 8 or 16. Elements per thread per array =
-  block / (32 num_warps), at most 64 (the registers a step keeps live)."""
-
-  block: int = 1024
-  chunk: int = 4096
-  num_warps: int = 4
-
-  def __post_init__(self):
-    for name in ("block", "chunk", "num_warps"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"MultiTensorBlocks.{name} must be a positive int, got {value!r}")
-    if self.block & (self.block - 1) or not 128 <= self.block <= 16384:
-      raise ValueError(
-        f"MultiTensorBlocks.block must be a power of two in [128, 16384], got {self.block}"
-      )
-    if self.chunk % self.block or not 1 <= self.chunk // self.block <= 64:
-      raise ValueError(
-        f"MultiTensorBlocks.chunk must be block x (1..64), got chunk={self.chunk}, block={self.block}"
-      )
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(
-        f"MultiTensorBlocks.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}"
-      )
-    if self.per_thread > 64:
-      raise ValueError(
-        f"MultiTensorBlocks: block / (32 num_warps) = {self.per_thread} elements per thread per "
-        "array; at most 64 (registers)"
-      )
-
-  @property
-  def per_thread(self) -> int:
-    return max(1, self.block // (32 * self.num_warps))
-
-  @property
-  def steps(self) -> int:
-    return self.chunk // self.block
-
-
-def default_blocks(n_inputs: int = 4) -> MultiTensorBlocks:
-  """1024-element steps on 4 warps: 8 f32 per thread per array (two 128-bit accesses), so AdamW's
-  four input arrays keep 32 loaded values live — a modest ~64 registers, 8 resident programs per SM —
-  and 4 steps per program (4096 elements) so the 0.5B tree is ~121K programs, not ~480K."""
-  del n_inputs  # one heuristic serves 2-5 input arrays (see kernels.optim.evidence)
-  return MultiTensorBlocks(1024, 4096, 4)
-
-
-def candidate_blocks(n_inputs: int = 4, n_outputs: int = 3) -> list[MultiTensorBlocks]:
-  """The autotuner's grid for the multi-tensor step (heuristic first): steps of 512-4096 elements,
-  1 or 4 steps per program, 4 or 8 warps, keeping the estimated registers per thread <= 128 for
-  ``n_inputs`` f32 input arrays (``n_outputs`` is accepted for the tuner's symmetry with the bytes)."""
-  if not 1 <= n_inputs <= 8 or not 1 <= n_outputs <= 8:
-    raise ValueError(f"n_inputs and n_outputs must be in [1, 8], got {n_inputs}, {n_outputs}")
-  first = default_blocks(n_inputs)
-  out = [first]
-  for block in (512, 1024, 2048, 4096):
-    for steps in (1, 4):
-      for warps in (4, 8):
-        b = MultiTensorBlocks(block, block * steps, warps)
-        if b != first and estimated_registers(b, n_inputs) <= 128:
-          out.append(b)
-  return out
-
-
-def estimated_registers(blocks: MultiTensorBlocks, n_inputs: int) -> int:
-  """Registers per thread: the loaded values of every input array live at once (the math reads them
-  all before the stores), plus ~32 for addresses, masks, scalars and loop state."""
-  return n_inputs * blocks.per_thread + 32
-
-
-class LeafWork(NamedTuple):
-  """One leaf's part of a launch: ``body(scalars, *f32 [block] inputs) -> f32 [block] outputs``;
-  inputs: name -> [...] array (one shape); outputs: name -> dtype, in the order body returns them;
-  key: leaves with equal keys have interchangeable bodies (None: this leaf's own)."""
-
-  body: Callable
-  inputs: dict[str, jax.Array]
-  outputs: dict[str, Any]
-  key: Hashable = None
-
-
-def split_empty(work: Sequence[LeafWork]) -> tuple[list[dict | None], list[int]]:
-  """(results with an empty leaf's outputs filled in — zero-size arrays: nothing to walk, no
-  program —, the indices of the leaves a launch must walk)."""
-  results: list[dict | None] = [None] * len(work)
-  live = []
-  for i, w in enumerate(work):
-    shape = next(iter(w.inputs.values())).shape
-    if math.prod(shape) == 0:
-      results[i] = {k: jnp.zeros(shape, d) for k, d in w.outputs.items()}
-    else:
-      live.append(i)
-  return results, live
 
 
 def multi_tensor_call(

@@ -41,15 +41,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from kernels.optim.multi import (
-  CTAS_PER_SM,
-  REGS_PER_SM,
-  THREADS_PER_SM,
-  MultiTensorBlocks,
-  default_blocks,
-  estimated_registers,
-  program_starts,
-)
+from kernels.optim.pallas_blocks import MultiTensorBlocks, default_blocks, estimated_registers
+from kernels.optim.pallas_triton import CTAS_PER_SM, REGS_PER_SM, THREADS_PER_SM, program_starts
 
 H100_SMS = 132
 COPY_BANDWIDTH = 3.0e12  # bytes / s, a device-to-device copy on the H100 (2026-11-24 run)

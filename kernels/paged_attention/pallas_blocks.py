@@ -1,4 +1,5 @@
-"""Block sizes for paged decode attention: a validated dataclass and the per-backend heuristic."""
+"""Block sizes for paged decode attention: a validated dataclass and the per-backend heuristic, and the
+Pallas kernels' static config (:class:`PagedConfig`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ class PagedBlocks:
       stages=self.num_stages,
       smem_per_cta=smem,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+  target: Target
+  blocks: PagedBlocks
+  scale: float
 
 
 def tile_vmem_bytes(

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels.fused_linear import mosaic_gpu as mg
+from kernels.fused_linear import mosaic_gpu_blocks as mg
 
 
 def evidence(n: int, h: int, v: int, blocks: mg.MosaicLinearBlocks | None = None, itemsize=2):

@@ -22,7 +22,6 @@ no padding); otherwise, and for N not a multiple of r, the wrapper pads by a cop
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -32,91 +31,17 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.grpo_loss import train as _train
-from kernels.grpo_loss.blocks import Hopper, _budget
-from kernels.grpo_loss.mosaic_common import SMEM_BUDGET, MosaicLossConfig, pad_to
+from kernels.grpo_loss.mosaic_gpu_blocks import (
+  LANES,
+  RECORD,
+  ClusterLossBlocks,
+  MosaicLossConfig,
+  pad_to,
+  slice_cols,
+  smem_bytes,
+)
+from kernels.grpo_loss.pallas_blocks import Hopper, _budget
 from kernels.lse import NEG_BIG, online_step
-
-MAX_CLUSTER = 8  # the portable cluster size (16 needs a non-portable launch attribute)
-# f32 columns of a row's records (in: id and the coefficient's token inputs; out: lse, log p,
-# entropy): 128 bytes, because a Mosaic GPU bulk copy moves a multiple of 128 bytes (one per thread).
-RECORD = 32
-LANES = 128  # one f32 per thread: the partials record exchanged between CTAs, 4 per row
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterLossBlocks:
-  """Shape of the cluster-split kernels.
-
-  rows: token rows per cluster, 1..32 (each CTA holds its slice of every one in shared memory;
-    their 4 partials each fill one 128-lane record).
-  cluster: CTAs per cluster, 1..8; each takes 1/cluster of the vocabulary.
-  chunk: columns per register vector of the in-shared-memory sweeps; a multiple of
-    128 threads x 16 bytes (1024 bf16, 512 f32 columns).
-  """
-
-  rows: int = 4
-  cluster: int = 8
-  chunk: int = 2048
-
-  def __post_init__(self):
-    for name in ("rows", "cluster", "chunk"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ClusterLossBlocks.{name} must be a positive int, got {value!r}")
-    if self.rows > LANES // 4:
-      raise ValueError(f"ClusterLossBlocks.rows must be in [1, {LANES // 4}], got {self.rows}")
-    if self.cluster > MAX_CLUSTER:
-      raise ValueError(
-        f"ClusterLossBlocks.cluster must be in [1, {MAX_CLUSTER}], got {self.cluster}"
-      )
-
-  def check(self, dtype, vocab: int) -> None:
-    itemsize = jnp.dtype(dtype).itemsize
-    unit = 128 * 16 // itemsize
-    if self.chunk % unit:
-      raise ValueError(
-        f"ClusterLossBlocks.chunk must be a multiple of {unit} for {jnp.dtype(dtype).name} "
-        f"(128 threads x 16 bytes), got {self.chunk}"
-      )
-    smem = smem_bytes(self, dtype, vocab)
-    if smem > SMEM_BUDGET:
-      raise ValueError(
-        f"ClusterLossBlocks(rows={self.rows}, cluster={self.cluster}, chunk={self.chunk}) hold "
-        f"{smem} bytes of shared memory per CTA at V {vocab}; at most {SMEM_BUDGET}: lower rows or "
-        "raise cluster"
-      )
-
-
-def slice_cols(blocks: ClusterLossBlocks, dtype, vocab: int) -> tuple[int, int, int]:
-  """(padded V, columns of CTAs 0..C-2, columns of the last CTA), in whole 128-byte units (a bulk
-  copy's granularity); V is padded only when it is not a whole number of units or too small to
-  leave the last CTA any (V 151936 bf16, C 8: slices of 19008 and 18880 columns, no padding)."""
-  unit = 128 // jnp.dtype(dtype).itemsize
-  vp = -(-vocab // unit) * unit
-  vc = -(-vp // (blocks.cluster * unit)) * unit
-  if vp - (blocks.cluster - 1) * vc <= 0:
-    vp = blocks.cluster * vc
-  return vp, vc, vp - (blocks.cluster - 1) * vc
-
-
-def smem_bytes(blocks: ClusterLossBlocks, dtype, vocab: int) -> int:
-  """Shared memory per CTA: the rows' slices (each rounded up to whole chunks) and small records."""
-  _, vc, _ = slice_cols(blocks, dtype, vocab)
-  vs = -(-vc // blocks.chunk) * blocks.chunk
-  return blocks.rows * vs * jnp.dtype(dtype).itemsize + 2 * blocks.rows * RECORD * 4 + 4 * LANES * 4
-
-
-def default_blocks(dtype, vocab: int) -> ClusterLossBlocks:
-  """Clusters of 8 (the portable maximum) and the most rows (<= 8) whose CTAs still fit two per SM
-  (2 bf16 rows of a 151936 vocabulary: 84 KB per CTA), so that one CTA's bulk loads overlap the
-  other's sweeps and stores (a CTA's own phases are serial). Not tuned on hardware; the
-  autotuner's candidates (bench/tune.py) decide."""
-  chunk = 128 * 16 // jnp.dtype(dtype).itemsize * 2
-  for rows in (8, 4, 2, 1):
-    blocks = ClusterLossBlocks(rows, MAX_CLUSTER, chunk)
-    if 2 * smem_bytes(blocks, dtype, vocab) <= Hopper().smem_per_sm:
-      return blocks
-  return blocks
 
 
 def cluster_budget(

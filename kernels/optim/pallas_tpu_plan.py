@@ -1,4 +1,4 @@
-"""The work plan of the tiled multi-tensor step (:mod:`kernels.optim.pallas`): which windows of which
+"""The work plan of the tiled multi-tensor step (:mod:`kernels.optim.pallas_tpu`): which windows of which
 leaves, in which order, through which VMEM buffers — plain Python on static shapes, no jax.
 
 Every leaf is kept in its own layout: a TPU array [..., R, C] is stored in (8, 128) tiles of its last

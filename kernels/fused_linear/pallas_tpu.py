@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.fused_linear.blocks import LinearBlocks, kernel_vmem_bytes
+from kernels.fused_linear.pallas_blocks import LinearBlocks, kernel_vmem_bytes
 from kernels.lse import NEG_BIG, online_update
 from kernels.tpu_vmem import vmem_limit
 

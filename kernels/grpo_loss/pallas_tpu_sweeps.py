@@ -16,8 +16,8 @@ Taking the max first costs one cheap sweep but frees the exponentials from waiti
 one-sweep online form every loop step's exponentials queue behind that step's max and the EUP's
 latency (libtpu's schedule: ~4 bundles per vreg); here the unrolled steps are independent and the
 static schedule fills the four vector ALU slots (~2.2 bundles per vreg, the VALU bound at 8 ops per
-element). The chosen token's logit is one gather outside the kernel (:func:`chosen_logit`): the
-sweeps never compare columns with the id.
+element). The chosen token's logit is one gather outside the kernel
+(:func:`kernels.lse.chosen_logit`): the sweeps never compare columns with the id.
 """
 
 from __future__ import annotations
@@ -198,30 +198,11 @@ def lane_stats(x_ref, rows, sw: Sweep, size: int):
   return m, l, s
 
 
-def finalize(m, l, s, chosen, found):
-  """(logp, entropy, lse_rel, shift) of rows' statistics: the log-sum-exp is shift + lse_rel."""
-  shift = lse.lse_shift(m)
-  lse_rel = (m - shift) + jnp.log(l)
-  entropy = jnp.log(l) - s / l
-  # an id outside [0, V) poisons, never hides
-  logp = jnp.where(found > 0, (chosen - shift) - lse_rel, jnp.nan)
-  return logp, entropy, lse_rel, shift
-
-
 def row_stats(x_ref, rows, size: int, sw: Sweep, chosen):
   """(logp, entropy, lse_rel, shift), [size, 1] each, of ``rows`` of a [rows, V] block; chosen:
-  [size, 1] (NaN where the id is outside [0, V): :func:`chosen_logit`)."""
+  [size, 1] (NaN where the id is outside [0, V): :func:`kernels.lse.chosen_logit`)."""
   m, l, s = lse.merge(*lane_stats(x_ref, rows, sw, size), axis=1)
-  return finalize(m, l, s, chosen, 1.0)
-
-
-def chosen_logit(x, ids, vocab: int, temperature: float):
-  """z at each row's id, [N] f32 (NaN where the id is outside [0, V): it poisons, never hides).
-
-  x: [N, V]; ids: [N] int32. One gather of N elements outside the kernels."""
-  found = (ids >= 0) & (ids < vocab)
-  picked = jnp.take_along_axis(x, jnp.where(found, ids, 0)[:, None], axis=1)[:, 0]
-  return jnp.where(found, picked.astype(jnp.float32) * (1.0 / temperature), jnp.nan)
+  return lse.finalize(m, l, s, chosen, 1.0)
 
 
 def stats_rows(block_n: int, n: int, v: int, dtype, target, blocks: int = 1) -> int:

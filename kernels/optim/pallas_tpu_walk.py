@@ -1,5 +1,5 @@
-"""The body of the tiled multi-tensor kernel (:mod:`kernels.optim.pallas` launches it): the walk over
-a :class:`kernels.optim.tiles.Plan`'s work items, DMA by DMA.
+"""The body of the tiled multi-tensor kernel (:mod:`kernels.optim.pallas_tpu` launches it): the walk over
+a :class:`kernels.optim.pallas_tpu_plan.Plan`'s work items, DMA by DMA.
 
 Pipelined (Mosaic TPU, and the TPU interpreter given ``pltpu.InterpretParams``): the class buffers
 are ``plan.slots`` deep; item k lives in slot k mod S. Iteration k waits for the stores of item
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels import backend
-from kernels.optim import tiles
+from kernels.optim import pallas_tpu_plan as tiles
 
 STRIP_LANES = 512  # columns per compute strip: (8, 512) f32 is 4 vregs per array
 

@@ -6,7 +6,7 @@ coefficient g (:func:`kernels.grpo_loss.train.coefficient`, on [bn] row vectors)
 tiles again and writes dlogits through the TMA store ring. One launch instead of two, no [N] round
 trip through XLA; the rows' 19 MB (64 x 297 KB) do not stay in L2 between the sweeps, so the logits
 are read twice from HBM (2 reads + 1 write). With ``ClusterLossBlocks`` the training kernel is
-:mod:`kernels.grpo_loss.mosaic_cluster`'s instead: rows split across a thread-block cluster, held in
+:mod:`kernels.grpo_loss.mosaic_gpu_cluster`'s instead: rows split across a thread-block cluster, held in
 shared memory, read once.
 """
 
@@ -20,10 +20,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels import backend
-from kernels.grpo_loss import mosaic_cluster
 from kernels.grpo_loss import mosaic_gpu as mg
+from kernels.grpo_loss import mosaic_gpu_cluster
 from kernels.grpo_loss import train as _train
-from kernels.grpo_loss.mosaic_cluster import ClusterLossBlocks
+from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, pad_to
 
 
 def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig):
@@ -87,11 +87,11 @@ def train_kernels(cfg: _train.TrainConfig):
 
   def train(x, ids, tok):  # tok: [N, k]
     if isinstance(kc.blocks, ClusterLossBlocks):
-      lse, logp, ent, dx = mosaic_cluster.train_fwd(cfg, x, ids, tok)
+      lse, logp, ent, dx = mosaic_gpu_cluster.train_fwd(cfg, x, ids, tok)
       return logp, ent, (lse,), dx
     n, v = x.shape
     np_, vp = mg.padded_shape(kc, n, v)
-    pad = lambda a: mg.pad_to(a, np_, vp)
+    pad = lambda a: pad_to(a, np_, vp)
     tok_t = jnp.pad(tok.T, ((0, 0), (0, np_ - n)))  # padded rows: weight 0, so g = 0
     lse, logp, ent, dx = _train_call(cfg, pad(x), pad(ids), tok_t)
     return logp[:n], ent[:n], (lse[:n],), dx[:n, :v]

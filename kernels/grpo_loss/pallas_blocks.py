@@ -1,4 +1,5 @@
-"""Block sizes for the GRPO loss kernels: a validated dataclass and a heuristic per backend."""
+"""Block sizes for the GRPO loss kernels: a validated dataclass and a heuristic per backend, and the
+Pallas kernels' static config (:class:`LossConfig`: target, blocks, vocabulary, temperature)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 from kernels import lse
 from kernels.backend import Target
-from kernels.grpo_loss import tiles
+from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
 from kernels.tpu_vmem import scoped_vmem
 
 
@@ -55,12 +56,23 @@ class LossBlocks:
       lse.check_tpu_tile("block_v", self.block_v, v, 128, "V")
 
 
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Static (hashable) settings of one kernel call."""
+
+  target: Target
+  blocks: LossBlocks
+  vocab: int
+  temperature: float
+  reuse_logits_buffer: bool = False
+
+
 def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
   """The heuristic. Why these numbers:
 
   * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
     step (the statistics and training kernels hold [rows, V]
-    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.tiles.stats_rows); block_v 4096 is
+    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.sweeps.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
     and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
@@ -205,10 +217,10 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   if tile > scoped_vmem(target):
     return f"{where}: a [{bn}, {bv}] tile needs ~{tile / MiB:.1f} MiB of VMEM, over the {scoped_vmem(target) / MiB:.0f} MiB scoped default"  # fmt: skip
   # the forward (one [rows, V] block) and the training kernel (block in + dlogits out), each
-  # double-buffered, at tiles.stats_rows' rows (8 at least) within the generation's VMEM
+  # double-buffered, at sweeps.stats_rows' rows (8 at least) within the generation's VMEM
   for kernel, count in (("statistics", 1), ("training", 2)):
-    rows = tiles.stats_rows(blocks.block_n, n, v, shape["dtype"], target, blocks=count)
-    need = tiles.vmem_bytes(rows, v, shape["dtype"], count)
+    rows = sweeps.stats_rows(blocks.block_n, n, v, shape["dtype"], target, blocks=count)
+    need = sweeps.vmem_bytes(rows, v, shape["dtype"], count)
     if need > target.vmem_bytes:
       return (
         f"{where}: the {kernel} kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of "
