@@ -3,13 +3,8 @@ account and the parity gates, one row per workload and backend."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-  from bench.rollout import RolloutBenchRow
-
-
-def markdown(rows: list[RolloutBenchRow], extra: dict | None = None) -> str:
+def markdown(rows: list, extra: dict | None = None) -> str:  # rows: bench.rollout.RolloutBenchRow
   """The suite's table. Time columns and "time vs dense" are measured; the byte columns and "bytes vs
   dense" come from XLA's cost analysis of the compiled decode step (bench.byte_account), not measured;
   "gate" is the f32 + highest parity run (ok), "own dtype" the timed run's report-only divergence."""

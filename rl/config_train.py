@@ -9,6 +9,10 @@ from typing import Literal
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES
 from rl.configlib import check_range
 from rl.model.qwen import REMAT
+from rl.platform import CHOICES as LOSS_IMPL_CHOICES
+
+# train.policy_loss_impl: "auto" and every impl the loss ops' tables offer somewhere (rl.platform)
+PolicyLossImpl = Literal[LOSS_IMPL_CHOICES]
 
 IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -21,7 +25,7 @@ class TrainSection:
   ppo_epochs: int = 1  # > 1 makes the clipping matter (old log-probs are recorded)
   # rl.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
   # project's kernel there); a choice the platform lacks is an error at load.
-  policy_loss_impl: Literal["pallas", "chunked", "xla", "auto", "mosaic_gpu"] = "auto"
+  policy_loss_impl: PolicyLossImpl = "auto"
   fused_lm_head: bool = False
   # Rematerialisation of the decoder layers in the update's backward (rl.model.qwen.REMAT): none
   # keeps every layer's intermediates; layer recomputes each layer keeping its weight matmuls'

@@ -6,15 +6,16 @@ everywhere in a second. The real search is ``python -m bench.tune --target tpu-v
 
 import json
 
+from bench import autotune_search as search
 from kernels import autotune, backend
-from kernels.grpo_loss import LossBlocks
+from kernels.grpo_loss import OP, LossBlocks
 
 SHAPE = dict(dtype="bfloat16", tokens=8192, vocab=151936)
 KIND = "TPU v6 lite"
 
 
 def _problem():
-  return autotune.Problem("grpo_loss", SHAPE, lambda: (), lambda: None, ())
+  return search.Problem(OP, SHAPE, lambda: (), lambda: None, ())
 
 
 def _entry(time_s, block_n):
@@ -25,7 +26,7 @@ def _entry(time_s, block_n):
 
 def _tune(tmp_path, source, block_n):
   evaluate = lambda problem, cands, deadline, log: _entry(1e-3, block_n)
-  return autotune.tune(
+  return search.tune(
     [_problem()], lambda p: [], kind=KIND, directory=tmp_path, evaluate=evaluate, source=source,
     log=lambda line: None,
   )  # fmt: skip
@@ -51,11 +52,11 @@ def test_deviceless_tpu_target_reads_its_generations_cache(tmp_path):
   with autotune.use_cache_dir(tmp_path):
     if backend.host_platform() != "tpu":
       target = backend.Target("tpu", interpret=False, generation="v6e")
-      impl, blocks = autotune.resolve("grpo_loss", "auto", None, target, SHAPE)
+      impl, blocks = autotune.resolve(OP, "auto", None, target, SHAPE)
       assert (impl, blocks) == ("pallas", LossBlocks(16, 4096))
       other = backend.Target("tpu", interpret=False, generation="v5e")
-      assert autotune.resolve("grpo_loss", "auto", None, other, SHAPE) == ("auto", None)
+      assert autotune.resolve(OP, "auto", None, other, SHAPE) == ("auto", None)
       unnamed = backend.Target("tpu", interpret=False)
-      assert autotune.resolve("grpo_loss", "auto", None, unnamed, SHAPE) == ("auto", None)
+      assert autotune.resolve(OP, "auto", None, unnamed, SHAPE) == ("auto", None)
     interp = backend.Target("tpu", interpret=True, generation="v6e")
-    assert autotune.resolve("grpo_loss", "auto", None, interp, SHAPE) == ("auto", None)
+    assert autotune.resolve(OP, "auto", None, interp, SHAPE) == ("auto", None)

@@ -15,8 +15,15 @@ from hypothesis import given
 import kernels
 from bench.shapes import LINEAR_LOSS_SHAPES
 from bench.tolerances import assert_close
-from kernels import autotune, backend
-from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks, tuned, vocab_stats_reference
+from kernels import autotune, backend, fused_linear
+from kernels.fused_linear import OP as FUSED_OP
+from kernels.fused_linear import (
+  ChunkBlocks,
+  LinearBlocks,
+  MosaicLinearBlocks,
+  vocab_stats_reference,
+)
+from kernels.fused_linear.impls import shape_key
 from kernels.grpo_loss.reference import LOSS_TYPES
 from rl.sharding import make_mesh
 from tests.problems import epsilon_sensitive_tokens, loss_scale, policy_kwargs
@@ -629,7 +636,7 @@ def test_bad_loss_scale_raises_naming_it(value, error):
 
 # ------------------------------------------------------------------------------ tuned impl="auto"
 GPU_REAL = backend.make_target("gpu", interpret=False)
-PROD = tuned.shape_key(16384, 2048, 151936, jnp.bfloat16)
+PROD = shape_key(16384, 2048, 151936, jnp.bfloat16)
 TUNED_MOSAIC = MosaicLinearBlocks(64, 256, 64, 3, 4, 4096)
 
 
@@ -640,27 +647,30 @@ def _entry(winner_impl, winner_blocks, *rows):
   return dict(shape=PROD, winner=winner, candidates=cands)
 
 
+def _from_entry(impl, blocks, chunk, entry, target=GPU_REAL, shape=PROD):
+  """The call's (impl, blocks, chunk_size) when the cache holds ``entry`` for it."""
+  legal = FUSED_OP.check_tuned(target, shape)
+  resolve = lambda i, tiles: autotune.apply_checked(FUSED_OP, i, tiles, entry, legal)
+  return fused_linear._choose(impl, blocks, chunk, resolve)
+
+
 def test_tuned_entry_changes_the_chosen_impl_and_tiles():
   """impl="auto" takes the cache's winner with its tiles (Mosaic blocks; the chunked path's chunk
   size), an explicit impl its fastest passing tiles, given tiles keep the heuristic's impl. Catches
   a cache that is written by bench.tune but never read by the op (the tuned run would measure the
   heuristic), or ChunkBlocks passed on as ``blocks`` instead of ``chunk_size``."""
   rows = (
-    ("chunked", autotune.ChunkBlocks(2048), 0.030, True),
-    ("chunked", autotune.ChunkBlocks(512), 0.020, False),  # fastest, failed parity
+    ("chunked", ChunkBlocks(2048), 0.030, True),
+    ("chunked", ChunkBlocks(512), 0.020, False),  # fastest, failed parity
     ("mosaic_gpu", TUNED_MOSAIC, 0.025, True),
   )
   mosaic = _entry("mosaic_gpu", TUNED_MOSAIC, *rows)
-  pick = lambda impl, entry, blocks=None, chunk=None: tuned.from_entry(
-    impl, blocks, chunk, entry, GPU_REAL, PROD
-  )
-  assert pick("auto", mosaic) == tuned.Choice("mosaic_gpu", TUNED_MOSAIC, None)
-  assert pick("auto", _entry("chunked", autotune.ChunkBlocks(1024))) == tuned.Choice(
-    "chunked", None, 1024
-  )
-  assert pick("chunked", mosaic) == tuned.Choice("chunked", None, 2048)  # fastest *passing*
-  assert pick("auto", mosaic, chunk=256) == tuned.Choice("auto", None, 256)  # given tiles stay
-  assert pick("auto", None) == tuned.Choice("auto", None, None)  # no entry: the heuristic
+  pick = lambda impl, entry, blocks=None, chunk=None: _from_entry(impl, blocks, chunk, entry)
+  assert pick("auto", mosaic) == ("mosaic_gpu", TUNED_MOSAIC, None)
+  assert pick("auto", _entry("chunked", ChunkBlocks(1024))) == ("chunked", None, 1024)
+  assert pick("chunked", mosaic) == ("chunked", None, 2048)  # fastest *passing*
+  assert pick("auto", mosaic, chunk=256) == ("auto", None, 256)  # given tiles stay
+  assert pick("auto", None) == ("auto", None, None)  # no entry: the heuristic
 
 
 @pytest.mark.parametrize(
@@ -670,7 +680,7 @@ def test_tuned_entry_changes_the_chosen_impl_and_tiles():
     (_entry("triton", None), "tuned impl must be one of"),
     (dict(winner=dict(impl="mosaic_gpu", blocks=dict(block_n=64, tile=3))), "TypeError"),
     (dict(winner=dict(impl="mosaic_gpu", blocks=dict(block_n=96))), "multiple of 64"),
-    (_entry("xla", autotune.ChunkBlocks(64)), "KeyError"),  # xla has no tiles
+    (_entry("xla", ChunkBlocks(64)), "KeyError"),  # xla has no tiles
     (dict(winner="chunked"), "TypeError"),
   ],
 )
@@ -679,8 +689,8 @@ def test_malformed_or_illegal_tuned_entry_falls_back_to_the_heuristic(entry, why
   the shared-memory budget) must cost speed, not crash the op or run an illegal kernel: the
   caller's arguments come back, with a warning naming the problem."""
   with pytest.warns(UserWarning, match="heuristic runs instead") as record:
-    choice = tuned.from_entry("auto", None, None, entry, GPU_REAL, PROD)
-  assert choice == tuned.Choice("auto", None, None)
+    choice = _from_entry("auto", None, None, entry)
+  assert choice == ("auto", None, None)
   assert re.search(why, str(record[0].message)), record[0].message
 
 
@@ -689,26 +699,28 @@ def test_tuned_cache_file_is_read_and_a_corrupt_one_ignored(tmp_path):
   kind becomes the call's choice; an interpreted or foreign-platform target never reads it (the CPU
   host keeps impl="auto" = xla whatever the file says); a corrupt file (truncated JSON) falls back
   to the heuristic with a warning instead of failing every call."""
-  shape = tuned.shape_key(16, 64, 256, jnp.bfloat16)
+  shape = shape_key(16, 64, 256, jnp.bfloat16)
   path = autotune.cache_path(autotune.device_kind(), tmp_path)
   blocks = MosaicLinearBlocks(64, 128, 64, 2, 1, 256)
   data = dict(schema=autotune.SCHEMA, entries={"fused_linear": {}})
-  data["entries"]["fused_linear"][autotune.bucket("fused_linear", shape)] = dict(
+  data["entries"]["fused_linear"][FUSED_OP.bucket(shape)] = dict(
     winner=dict(impl="mosaic_gpu", blocks=autotune.blocks_to_json(blocks)), candidates=[]
   )
   path.write_text(json.dumps(data))
-  given = tuned.Choice("auto", None, None)
+  legal = FUSED_OP.check_tuned(GPU_REAL, shape)
+  this_device = lambda i, tiles: autotune.from_cache(FUSED_OP, i, tiles, shape, legal)
+  on = lambda target: lambda i, tiles: autotune.resolve(FUSED_OP, i, tiles, target, shape)
+  given = ("auto", None, None)
   with autotune.use_cache_dir(tmp_path):
-    got = tuned.from_cache("auto", None, None, GPU_REAL, shape)
-    assert got == tuned.Choice("mosaic_gpu", blocks, None)
+    assert fused_linear._choose("auto", None, None, this_device) == ("mosaic_gpu", blocks, None)
     interp = backend.make_target("gpu", interpret=True)
-    assert tuned.choose("auto", None, None, interp, shape) == given
+    assert fused_linear._choose("auto", None, None, on(interp)) == given
     if backend.host_platform() != "gpu":
-      assert tuned.choose("auto", None, None, GPU_REAL, shape) == given
+      assert fused_linear._choose("auto", None, None, on(GPU_REAL)) == given
   path.write_text(json.dumps(data)[:40])
   # entering clears the memoised read
   with autotune.use_cache_dir(tmp_path), pytest.warns(UserWarning, match="ignoring the tuning"):
-    assert tuned.from_cache("auto", None, None, GPU_REAL, shape) == given
+    assert fused_linear._choose("auto", None, None, this_device) == given
 
 
 # ----------------------------------------------------------------------------------------- errors

@@ -665,22 +665,23 @@ def test_tuned_optim_entry_changes_the_blocks_and_a_bad_one_falls_back():
   block fields leave the caller's arguments, with a warning. Catches the optimizer ignoring what
   bench.tune measured for it, or a stale cache crashing the training step."""
   from kernels import autotune
-  from kernels.optim.leaf import _check_tuned
+  from kernels.optim import OP
 
   gpu, tpu = backend.make_target("gpu", interpret=False), backend.make_target("tpu", False)
-  legal = lambda target: lambda impl, blocks: _check_tuned(target, impl, blocks)
+  shape = dict(rule="adamw", dtype="float32", params=1500)
+  legal = lambda target: OP.check_tuned(target, shape)
   entry = _optim_entry("pallas", TUNED)
-  assert autotune.apply_checked("optim", "auto", None, entry, legal(gpu)) == ("pallas", TUNED)
+  assert autotune.apply_checked(OP, "auto", None, entry, legal(gpu)) == ("pallas", TUNED)
   given = kernels.optim.default_blocks()
-  assert autotune.apply_checked("optim", "auto", given, entry, legal(gpu)) == ("auto", given)
+  assert autotune.apply_checked(OP, "auto", given, entry, legal(gpu)) == ("auto", given)
   bad = [
     (entry, tpu, "not ElementwiseBlocks"),
     (_optim_entry("triton", None), gpu, "impl must be"),
-    (dict(winner=dict(impl="pallas", blocks=dict(block=1024, lanes=2))), gpu, "StopIteration"),
+    (dict(winner=dict(impl="pallas", blocks=dict(block=1024, lanes=2))), gpu, "fields of none"),
   ]
   for e, target, why in bad:
     with pytest.warns(UserWarning, match=why):
-      assert autotune.apply_checked("optim", "auto", None, e, legal(target)) == ("auto", None)
+      assert autotune.apply_checked(OP, "auto", None, e, legal(target)) == ("auto", None)
 
 
 def test_tuned_optim_cache_is_read_per_device_and_a_corrupt_file_ignored(tmp_path):
@@ -690,20 +691,23 @@ def test_tuned_optim_cache_is_read_per_device_and_a_corrupt_file_ignored(tmp_pat
   import json
 
   from kernels import autotune
+  from kernels.optim import OP
   from kernels.optim.leaf import KernelOptions, tuned_options
 
   params = [jnp.zeros((40, 30)), jnp.zeros((300,))]
   shape = dict(rule="adamw", dtype="float32", params=1500)
   data = dict(schema=autotune.SCHEMA, entries={"optim": {}})
-  data["entries"]["optim"][autotune.bucket("optim", shape)] = _optim_entry("pallas", TUNED)
+  data["entries"]["optim"][OP.bucket(shape)] = _optim_entry("pallas", TUNED)
   path = autotune.cache_path(autotune.device_kind(), tmp_path)
   path.write_text(json.dumps(data))
+  gpu = backend.make_target("gpu", interpret=False)
   with autotune.use_cache_dir(tmp_path):
-    assert autotune.from_cache_checked("optim", "auto", None, shape) == ("pallas", TUNED)
+    got = autotune.from_cache(OP, "auto", None, shape, OP.check_tuned(gpu, shape))
+    assert got == ("pallas", TUNED)
     options = KernelOptions()
     cpu = backend.make_target("cpu")
     rules = [kernels.optim.AdamW()] * 2
     assert tuned_options(options, cpu, rules, params) == options
   path.write_text(json.dumps(data)[:30])
   with autotune.use_cache_dir(tmp_path), pytest.warns(UserWarning, match="tuning cache"):
-    assert autotune.from_cache_checked("optim", "auto", None, shape) == ("auto", None)
+    assert autotune.from_cache(OP, "auto", None, shape) == ("auto", None)

@@ -472,13 +472,13 @@ def test_tuner_candidates_are_legal_and_cover_the_heuristic(shape_name):
   Mosaic GPU ring reaches >= 3 stages, both kernels' default blocks are among the candidates (the
   tuner can only improve on the heuristic), and the grid stays small enough to tune in minutes."""
   from bench import tune
-  from kernels import autotune
-  from kernels.paged_attention import mosaic_gpu_blocks
+  from bench.autotune_search import Problem
+  from kernels.paged_attention import OP, mosaic_gpu_blocks
 
   s = PAGED_SHAPES[shape_name]
   shape = dict(dtype=s.dtype, batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads)
   shape.update(head_dim=s.head_dim, page_size=s.page_size, ctx=s.ctx)
-  cands = tune.paged_candidates(autotune.Problem("paged_attention", shape, None, None, ()), "gpu")
+  cands = tune.candidates(Problem(OP, shape, None, None, ()), "gpu")
   triton = [c.blocks for c in cands if c.impl == "pallas"]
   mosaic = [c.blocks for c in cands if c.impl == "mosaic_gpu"]
   for b in triton:

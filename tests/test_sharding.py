@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from bench.tolerances import tolerance
-from kernels import backend
+from kernels import backend, ops
 from kernels.fused_linear import LinearBlocks
 from kernels.fused_linear import pallas_blocks as linear_blocks
+from kernels.grpo_loss import OP as LOSS_OP
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import pallas_blocks as loss_blocks
 from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
@@ -201,9 +202,9 @@ def test_loss_blocks_legal_on_each_generation():
   assert "scoped default" in loss_blocks.legal_on(V4, LossBlocks(512, 16384), shape)
   assert "multiple of 128" in loss_blocks.legal_on(V6E, LossBlocks(128, 1000), shape)
   with pytest.raises(ValueError, match="16 MiB"):  # an explicit impl is refused, never compiled
-    loss_blocks.checked_impl("grpo_loss", "pallas", "over the 16 MiB there")
+    ops.fallback(LOSS_OP, "pallas", "over the 16 MiB there")
   with pytest.warns(UserWarning, match="XLA reference"):
-    assert loss_blocks.checked_impl("grpo_loss", "auto", "over the 16 MiB there") == "xla"
+    assert ops.fallback(LOSS_OP, "auto", "over the 16 MiB there") == "xla"
 
 
 def test_grpo_loss_auto_falls_back_where_the_kernel_cannot_compile():

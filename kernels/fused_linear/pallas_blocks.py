@@ -9,8 +9,6 @@ import jax.numpy as jnp
 from kernels import lse
 from kernels.backend import Target
 
-CHUNKED_LOGITS_BYTES = 1 << 30  # the chunked path's f32 [chunk, V] logits budget
-
 
 @dataclasses.dataclass(frozen=True)
 class LinearBlocks:
@@ -105,12 +103,3 @@ def legal_on(target: Target, blocks: LinearBlocks, shape: dict) -> str | None:
       "there (a smaller block_v or block_n fits)"
     )
   return None
-
-
-def default_chunk(n: int, v: int) -> int:
-  """Tokens per chunk of the chunked path: a power of two with the f32 [chunk, V] logits under 1 GiB
-  (1024 tokens at V = 151936), at least 128 and at most N rounded up to a power of two."""
-  chunk = 128
-  while chunk * 2 * v * 4 <= CHUNKED_LOGITS_BYTES:
-    chunk *= 2
-  return max(1, min(chunk, 1 << max(n - 1, 0).bit_length()))

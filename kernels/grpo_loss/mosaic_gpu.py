@@ -41,6 +41,7 @@ from kernels.grpo_loss.mosaic_gpu_blocks import (
   ClusterLossBlocks,
   MosaicLossBlocks,
   MosaicLossConfig,
+  check_vocab,
   default_blocks,
   pad_to,
 )
@@ -275,7 +276,7 @@ def make_config(
   if blocks is None:
     blocks = default_blocks(logits.dtype)
   if isinstance(blocks, ClusterLossBlocks):
-    mosaic_gpu_cluster.check_vocab(logits.shape[1])
+    check_vocab(logits.shape[1])
     blocks.check(logits.dtype, logits.shape[1])
   elif isinstance(blocks, MosaicLossBlocks):
     blocks.check(logits.dtype)

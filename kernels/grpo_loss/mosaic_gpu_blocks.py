@@ -7,6 +7,7 @@ them (and the tuner reads the blocks back from its JSON through the op's table).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax.numpy as jnp
 
@@ -144,6 +145,47 @@ def default_cluster_blocks(dtype, vocab: int) -> ClusterLossBlocks:
     if 2 * smem_bytes(blocks, dtype, vocab) <= Hopper().smem_per_sm:
       return blocks
   return blocks
+
+
+def check_vocab(vocab: int) -> None:
+  """ids travel as f32 in the row record: exact below 2^24."""
+  if vocab >= 2**24:
+    raise ValueError(f"ClusterLossBlocks need a vocabulary below 2^24 (ids as f32), got V={vocab}")
+
+
+# ---------------------------------------------------------------------------- the impl's table row
+def candidate_blocks(shape: dict, platform: str) -> list:
+  """The tuner's grid at ``shape`` (tokens, vocab, dtype): the row kernels' tile width x ring depth
+  (on the CPU interpreter one configuration, the plumbing), and on GPU the cluster-split kernels'
+  rows x cluster size; only blocks whose check passes (their rings or slices fit shared memory)."""
+  dtype = shape["dtype"]
+  itemsize = jnp.dtype(dtype).itemsize
+  unit = 128 // itemsize  # swizzle width in elements
+  grid = ((unit, 3), (unit, 4), (2 * unit, 2), (2 * unit, 4), (4 * unit, 2))
+  if platform == "cpu":
+    grid = grid[2:3]  # the interpreter is slow: one config exercises the plumbing
+  out = [MosaicLossBlocks(64, bv, stages) for bv, stages in grid]
+  if platform == "gpu":  # the cluster-split kernels: rows x CTAs per cluster (the row read once)
+    chunk = 2 * 128 * 16 // itemsize
+    out += [ClusterLossBlocks(r, c, chunk) for r, c in itertools.product((1, 2, 4), (4, 8))]
+  return [b for b in out if supported_on(None, shape, b) is None]
+
+
+def supported_on(target: Target | None, shape: dict, blocks) -> str | None:
+  """Why the Mosaic GPU kernels cannot run ``blocks`` (None: the heuristic's) at ``shape`` on
+  ``target`` (a TPU; None: any GPU target), or None."""
+  if target is not None and target.platform == "tpu":
+    return "impl='mosaic_gpu' is a GPU kernel; on TPU use impl='pallas' (Mosaic TPU)"
+  dtype, vocab = shape["dtype"], shape["vocab"]
+  try:
+    if isinstance(blocks, ClusterLossBlocks):
+      check_vocab(vocab)
+      blocks.check(dtype, vocab)
+    else:
+      (blocks or default_blocks(dtype)).check(dtype)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

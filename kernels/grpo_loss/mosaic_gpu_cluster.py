@@ -286,9 +286,3 @@ def train_fwd(train: _train.TrainConfig, x, ids, tok):
   n, v = x.shape
   out, dx = cluster_call(train.loss, *_padded(train.loss, x, ids, tok), train=train)
   return out[:n, 0], out[:n, 1], out[:n, 2], dx[:n, :v]
-
-
-def check_vocab(vocab: int) -> None:
-  """ids travel as f32 in the row record: exact below 2^24."""
-  if vocab >= 2**24:
-    raise ValueError(f"ClusterLossBlocks need a vocabulary below 2^24 (ids as f32), got V={vocab}")

@@ -4,7 +4,7 @@ Pallas kernels' static config (:class:`LossConfig`: target, blocks, vocabulary, 
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import itertools
 
 import jax.numpy as jnp
 
@@ -72,7 +72,7 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
 
   * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
     step (the statistics and training kernels hold [rows, V]
-    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.sweeps.stats_rows); block_v 4096 is
+    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.pallas_tpu_sweeps.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
     and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
@@ -230,17 +230,29 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   return None
 
 
-def checked_impl(op: str, impl: str, reason: str | None) -> str:
-  """``impl`` where the kernel's blocks are legal (``reason`` None); else ``impl="auto"`` falls back
-  to the XLA reference with a warning naming the reason, and an explicit impl is a ValueError: a
-  kernel that cannot compile here is refused before anything compiles, never a compile error."""
-  if reason is None:
-    return impl
-  if impl != "auto":
-    raise ValueError(f"{op}(impl={impl!r}): {reason}")
-  msg = f"{op}: the kernel cannot run here ({reason}); impl='auto' runs the XLA reference"
-  warnings.warn(msg, stacklevel=3)
-  return "xla"
+def candidate_blocks(shape: dict, platform: str) -> list[LossBlocks | None]:
+  """The tuner's grid at ``shape`` (tokens, vocab, dtype) on ``platform``, None the heuristic's:
+  blocks that trade bytes in flight against rows swept at once (the launch budgets below). GPU:
+  Triton chunk width x warps x pipeline stages, skipping configurations the register model says
+  cannot hold one program per SM; TPU: rows per step (the row blocks' VMEM) x columns per unrolled
+  sweep iteration (schedule slots), besides the heuristic's; CPU (the interpreter): the heuristic."""
+  tokens, vocab = shape["tokens"], shape["vocab"]
+  if platform == "gpu":
+    out = []
+    for bv, warps, stages in itertools.product((4096, 8192, 16384), (8, 16, 32), (1, 2)):
+      blocks = LossBlocks(1, bv, num_warps=warps, num_stages=stages)
+      if rowloop_budget(tokens, vocab, _itemsize(shape["dtype"]), blocks).resident_per_sm >= 1:
+        out.append(blocks)
+    return out
+  if platform == "tpu":
+    grid = ((16, 2048), (32, 8192), (64, 4096))
+    return [None] + [LossBlocks(bn, bv) for bn, bv in grid if bn < tokens]
+  return [None]
+
+
+def supported_on(target: Target, shape: dict, blocks: LossBlocks | None) -> str | None:
+  """The ``pallas`` impl's legality (:func:`legal_on`) with ``blocks``, None: the heuristic's."""
+  return legal_on(target, blocks or default_blocks(target, shape["tokens"], shape["vocab"]), shape)
 
 
 def _itemsize(dtype) -> int:

@@ -33,7 +33,7 @@ from kernels.grpo_loss.train import TrainConfig, coefficient
 
 
 def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg):
-  """A [bn, V] row block, row group by row group (:func:`sweeps.row_stats`); chosen_ref: [bn, 1] the
+  """A [bn, V] row block, row group by row group (:func:`kernels.grpo_loss.pallas_tpu_sweeps.row_stats`); chosen_ref: [bn, 1] the
   rows' chosen logits, gathered outside (N elements; the training kernel reads them in-kernel)."""
   bn, v = x_ref.shape
   sw = sweeps.sweep_of(v, cfg.temperature, cfg.blocks.block_v)
