@@ -90,7 +90,7 @@ def bench(session: nox.Session):
 @nox.session(**SHARED)
 def lower(session: nox.Session):
   """AOT-lower every kernel for TPU and CUDA at production shapes (no accelerator needed)."""
-  in_dev(session, "-m", "pytest", "-q", "tests/test_lowering.py", *session.posargs)
+  in_dev(session, "-m", "pytest", "-q", "tests/kernels/test_lowering.py", *session.posargs)
 
 
 @nox.session(**SHARED)
@@ -253,19 +253,19 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 
 
 TPU_COMPILE_TESTS = (
-  "tests/test_tpu_compile.py",
+  "tests/kernels/test_tpu_compile.py",
   "tests/rl/test_tpu_check.py",
-  "tests/test_optim_tiled.py",
-  "tests/test_tpu_targets.py",
-  "tests/test_tpu_schedule.py",
+  "tests/kernels/optim/test_pallas_tpu.py",
+  "tests/kernels/test_tpu_targets.py",
+  "tests/kernels/test_tpu_schedule.py",
 )
 
 
 @nox.session(python="3.11", default=False)
 def tpu_compile(session: nox.Session):
   """Every TPU kernel and TPU config through libtpu's real compiler, no TPU needed:
-  tests/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p, v6e and v7x,
-  inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
+  tests/kernels/test_tpu_compile.py compiles each case of bench/tpu_compile.py for v4, v5e, v5p,
+  v6e and v7x, inside sharded programs on a 4-chip v6e slice, and the autotuner's TPU candidates;
   tests/rl/test_tpu_check.py runs `--check` on every configs/tpu-*.yaml's slice (reduced-layer
   twins); the TPU optimizer's, the slice table's and the scheduled code's compile tests. Its own
   environment: the project + jax[tpu] at the version the project resolved (jax 0.10.x on 3.11;

@@ -1,7 +1,7 @@
 """Every TPU kernel case through libtpu's real compiler, per generation, alone and in sharded programs.
 
 The one list of compile cases (:data:`CASES`: production shapes from :mod:`bench.shapes`, the option
-sets of ``tests/test_lowering.py``) that ``tests/test_tpu_compile.py`` (``nox -s tpu_compile``)
+sets of ``tests/kernels/test_lowering.py``) that ``tests/kernels/test_tpu_compile.py`` (``nox -s tpu_compile``)
 compiles for v4, v5e, v5p, v6e and v7x, and that ``python -m bench.tpu_compile`` prints as a table.
 A case builds its function and argument shapes for a :class:`kernels.sharding.KernelSharding` (or
 none: one chip); :func:`compile_case` places them on a generation's abstract devices
@@ -102,7 +102,7 @@ def _loss_case(shape_name: str, mode: str, **options) -> Callable:
   return build
 
 
-# The option sets of tests/test_lowering.py: sequence-level (GSPO + sequence IS + dual clip: statistics
+# The option sets of tests/kernels/test_lowering.py: sequence-level (GSPO + sequence IS + dual clip: statistics
 # and backward kernels), token-level options in the in-kernel coefficient.
 SEQUENCE_OPTIONS = dict(
   is_mode="sequence_truncate", importance_sampling_level="sequence", epsilon_c=3.0, is_cap=2.0

@@ -20,8 +20,9 @@ starts (a subprocess: :func:`dump_env`); per compiled program it writes, among ~
 That format is libtpu's internal one, so everything here parses defensively: whatever cannot be read
 is ``None`` with the reason in ``KernelSchedule.problems``, never a guessed number. Tested on the
 dumps of libtpu 0.0.42.1 (jax 0.10.2) and 0.0.48.1 (jax 0.11.2) (``TESTED_LIBTPU``; both schedule
-the qwen2.5-8k loss kernels within 0.5 % of each other); tests/test_tpu_schedule.py runs on trimmed
-excerpts committed under tests/data/tpu_schedule/ and one live compile when libtpu is installed.
+the qwen2.5-8k loss kernels within 0.5 % of each other); tests/kernels/test_tpu_schedule.py runs on
+trimmed excerpts committed under tests/kernels/data/tpu_schedule/ and one live compile when libtpu is
+installed.
 """
 
 from __future__ import annotations

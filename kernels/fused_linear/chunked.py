@@ -32,7 +32,7 @@ def chunk_pass(loss_cfg: LossConfig, h, w, ids, finish, with_grads: bool = True)
   lse, logp, entropy = loss_pallas.row_stats(loss_cfg, logits, ids)
   # the ids this shard holds, from the ids themselves: a NaN test of logp (logp == logp) lost the
   # NaN under jit on XLA:CPU once row_stats' NaN came from a select outside the kernel (an id
-  # outside [0, V) then gave a finite loss: tests/test_fused_linear.py's bad-ids test)
+  # outside [0, V) then gave a finite loss: tests/kernels/fused_linear/test_fused_linear.py's bad-ids test)
   found = (ids >= 0) & (ids < w.shape[1])
   chosen = jnp.where(found, logp + lse, 0.0)
   lse_global, g, outputs = finish(lse, chosen, found.astype(jnp.float32), lse - entropy)

@@ -11,7 +11,7 @@ drained), so each kind of DMA has one site in the program.
 Synchronous (the plain CPU interpreter, ``interpret=True``): the same plan, segments, windows, class
 buffers and strips, the copies as plain window loads and stores. Its DMA discharge rules copy at
 ``start`` anyway (an ordering bug cannot show there); the async pipeline is checked by the TPU
-interpreter's on-wait DMAs (tests/test_optim.py) and compiled by Mosaic, and the synchronous walk
+interpreter's on-wait DMAs (tests/kernels/optim/test_optim.py) and compiled by Mosaic, and the synchronous walk
 compiles in half the interpreter's time (CI runs it in every parity test).
 
 Item k's segment is found by a balanced tree of comparisons against the static segment starts, one

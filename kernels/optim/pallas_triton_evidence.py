@@ -1,5 +1,5 @@
 """What the multi-tensor launch asks of an H100, computed without one (checked by
-tests/test_optim.py).
+tests/kernels/optim/test_optim.py).
 
 For the bench's trees (``bench.shapes.decoder_param_shapes``; f32 params, default
 ``MultiTensorBlocks(block=1024, chunk=4096, num_warps=4)``), :func:`launch_evidence` gives:

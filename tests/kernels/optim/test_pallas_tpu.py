@@ -240,7 +240,7 @@ def test_tpu_step_at_the_full_0_5b_tree(gen, which):
   """The whole Qwen2.5-0.5B tree (290 leaves): one launch, bytes within 1.3x of the ideal (AdamW 7,
   SGD 5 words per parameter); ~45-75 s of compile each on 2 cores. Both generations and both word
   counts here; Lion is compiled over the 0.5B tree's leaf kinds on every generation in
-  tests/test_tpu_compile.py (bench.tpu_compile's optim cases)."""
+  tests/kernels/test_tpu_compile.py (bench.tpu_compile's optim cases)."""
   launches, nbytes, ideal, relayouts = _compiled_step(
     gen, decoder_param_shapes("qwen2.5-0.5b"), which
   )

@@ -3,7 +3,7 @@
 kernels in interpret mode at tiny shapes; and the sharding value is checked before anything runs.
 
 The TPU side (each kernel compiled inside a sharded program on a 4-chip v6e slice) is in
-tests/test_tpu_compile.py; the legality checks behind ``impl="auto"`` at the end of this file."""
+tests/kernels/test_tpu_compile.py; the legality checks behind ``impl="auto"`` at the end of this file."""
 
 import jax
 import jax.numpy as jnp

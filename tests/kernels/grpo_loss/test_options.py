@@ -16,8 +16,14 @@ from bench.tolerances import assert_close
 from kernels import LossSpec
 from kernels.grpo_loss.reference import LOSS_TYPES, grpo_loss_reference, reduce_loss
 from kernels.objective import policy_objective
+from tests.kernels.grpo_loss.test_grpo_loss import (
+  FAMILIES,
+  IMPL_CALLS,
+  loss_and_grad,
+  make_problem,
+  pallas_kw,
+)
 from tests.problems import assert_loss_parity
-from tests.test_grpo_loss import FAMILIES, IMPL_CALLS, loss_and_grad, make_problem, pallas_kw
 
 
 # -------------------------------------------------------------------------- float64 hand formula

@@ -3,7 +3,7 @@ Mosaic GPU interpreter (simulated shared memory, TMA copies and barriers), and o
 
 What the interpreter does not check (so the `gpu`-marked test below does, on hardware): register
 layouts (``plgpu.layout_cast`` is the identity there) and the real TMA / swizzle; the AOT lowering in
-tests/test_lowering.py checks that the layouts and transfers are legal for sm_90.
+tests/kernels/test_lowering.py checks that the layouts and transfers are legal for sm_90.
 """
 
 import hypothesis.strategies as st
@@ -18,9 +18,9 @@ from bench.tolerances import assert_close
 from kernels import backend
 from kernels.grpo_loss.mosaic_gpu_blocks import MosaicLossBlocks, default_blocks
 from kernels.grpo_loss.reference import LOSS_TYPES
+from tests.kernels.grpo_loss.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
+from tests.kernels.grpo_loss.test_options import options_problem
 from tests.problems import SHAPE_SEARCH_ON_GPU_JAX, assert_loss_parity
-from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
-from tests.test_grpo_loss_options import options_problem
 
 # Smallest legal vocab tile per dtype: 128 bytes (the swizzle width).
 MIN_BV = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}

@@ -433,7 +433,7 @@ def _pallas_calls(fn, *args) -> int:
 
 def _wide_tree(n_leaves=64):
   """Many small leaves of ragged sizes and a bf16 leaf (the production trees' 290 / 338 leaves are
-  counted by the CUDA lowering in tests/test_lowering.py; tracing them here would cost minutes)."""
+  counted by the CUDA lowering in tests/kernels/test_lowering.py; tracing them here would cost minutes)."""
   rng = np.random.default_rng(4)
   tree = {
     f"l{i:03d}": jnp.asarray(rng.normal(size=(1 + i % 7, 3 + i % 5)), jnp.float32)

@@ -17,7 +17,7 @@ from bench.tolerances import assert_close
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import vjp as loss_vjp
 from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, MosaicLossBlocks
-from tests.test_grpo_loss import make_problem
+from tests.kernels.grpo_loss.test_grpo_loss import make_problem
 
 CALLS = {
   "tiled": dict(impl="pallas", platform="cpu", interpret=True, blocks=LossBlocks(8, 128)),

@@ -5,7 +5,7 @@ there is one.
 Every primitive the kernels use runs in the interpreter (jax 0.10 and 0.11): TMA copies, emit_pipeline,
 wgmma into a run_scoped accumulator, barriers. What it does not check, so the `gpu`-marked test does
 on hardware: register layouts (``plgpu.layout_cast`` is the identity there) and the real swizzled TMA
-tiles; tests/test_lowering.py checks that they lower for sm_90 at the production shapes. Not run here:
+tiles; tests/kernels/test_lowering.py checks that they lower for sm_90 at the production shapes. Not run here:
 vocabulary sharding (mesh / vocab_axis) — the interpreter's simulated shared memory fails under a
 multi-device shard_map ("Barrier remains allocated", jax 0.11.2; grpo_loss's Mosaic GPU kernel fails
 the same way on 2 devices); the kernels see only their shard's columns and shard-local ids, and the
@@ -28,7 +28,7 @@ from kernels.fused_linear import LinearBlocks, MosaicLinearBlocks
 from kernels.fused_linear import mosaic_gpu_blocks as mb
 from kernels.fused_linear import mosaic_gpu_evidence as ev
 from kernels.fused_linear.mosaic_gpu_evidence import evidence
-from tests.test_fused_linear import (
+from tests.kernels.fused_linear.test_fused_linear import (
   OPTIONS,
   assert_parity,
   make_problem,

@@ -6,7 +6,7 @@ barrier (mosaic_cluster._exchange), the same code in jax 0.11's interpreter as o
 0.10's interpreter has no cluster barriers ("NotImplementedError: nan + cluster_barrier" when it
 allocates one), so there only C = 1 runs (no exchange: the per-CTA math, the bulk copies, the
 in-shared-memory dlogits). Register layouts are checked by the CUDA lowering
-(tests/test_lowering.py), and everything on hardware by the `gpu` test below.
+(tests/kernels/test_lowering.py), and everything on hardware by the `gpu` test below.
 """
 
 import itertools
@@ -24,9 +24,9 @@ from kernels import backend, lse
 from kernels.grpo_loss import mosaic_gpu_blocks as mb
 from kernels.grpo_loss import mosaic_gpu_cluster as mc
 from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks
+from tests.kernels.grpo_loss.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
+from tests.kernels.grpo_loss.test_options import options_problem
 from tests.problems import assert_loss_parity
-from tests.test_grpo_loss import OPTIONS, loss_and_grad, make_problem
-from tests.test_grpo_loss_options import options_problem
 
 CLUSTER_INTERPRETER = backend.JAX_VERSION >= (0, 11)
 needs_cluster_interpreter = pytest.mark.skipif(

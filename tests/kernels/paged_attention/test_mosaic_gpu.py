@@ -2,7 +2,7 @@
 through the Mosaic GPU interpreter (TMA page gathers, per-page barriers, the K/V ring, wgmma), and on a
 GPU when there is one.
 
-Untested by the interpreter, so covered by the AOT lowering (tests/test_lowering.py) and the
+Untested by the interpreter, so covered by the AOT lowering (tests/kernels/test_lowering.py) and the
 `gpu`-marked tests below: register layouts (``layout_cast`` is the identity there: the WGMMA layout of
 the scores mask and of the last block's stale-V zeroing), the swizzled TMA tiles, the bulk copy of the
 staged page ids, and, under jax 0.10 only, the scores wgmma with its transposed K operand (the 0.10
@@ -21,8 +21,8 @@ from bench.shapes import PAGED_SHAPES
 from bench.tolerances import assert_close
 from kernels import backend
 from kernels.paged_attention.mosaic_gpu_blocks import MosaicPagedBlocks, default_blocks
+from tests.kernels.paged_attention.test_paged_attention import _draw
 from tests.problems import SHAPE_SEARCH_ON_GPU_JAX
-from tests.test_paged_attention import _draw
 
 
 def _check(args, blocks=None, dtype=jnp.bfloat16, platform="cpu", interpret=True):

@@ -11,9 +11,9 @@ sequence_token level handled as "token" or "sequence" by a kernel path, the cap 
 import jax.numpy as jnp
 import pytest
 
-from tests import test_fused_linear as fl
+from tests.kernels.fused_linear import test_fused_linear as fl
+from tests.kernels.grpo_loss.test_grpo_loss import FAMILIES, loss_and_grad, make_problem, pallas_kw
 from tests.problems import assert_loss_parity
-from tests.test_grpo_loss import FAMILIES, loss_and_grad, make_problem, pallas_kw
 
 OPTIONS = {
   "k1": dict(off_policy=True, beta=0.3, kl_estimator="k1", temperature=0.8, epsilon_high=0.28),
