@@ -2,7 +2,7 @@
 reference in the Mosaic GPU interpreter, the exact combination of slice partials, bad blocks.
 
 What runs where: the partials travel through a global-memory scratch between two sides of a cluster
-barrier (mosaic_cluster._exchange), the same code in jax 0.11's interpreter as on the GPU. jax
+barrier (mosaic_gpu_cluster._exchange), the same code in jax 0.11's interpreter as on the GPU. jax
 0.10's interpreter has no cluster barriers ("NotImplementedError: nan + cluster_barrier" when it
 allocates one), so there only C = 1 runs (no exchange: the per-CTA math, the bulk copies, the
 in-shared-memory dlogits). Register layouts are checked by the CUDA lowering
