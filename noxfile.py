@@ -91,7 +91,7 @@ def bench(session: nox.Session):
 @nox.session(**SHARED)
 def lower(session: nox.Session):
   """AOT-lower every kernel for TPU and CUDA at production shapes (no accelerator needed)."""
-  in_dev(session, "-m", "pytest", "-q", "tests/test_lowering.py", *session.posargs)
+  in_dev(session, "-m", "pytest", "-q", "tests/kernels/test_lowering.py", *session.posargs)
 
 
 @nox.session(**SHARED)
@@ -271,8 +271,8 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 TPU_COMPILE_TESTS = (
   "tests/bench/tpu/test_compile.py",
   "tests/rl/aot/test_tpu_check.py",
-  "tests/test_optim_tiled.py",
-  "tests/test_tpu_targets.py",
+  "tests/kernels/optim/test_pallas_tpu.py",
+  "tests/kernels/test_tpu_targets.py",
   "tests/bench/tpu/test_schedule.py",
   "tests/bench/tpu/test_compiled_report.py",  # a compiled report's every row at or above its floors
 )
