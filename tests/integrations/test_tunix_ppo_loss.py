@@ -131,3 +131,17 @@ def test_sequence_advantages_are_refused():
   bad = ex.replace(advantages=ex.advantages[:, 0])
   with pytest.raises(ValueError, match="per-token advantages"):
     grpo_tunix.ppo_policy_loss(model, bad, cfg, tp.PAD, tp.EOS, impl="xla")
+
+
+def test_bf16_model_close_to_tunix():
+  """A bf16 model with the entropy bonus: tunix rounds the logits to bf16 before its f32 softmax,
+  the fused loss keeps them in f32 (its entropy chunks follow tunix: bf16, then f32) — the two
+  agree to bf16 rounding of the logits, and every gradient (bf16 hidden states, a bf16 head
+  gradient from the entropy's chunks) is finite."""
+  model = tp.tiny_qwen3(False, dtype=jnp.bfloat16)
+  ex = tp.ppo_example(tp.example(model, seed=3, token_adv=True))
+  cfg = tp.KLPPOConfig(entropy_coef=0.05, epsilon_c=3.0)
+  theirs, ours = tp.losses_and_grads([algo_core.ppo_policy_loss_fn, _ours(True, "chunked")], model, ex, cfg)  # fmt: skip
+  assert abs(float(ours[0]) - float(theirs[0])) <= 2e-2 * max(abs(float(theirs[0])), 1e-2)
+  assert abs(float(ours[1]["loss/entropy"]) - float(theirs[1]["loss/entropy"])) <= 1e-2
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(ours[2]))

@@ -8,7 +8,10 @@ entropy coefficient). So the term is built here in XLA:
 * :func:`from_hidden` — for ``"ppo_kernels_fused"``: the logits of one chunk of tokens at a time
   (``jax.lax.map`` over a ``jax.checkpoint``-ed chunk), so the [B, T, V] logits never exist, in the
   forward or the backward (which recomputes each chunk's [chunk, V] logits). Cost: one extra
-  forward matmul and, in the backward, the recompute plus two matmuls (dhidden, dhead) per chunk.
+  forward matmul and, in the backward, the recompute plus two matmuls (dhidden, dhead) per chunk,
+  and a second [D, V] head gradient (the entropy's, in the head's dtype) summed into the kernel's.
+  ``LossSpec`` with an entropy coefficient would fold -c dH/dlogits into the kernels' own dlogits
+  and need none of this.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ def from_hidden(
   chunk: int | None = None,
 ):  # -> [B, T] f32
   """H(softmax(hidden @ head)) per token, differentiable w.r.t. hidden and head, one chunk of
-  ``chunk`` tokens at a time (default :func:`default_chunk`); logits accumulated in f32."""
+  ``chunk`` tokens at a time (default :func:`default_chunk`). The chunk's logits are computed in
+  hidden's dtype and then cast to f32, as tunix's models compute theirs (einsum in the model dtype,
+  then f32): the same values as tunix's entropy, and a backward whose head gradient is in the
+  head's dtype (no f32 [D, V] buffer beside the loss kernel's own head gradient)."""
   b, t, d = hidden.shape
   n = b * t
   chunk = default_chunk(n, head.shape[1]) if chunk is None else chunk
@@ -49,6 +55,6 @@ def from_hidden(
 
   @jax.checkpoint  # keep only the chunk's hidden rows; the backward recomputes its logits
   def one(x):  # [chunk, D] -> [chunk]
-    return from_logits(jnp.dot(x, head, preferred_element_type=jnp.float32))
+    return from_logits(jnp.dot(x, head))
 
   return jax.lax.map(one, rows).reshape(-1)[:n].reshape(b, t)
