@@ -73,7 +73,7 @@ def tests(session: nox.Session):
     "-m",
     "not slow and not gpu and not tpu",
     "--hypothesis-profile=ci",
-    "--durations=25",  # the slowest tests in the CI log: where the 45-minute budget goes
+    "--durations=25",  # the slowest tests in the CI log: where the 55-minute budget goes
     # One worker per core (at most 4: a worker peaks near 5 GB); a file stays on one worker, so its
     # module fixtures and jit caches are built once.
     *("-n", str(TEST_WORKERS), "--dist", "loadfile"),
@@ -296,7 +296,7 @@ def tpu_compile(session: nox.Session):
 # compiler behind it: every kernel case on every generation, alone and sharded, the tuner's
 # candidates, the optimizer's kernels and the scheduled code. The configs' --check and the optimizer
 # over a whole 0.5B tree (XLA programs around the same kernels) stay in `tpu_compile`, so the two
-# sessions fit .ci/run's 45 minutes.
+# sessions fit .ci/run's 55 minutes.
 TPU_COMPILE_JAX011_TESTS = (
   *(t for t in TPU_COMPILE_TESTS if t != "tests/rl/aot/test_tpu_check.py"),
   *("-k", "not full_0_5b_tree"),
@@ -312,8 +312,11 @@ def tpu_compile_jax011(session: nox.Session):
 
 def _tpu_compile(session: nox.Session, pins: tuple[str, ...], tests: tuple[str, ...]):
   session.install("-e", ".", *TPU_COMPILE_DEPS, *pins)
-  version = session.run("python", "-c", "import jax; print(jax.__version__)", silent=True).strip()
-  session.install(f"jax[tpu]=={version}")
+  # run_install: it runs under --install-only (CI installs this environment in the background) and is
+  # skipped under -R, where the environment already has its libtpu
+  version = session.run_install("python", "-c", "import jax; print(jax.__version__)", silent=True)
+  if version:
+    session.install(f"jax[tpu]=={version.strip()}")
   # a CPU host: jax's own backend stays CPU while libtpu compiles for abstract TPU devices; the lock
   # file would otherwise let one process on the machine load libtpu (xdist runs two)
   session.env["JAX_PLATFORMS"] = "cpu"

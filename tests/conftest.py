@@ -17,7 +17,7 @@ hypothesis.settings.register_profile(
   suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 # CI (`pytest --hypothesis-profile=ci`): 8 examples per property (30, then 15, took CI past its
-# 45-minute budget), derandomized so that a run is reproducible from the commit alone (the same
+# 55-minute budget), derandomized so that a run is reproducible from the commit alone (the same
 # examples every time: more of them would not search further from run to run); the kernel tests keep
 # shapes tiny. `thorough` (60, random) for a deeper search by hand.
 hypothesis.settings.register_profile(

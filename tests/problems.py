@@ -9,7 +9,7 @@ from kernels import backend
 # The Mosaic GPU kernels' hypothesis shape searches run under the jax of the GPU image (0.11: `nox -s
 # tests_jax011`, in CI), where the Mosaic GPU interpreter runs them ~2.5x faster (grpo_loss's 8
 # examples: 31 s against 82 s); under jax 0.10 their fixed-shape parity tests run, and the search is
-# the same code run again. CI's 45-minute budget has no room for both.
+# the same code run again. CI's 55-minute budget has no room for both.
 SHAPE_SEARCH_ON_GPU_JAX = pytest.mark.skipif(
   backend.JAX_VERSION < (0, 11),
   reason="the Mosaic GPU shape search runs under jax 0.11 (nox -s tests_jax011)",
