@@ -46,6 +46,7 @@ def fused_linear_grpo_loss(
   old_logps=None,  # [B, T] f32 or None (on-policy)
   ref_logps=None,  # [B, T] f32, required when beta != 0
   sampler_logps=None,  # [B, T] f32: the rollout engine's log-probs of the sampled tokens
+  support_gap=None,  # [B, T] f32 <= 0 or None: score each token over its sampled support
   spec: LossSpec | None = None,
   num_items_in_batch=None,
   impl: str = "auto",
@@ -78,6 +79,11 @@ def fused_linear_grpo_loss(
       dlm_head over the B shards); the loss's reductions stay on the whole arrays, so results equal
       the unsharded call's. ``mesh`` / ``vocab_axis``: the older spelling of
       ``KernelSharding(mesh, vocab_axis=...)`` (not with ``sharding``).
+    support_gap: as in :func:`kernels.grpo_loss` (truncation-exact scoring over each token's
+      sampled support, :mod:`kernels.support`). Taken by ``impl="xla"`` today; the fused kernels
+      (``pallas``, ``mosaic_gpu``, ``chunked``) refuse it with a ValueError, ``auto`` included off
+      CPU, rather than score over the full softmax: on an accelerator, score from the logits with
+      :func:`kernels.grpo_loss`, whose every impl takes it.
     loss_scale: multiplies the loss (a micro-batch's share), folded into each token's weight before
       the in-forward gradients, as in :func:`kernels.grpo_loss`. aux is not scaled.
 
@@ -93,7 +99,7 @@ def fused_linear_grpo_loss(
   spec = loss_spec.resolve(spec, **spec_fields)
   hidden, lm_head = _check_head(hidden, lm_head)
   (b, t, hd), v = hidden.shape, lm_head.shape[1]
-  logps = dict(old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps)
+  logps = dict(old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps, support_gap=support_gap)  # fmt: skip
   logits = jax.ShapeDtypeStruct((b, t, v), hidden.dtype)
   args = validate_loss_args(logits, completion_ids, completion_mask, advantages, **logps, spec=spec, num_items_in_batch=num_items_in_batch)  # fmt: skip
   checks.positive_int("chunk_size", chunk_size, allow_none=True)
@@ -106,6 +112,11 @@ def fused_linear_grpo_loss(
   shape = shape_key(n, hd, v // tp, hidden.dtype)
   resolve = lambda i, tiles: OP.resolve(i, tiles, target, shape)
   impl, blocks, chunk_size = _choose(impl, blocks, chunk_size, resolve)
+  if args.support_gap is not None and impl != "xla":
+    raise ValueError(
+      f"fused_linear_grpo_loss: support_gap is taken by impl='xla' only (this call runs {impl!r}); "
+      "score from the logits with kernels.grpo_loss(..., support_gap=), whose every impl takes it"
+    )
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
   hidden = jnp.where(args.mask[..., None], hidden, jnp.zeros((), hidden.dtype))
   call = Call(hidden, lm_head, args, spec, num_items_in_batch, scale, target, blocks, chunk_size, sharding, shape)  # fmt: skip

@@ -66,7 +66,7 @@ def _run_reference(call: Call):
   a = call.args
   logps = {name: getattr(a, name) for name in LOGPS}  # validated: 0 at masked positions
   loss, aux = reference.fused_linear_grpo_loss_reference(
-    call.hidden, call.lm_head, a.ids, a.mask, a.advantages, spec=call.spec, num_items_in_batch=call.num_items_in_batch, **logps
+    call.hidden, call.lm_head, a.ids, a.mask, a.advantages, spec=call.spec, num_items_in_batch=call.num_items_in_batch, support_gap=a.support_gap, **logps
   )  # fmt: skip
   return loss * call.scale, jax.tree.map(jax.lax.stop_gradient, aux)
 

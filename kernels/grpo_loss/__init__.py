@@ -81,6 +81,7 @@ def grpo_loss(
   old_logps=None,  # [B, T] f32 or None (on-policy)
   ref_logps=None,  # [B, T] f32, required when beta != 0
   sampler_logps=None,  # [B, T] f32: the rollout engine's log-probs of the sampled tokens
+  support_gap=None,  # [B, T] f32 <= 0 or None: score each token over its sampled support
   spec: LossSpec | None = None,
   num_items_in_batch=None,  # scalar (may be traced), dapo's global token count
   impl: str = "auto",
@@ -98,6 +99,10 @@ def grpo_loss(
   Args:
     sampler_logps: the rollout engine's log-probs; reported as ``aux.sampler_log_ratio`` and used by
       ``is_mode`` (which requires them).
+    support_gap: per token, the gap the rollout engine returned (:mod:`kernels.support`: z_min(S) -
+      z_y with z = logits / temperature; -inf where nothing was filtered): log-probs, entropy, the
+      KL terms and the gradient are over the set the token was sampled from (truncation-exact
+      top-k / top-p / min-p scoring); 0 gradient outside it. None: the full softmax.
     spec: the loss (:class:`kernels.LossSpec`); its fields may be given as keywords instead (an
       unknown keyword is a TypeError naming the fields).
     impl: ``"pallas"`` runs the kernel (in the Pallas interpreter on CPU), ``"xla"`` the reference,
@@ -131,6 +136,7 @@ def grpo_loss(
     old_logps=old_logps,
     ref_logps=ref_logps,
     sampler_logps=sampler_logps,
+    support_gap=support_gap,
     spec=spec,
     num_items_in_batch=num_items_in_batch,
   )

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from kernels import ops
+from kernels import ops, support
 from kernels.backend import Target
 from kernels.grpo_loss import (
   mosaic_gpu,
@@ -55,6 +55,16 @@ class Call:
   rows: int  # a kernel's rows: one shard's B x T
 
 
+def _gapped(call: Call) -> Call:
+  """A call whose logits are -inf outside each token's sampled support (``support_gap``; none: the
+  call unchanged): the kernel impls score them with their plain softmax (:func:`support.mask_logits`)."""
+  a = call.args
+  if a.support_gap is None:
+    return call
+  logits = support.mask_logits(a.logits, a.ids, a.support_gap, call.spec.temperature)
+  return dataclasses.replace(call, args=a._replace(logits=logits, support_gap=None))
+
+
 def _logps(args: LossArgs) -> dict:
   return dict(old_logps=args.old_logps, ref_logps=args.ref_logps, sampler_logps=args.sampler_logps)
 
@@ -62,7 +72,7 @@ def _logps(args: LossArgs) -> dict:
 def _run_reference(call: Call):
   a = call.args
   loss, aux = reference.grpo_loss_reference(
-    a.logits, a.ids, a.mask, a.advantages, **_logps(a), spec=call.spec, num_items_in_batch=call.num_items_in_batch
+    a.logits, a.ids, a.mask, a.advantages, **_logps(a), support_gap=a.support_gap, spec=call.spec, num_items_in_batch=call.num_items_in_batch
   )  # fmt: skip
   return (loss if call.scale is None else loss * call.scale), aux
 
@@ -87,7 +97,9 @@ def _mosaic_config(call: Call) -> mosaic_gpu_blocks.MosaicLossConfig:
 
 def _run_kernel(call: Call, *, config, token_logps):
   """A kernel impl: ``config(call)`` is its static config, ``token_logps(cfg, x, ids)`` its
-  three-pass (logp, entropy); the training path is :mod:`.vjp`'s for every kernel impl."""
+  three-pass (logp, entropy); the training path is :mod:`.vjp`'s for every kernel impl. With a
+  support gap the kernels see the logits masked to each token's sampled support (:func:`_gapped`)."""
+  call = _gapped(call)
   cfg = config(call)
   if call.spec.sequence_level:
     loss, aux = _sequence_level(call, cfg, token_logps)
