@@ -66,7 +66,7 @@ def fused_linear_grpo_loss(
   inf (replaced by 0 before the matmul). ``aux`` carries no gradient, in every impl.
 
   Args:
-    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 10 N·H·V flops;
+    impl: ``"pallas"``: the fully fused kernels (TPU / CPU interpreter; O(tile) memory, 8 N·H·V flops (10 on megacore v4 / v5p);
       on GPU ``mosaic_gpu`` for bf16 / f16, else ``chunked``). ``"mosaic_gpu"``: the Hopper kernels
       (bf16 / f16; 8 N·H·V flops). ``"chunked"``: XLA matmuls per token chunk + grpo_loss's softmax
       kernels (one f32 [chunk, V] buffer, 6 N·H·V flops). ``"xla"``: the reference. ``"auto"``: the

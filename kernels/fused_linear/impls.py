@@ -3,7 +3,7 @@ how the public function calls each (``Impl.run(call)``).
 
   xla         the reference (:mod:`.reference`): logits materialised, accumulated in f32
   pallas      the fully fused Pallas kernels (:mod:`.pallas_tpu`; TPU / CPU interpreter: O(tile)
-              memory, 10 N·H·V flops); on GPU the Mosaic GPU kernels for bf16 / f16 and the chunked
+              memory, 8 N·H·V flops where one gradient kernel runs, 10 on megacore chips); on GPU the Mosaic GPU kernels for bf16 / f16 and the chunked
               path for f32; blocks ``LinearBlocks`` (``MosaicLinearBlocks`` on GPU)
   mosaic_gpu  the Hopper kernels (:mod:`.mosaic_gpu`; bf16 / f16, 8 N·H·V flops); ``MosaicLinearBlocks``
   chunked     XLA matmuls per token chunk + grpo_loss's softmax kernels (:mod:`.chunked`; one f32

@@ -54,15 +54,57 @@ def kernel_vmem_bytes(blocks: LinearBlocks, h: int, itemsize: int) -> dict[str, 
   }  # fmt: skip
 
 
+def fused_vmem_bytes(blocks: LinearBlocks, rows: int, h: int, itemsize: int, carry: bool) -> int:
+  """VMEM of the one-kernel gradients (:mod:`.pallas_tpu_grads`) holding ``rows`` rows of dh: the
+  resident f32 [rows, H] dh accumulator, the f32 [H, bv] dw accumulator, double-buffered h / w tiles
+  and dw output (f32 in and out when a previous superblock's dw is ``carry``-ed), the f32 dot results
+  and ~5 f32 [bn, bv] temporaries, [bn, 1] per-token blocks padded to 128 lanes."""
+  bn, bv = blocks.block_n, blocks.block_v
+  tile, row = bn * bv * 4, bn * 128 * 4
+  dw_io = 2 * h * bv * (4 if carry else itemsize) + (2 * h * bv * 4 if carry else 0)
+  return rows * h * 4 + h * bv * 4 + 2 * (bn * h + h * bv) * itemsize + dw_io + (bn * h + h * bv) * 4 + 5 * tile + 6 * row  # fmt: skip
+
+
+# Fewest rows a one-kernel call holds before the separate dhidden / dweight kernels are cheaper: each
+# extra superblock re-reads w and moves the f32 dw in and out of HBM once.
+MIN_FUSED_ROWS = 2048
+
+
+def fused_rows(blocks: LinearBlocks, n: int, h: int, itemsize: int, target: Target) -> int:
+  """Rows one call of the one-kernel gradients holds (a multiple of block_n; n when all fit), or 0
+  where fewer than min(n, MIN_FUSED_ROWS) fit the target's VMEM (then the two-kernel path runs).
+  Also 0 on a megacore chip (v4, v5p: two TensorCores behind one device), where the two-kernel
+  path's dweight splits the vocabulary over both cores and this kernel's accumulating grid could
+  not, and on a TPU target of unknown generation. Off TPU (the interpreter) all rows."""
+  if target.platform != "tpu" or target.interpret:
+    return n
+  gen = target.tpu
+  if gen is None or gen.cores_per_chip > gen.devices_per_chip:
+    return 0
+  bn = blocks.block_n
+  padded = -(-n // bn) * bn
+  if fused_vmem_bytes(blocks, padded, h, itemsize, False) <= target.vmem_bytes:
+    return n
+  fixed = fused_vmem_bytes(blocks, 0, h, itemsize, True)
+  rows = (target.vmem_bytes - fixed) // (h * 4) // bn * bn
+  return rows if rows >= min(n, MIN_FUSED_ROWS) else 0
+
+
 # The TPU heuristic's tiles, best first: the first whose kernels fit the generation's VMEM is taken.
 TPU_TILES = ((256, 512), (256, 256), (128, 256), (128, 128))
+# Where the one-kernel gradients run (one TensorCore per device): 512 x 512 first. Compiled for v6e
+# at qwen2.5-3b-8k (libtpu 0.0.42.1): statistics 2940 bundles per step over 16 x 297 steps (7.98 ms
+# modelled; 256 x 512: 1639 over 32 x 297, 8.90 ms), gradients 6704 over 297 x 16 (18.19 ms; 256 x
+# 512: 3959 over 297 x 32, 21.49 ms): a bigger tile pushes each MXU weight tile for more rows.
+ONE_CORE_TPU_TILES = ((512, 512), *TPU_TILES)
 
 
 def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) -> LinearBlocks:
   """The heuristic. Why these numbers (TPU; not yet tuned on hardware, none was available):
 
-  * block_n = 256 rows and block_v = 512 vocabulary columns: a 256 x 512 f32 logits tile (512 KiB) is
-    MXU-shaped on v5e-v6e (128/256 wide) and its softmax math stays in VMEM.
+  * block_n = 512 rows and block_v = 512 vocabulary columns where a device is one TensorCore (v5e,
+    v6e, v7x: :data:`ONE_CORE_TPU_TILES`, compiled figures there), else 256 x 512: MXU-shaped on
+    every generation (128 / 256 wide), each weight tile pushed for more rows the bigger block_n.
   * block_h: the largest of 2048 / 1024 / 512 / 256 / 128 dividing H, so at H = 2048 the forward streams
     a bf16 [256, 2048] hidden tile (1 MiB) and a [2048, 512] weight tile (2 MiB), double-buffered.
   * The gradient kernels hold [bn, H] and [H, bv] f32 accumulators: at H = 2048 the dweight step
@@ -73,7 +115,9 @@ def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) ->
   """
   block_h = next((b for b in (2048, 1024, 512, 256, 128) if h % b == 0), h)
   if target.platform == "tpu" and not target.interpret:
-    for bn, bv in TPU_TILES:
+    gen = target.tpu
+    one_core = gen is not None and gen.cores_per_chip == gen.devices_per_chip
+    for bn, bv in ONE_CORE_TPU_TILES if one_core else TPU_TILES:
       blocks = LinearBlocks(
         block_n=n if n <= bn else bn, block_v=v if v <= bv else bv, block_h=block_h
       )

@@ -1,15 +1,21 @@
 """Fused Pallas kernels for the LM-head GRPO loss: logits live only as VMEM tiles, never in HBM.
 
-Three pallas_calls over flat tokens (h [N, H], w [H, V] one vocabulary shard, ids [N] shard-local):
+Over flat tokens (h [N, H], w [H, V] one vocabulary shard, ids [N] shard-local):
 
-  stats   grid (N/bn, V/bv, H/bh): the f32 logits tile accumulates over H in VMEM, then folds into the
-          online max / sum-exp / E[z] / chosen-logit statistics of each row (grpo_loss's update).
+  stats   grid (N/bn, V/bv, H/bh): each f32 logits tile folds into per-lane online statistics (every
+          one of a row's 128 lanes its own max / sum-exp / E[z] / chosen-logit stream, elementwise
+          over the tile's 128-column slabs, ROW_GROUP rows at a time so a group stays in vregs);
+          the lanes merge per row in XLA.
+  grads   the one gradient kernel of :mod:`.pallas_tpu_grads` (each logits tile recomputed once for
+          dh and dw: 8 N·H·V flops with the statistics) where a device is one TensorCore and dh's
+          rows fit VMEM; else the two kernels here:
   dhidden grid (N/bn, V/bv):       recomputes each logits tile, dl = g * (onehot - softmax) from the
           (global) log-sum-exp, and accumulates dl @ w^T into a [bn, H] f32 VMEM accumulator.
-  dweight grid (V/bv, N/bn):       the same tile recomputed, accumulating h^T @ dl into [H, bv].
+  dweight grid (V/bv, N/bn):       the same tile recomputed, accumulating h^T @ dl into [H, bv]
+          (its vocabulary axis parallel: the two cores of a megacore chip, v4 / v5p).
 
-The gradients cost two extra logits recomputations (10 N·H·V flops in all against 6 for a path that
-stores logits): that is the price of O(tile) memory, and why `chunked` is the default where it fits.
+Recomputing instead of storing logits is the price of O(tile) memory (10 N·H·V flops on the
+two-kernel path, 8 on the one-kernel path, against 6 for a path that stores logits).
 This is the tiled family (TPU Mosaic, CPU interpreter); a GPU program cannot accumulate across a grid
 axis, and Triton cannot hold the [bn, H] / [H, bv] accumulators in registers, so GPU runs `chunked`.
 """
@@ -26,7 +32,7 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.backend import Target
 from kernels.fused_linear.pallas_blocks import LinearBlocks, kernel_vmem_bytes
-from kernels.lse import NEG_BIG, online_update
+from kernels.lse import NEG_BIG, merge, online_step
 from kernels.tpu_vmem import vmem_limit
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -54,52 +60,67 @@ def _cols(j, shape, cfg):
   return col, col < cfg.vocab
 
 
-def _stats_kernel(
-  h_ref,
-  w_ref,
-  ids_ref,
-  lse_ref,
-  chosen_ref,
-  found_ref,
-  ez_ref,
-  acc,
-  m_sc,
-  l_sc,
-  s_sc,
-  c_sc,
-  f_sc,
-  *,
-  cfg: FusedConfig,
-):
+LANES = 128
+
+
+def lane_width(block_v: int) -> int:
+  """Lanes of the per-lane statistics: 128, or the whole block where it is no multiple of 128 (a
+  block_v equal to a small V)."""
+  return LANES if block_v % LANES == 0 else block_v
+
+
+ROW_GROUP = 16  # rows the statistics fold at a time: a group's slabs and statistics stay in vregs
+
+
+def _stats_kernel(h_ref, w_ref, ids_ref, m_ref, l_ref, s_ref, c_ref, *acc, cfg: FusedConfig):
+  """Per-lane online statistics: each of the 128 lanes of a row is its own log-sum-exp stream over
+  the vocabulary columns that land on it (column j*bv + k*128 + lane), folded slab by slab with
+  elementwise max / add only; the lanes merge once, outside (:func:`stats`). The statistics are the
+  resident output blocks themselves, started by a select at j == 0 (no branch the schedule issues
+  each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers."""
   j, k = pl.program_id(1), pl.program_id(2)
+  part = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+  if acc:  # block_h < H: accumulate over k, fold at the last k
+    (acc,) = acc
+    acc[...] = jnp.where(k == 0, 0.0, acc[...]) + part
+    pl.when(k == pl.num_programs(2) - 1)(lambda: _fold(acc[...], ids_ref, (m_ref, l_ref, s_ref, c_ref), j, cfg))  # fmt: skip
+  else:
+    _fold(part, ids_ref, (m_ref, l_ref, s_ref, c_ref), j, cfg)
 
-  @pl.when((j == 0) & (k == 0))
-  def _init_row():
-    m_sc[...] = jnp.full_like(m_sc, NEG_BIG)
-    for ref in (l_sc, s_sc, c_sc, f_sc):
-      ref[...] = jnp.zeros_like(ref)
 
-  @pl.when(k == 0)
-  def _init_tile():
-    acc[...] = jnp.zeros_like(acc)
-
-  acc[...] += jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
-
-  @pl.when(k == pl.num_programs(2) - 1)
-  def _fold():
-    col, valid = _cols(j, acc.shape, cfg)
-    z = jnp.where(valid, acc[...] * (1.0 / cfg.temperature), -jnp.inf)
-    m, l, s, c, f = online_update(
-      z, col == ids_ref[...], valid, m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...], axis=1
+def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig):
+  """Fold one [bn, bv] f32 logits tile into the per-lane statistics (m, l, s, c) [bn, 128]."""
+  bn, bv = z_tile.shape
+  width = lane_width(bv)
+  slabs = bv // width
+  tail = cfg.vocab % bv  # columns of the last vocabulary block; 0: every block is whole
+  first = j == 0
+  for r in range(0, bn, ROW_GROUP):
+    rows = slice(r, min(bn, r + ROW_GROUP))
+    lane = jax.lax.broadcasted_iota(jnp.int32, (rows.stop - r, width), 1)
+    idrel = ids_ref[rows, :] - j * bv  # [rg, 1]: the id's column within this block
+    zs = []
+    for kk in range(slabs):
+      z = z_tile[rows, kk * width : (kk + 1) * width]
+      if cfg.temperature != 1.0:
+        z = z * (1.0 / cfg.temperature)
+      if tail and (kk + 1) * width > tail:  # may hold columns past V (in the last block only)
+        z = jnp.where(lane < cfg.vocab - j * bv - kk * width, z, -jnp.inf)
+      zs.append(z)
+    m_old, l_old, s_old, c_old = (
+      jnp.where(first, init, ref[rows, :]) for ref, init in zip(stat_refs, (NEG_BIG, 0.0, 0.0, 0.0))
     )
-    m_sc[...], l_sc[...], s_sc[...], c_sc[...], f_sc[...] = m, l, s, c, f
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _finish():
-      lse_ref[...] = m + jnp.log(l)
-      chosen_ref[...] = c
-      found_ref[...] = f
-      ez_ref[...] = m + s / l  # E_softmax[z]: s accumulates p * (z - m)
+    stack = jnp.stack(zs)  # [slabs, rg, 128]
+    m, l, s, _ = online_step(
+      stack, None, m_old, l_old, s_old,
+      rmax=lambda x: jnp.max(x, axis=0), rsum=lambda x: jnp.sum(x, axis=0),
+      expand=lambda x: x[None],
+    )  # fmt: skip
+    c = c_old
+    for kk, z in enumerate(zs):
+      c = c + jnp.where(lane + kk * width == idrel, z, 0.0)
+    for ref, val in zip(stat_refs, (m, l, s, c)):
+      ref[rows, :] = val
 
 
 def stats(cfg: FusedConfig, h, w, ids):
@@ -110,24 +131,34 @@ def stats(cfg: FusedConfig, h, w, ids):
   n, hd = h.shape
   v = w.shape[1]
   bn, bv, bh = cfg.blocks.block_n, cfg.blocks.block_v, cfg.blocks.block_h
-  row = pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0))
-  outs = pl.pallas_call(
+  width = lane_width(bv)
+  lanes = pl.BlockSpec((bn, width), lambda i, j, k: (i, 0))
+  nk = hd // bh
+  # an id outside [0, V) matches no column (-1: not even a masked one past V in the last block)
+  found = ((ids >= 0) & (ids < v)).astype(jnp.float32)
+  m, l, s, c = pl.pallas_call(
     functools.partial(_stats_kernel, cfg=cfg),
-    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), hd // bh),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), nk),
     in_specs=[
       pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)),
       pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
-      row,
+      pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0)),
     ],
-    out_specs=[row] * 4,
-    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
-    scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)]
-    + [backend.scratch_vmem((bn, 1), jnp.float32)] * 5,
+    out_specs=[lanes] * 4,
+    out_shape=[jax.ShapeDtypeStruct((n, width), jnp.float32)] * 4,
+    scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)] * (nk > 1),
     compiler_params=_params(cfg, h, "stats", ("parallel", "arbitrary", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_stats",
-  )(h, w, ids.reshape(n, 1))
-  return tuple(o.reshape(n) for o in outs)
+  )(h, w, jnp.where(found > 0, ids, -1).reshape(n, 1))
+  # the lanes' streams merged per row ([N, 128] -> [N]: XLA, once per call)
+  top, l_all, s_all = merge(m, l, s, axis=1)
+  return (
+    top[:, 0] + jnp.log(l_all[:, 0]),
+    jnp.sum(c, axis=1),
+    found,
+    top[:, 0] + s_all[:, 0] / l_all[:, 0],
+  )
 
 
 def _dlogits(h, w, ids, lse, g, col, valid, cfg):
@@ -137,7 +168,7 @@ def _dlogits(h, w, ids, lse, g, col, valid, cfg):
   return jnp.where(valid, g * ((col == ids).astype(jnp.float32) - p), 0.0)
 
 
-def _zero_tail_columns(w_ref, j, cfg: FusedConfig):
+def _zero_tail_columns(w_ref, j, cfg: FusedConfig, axis: int = 1):
   """Zero the weight tile's columns past V in the last vocabulary step: its DMA left garbage there
   (maybe NaN, and 0 * NaN is NaN in dl @ w^T). A store into the input window, in the tail step only;
   a select over the whole [H, bv] tile with an iota mask is a relayout Mosaic rejects
@@ -147,7 +178,7 @@ def _zero_tail_columns(w_ref, j, cfg: FusedConfig):
   if tail == 0:
     return
 
-  @pl.when(j == pl.num_programs(1) - 1)
+  @pl.when(j == pl.num_programs(axis) - 1)  # axis: the grid's vocabulary axis
   def _zero():
     w_ref[:, tail:] = jnp.zeros((w_ref.shape[0], bv - tail), w_ref.dtype)
 

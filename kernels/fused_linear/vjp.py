@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas_tpu as _pallas
+from kernels.fused_linear import pallas_tpu_grads as _pallas_grads
 from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.reference import make_aux, reduce_loss
 from kernels.loss_spec import LossSpec
@@ -197,7 +198,7 @@ def _local_grads(static: Static, h, w, ids, lse, g, *stored):
     if static.impl == "mosaic_gpu":
       dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype, stored or None)
     else:
-      dh, dw = _pallas.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype)
+      dh, dw = _pallas_grads.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype)
   return (), *_sum_shards(static, dh, dw)
 
 

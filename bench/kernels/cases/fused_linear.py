@@ -102,7 +102,57 @@ def cases(size: str, platform: str) -> list[Case]:
       )
     if platform == "gpu" and jnp.dtype(s.dtype).name in mosaic_gpu_blocks.DTYPES:
       out.append(_stored_case(name, s, inputs, 2 * io, (value, dh, dw), params))
+    if platform == "tpu" and size == "large":
+      out.append(_tokamax_case(name, s, inputs, 2 * io, params))
   return out
+
+
+TOKAMAX = "0.0.17"  # the release the peer row is for: it requires jax >= 0.11.1 and Python >= 3.12
+
+
+def tokamax_unavailable() -> str | None:
+  """Why tokamax's TPU linear softmax cross-entropy cannot run beside this jax; None where it can."""
+  try:
+    import tokamax  # noqa: F401 (an optional peer)
+  except ImportError as e:
+    return (
+      f"tokamax not importable ({e}): tokamax {TOKAMAX} requires jax>=0.11.1 and Python>=3.12, "
+      f"this process runs jax {jax.__version__}; pip refuses it beside jax 0.10.2"
+    )
+  return None
+
+
+def _tokamax_fwd_bwd(hidden, lm_head, ids, mask, adv):
+  """tokamax's fused linear softmax cross-entropy (summed over tokens), value and both gradients:
+  the same two GEMMs per tile as our head, without the GRPO terms. Raises with the reason where
+  tokamax does not import (the compiled row shows it)."""
+  why = tokamax_unavailable()
+  if why:
+    raise RuntimeError(why)
+  import tokamax
+
+  b, t, hd = hidden.shape
+  f = lambda h, w: tokamax.linear_softmax_cross_entropy_loss(
+    h.reshape(b * t, hd), ids.reshape(b * t), w, reduction="sum"
+  )
+  return jax.value_and_grad(f, argnums=(0, 1))(hidden, lm_head)
+
+
+def _tokamax_case(name, s: LinearLossShape, inputs, io, params) -> Case:
+  """The peer row: tokamax's forward + backward at the same shape, beside ours and the XLA
+  reference (no parity checks: a cross-entropy, not the GRPO loss)."""
+  return Case(
+    "fused_linear/tokamax",
+    name,
+    "fwd+bwd",
+    inputs,
+    _tokamax_fwd_bwd,
+    functools.partial(_fwd_bwd, "xla", "tpu"),
+    io,
+    6 * s.tokens * s.hidden * s.vocab,
+    (),
+    {**params, "impl": "tokamax", "version": TOKAMAX},
+  )
 
 
 def _stored_case(name, s: LinearLossShape, inputs, io, checks, params) -> Case:

@@ -1,0 +1,89 @@
+"""The fused LM-head kernels' schedule at qwen2.5-3b-8k (N 8192, H 2048, V 151936, bf16) compiled for
+v6e (libtpu 0.0.42.1, no TPU: compiled and modelled figures, never measured). Compiled in a
+subprocess (libtpu reads its dump flag once per process); skipped without libtpu, slow (minutes on
+two cores). The kernel side only: the XLA reference's figures are the compiled report's."""
+
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from bench.tpu import schedule as tpu_schedule
+from kernels import tpu_targets
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+needs_libtpu = pytest.mark.skipif(
+  not tpu_targets.libtpu_available(), reason="needs libtpu (jax[tpu]) for deviceless compiles"
+)
+
+_CODE = """
+import json, pathlib, jax
+from bench.kernels.cases import all_cases
+from bench.tpu import compiled
+from kernels import backend, tpu_targets
+(c,) = [c for c in all_cases('large', 'tpu', ('fused_linear',)) if c.name == {name!r}]
+gen = tpu_targets.generation('v6e')
+sharding = jax.sharding.SingleDeviceSharding(backend.tpu_devices('v6e')[0])
+specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                     jax.eval_shape(lambda: c.make_inputs(0)))
+with backend.use_target('tpu', interpret=False, generation='v6e'):
+  side = compiled.compile_side(c.kernel, specs, c.donate_argnums, pathlib.Path({dump!r}))
+print(json.dumps(dict(side=side, model=compiled.model(dict(bytes=c.bytes, flops=c.flops), side, gen))))
+"""
+
+
+def _compile(name: str) -> dict:
+  with tempfile.TemporaryDirectory() as dump:
+    env = tpu_schedule.dump_env(dump)
+    env["PYTHONPATH"] = str(ROOT)
+    code = _CODE.format(name=name, dump=dump)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                         timeout=1500, capture_output=True, text=True).stdout  # fmt: skip
+  return json.loads(out.strip().splitlines()[-1])
+
+
+# mode -> (kernels by name prefix: most spill loads per grid step, most bundles per step), modelled
+# ceiling of the whole case (ms). Compiled at the rework: fwd statistics 2940 bundles / 1308 spill
+# loads per step over 16 x 297 steps, 7.98 ms kernel; fwd+bwd adds the one gradient kernel, 6704
+# bundles / 3501 spill loads per step over 297 x 16 steps, 18.19 ms. Before it: 11.78 ms forward
+# (2160 bundles, 910 spill loads per step over 32 x 297) and 48.04 ms forward + backward (separate
+# dhidden and dweight kernels, 10 N·H·V flops).
+LIMITS = {
+  "fwd": ({"fused_linear_grpo_stats": (1450, 3100)}, 8.4),
+  "fwd+bwd": (
+    {"fused_linear_grpo_stats": (1450, 3100), "fused_linear_grpo_grads": (3900, 7050)},
+    27.8,  # the issue's target: 1.25 x the 8 N·H·V flops of one recomputed tile for dh and dw
+  ),
+}
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(LIMITS))
+def test_fused_head_schedule_at_qwen_8k_on_v6e(mode):
+  """Catches: the gradients split back into dhidden + dweight kernels (two recomputations of each
+  logits tile), an accumulator initialised in a branch over the whole buffer (the static schedule
+  issues it every step: 12992 bundles per gradient step when dh was zeroed so), tiles that spill
+  more (the statistics' tile folded outside registers), a modelled time past the ceiling."""
+  row = _compile(f"fused_linear/pallas/qwen2.5-3b-8k/{mode}")
+  limits, ceiling_ms = LIMITS[mode]
+  names = [k["name"] for k in row["side"]["kernels"]]  # "jvp_fused_linear_grpo_grads_.1" under grad
+  kernels = {n: k for k in row["side"]["kernels"] for n in limits if n in k["name"]}
+  assert set(kernels) == set(limits) and len(names) == len(limits), names
+  print(
+    json.dumps(
+      {
+        n: {f: k[f] for f in ("grid", "step_bundles", "step_spill_loads")}
+        for n, k in kernels.items()
+      }
+    ),
+    row["model"],
+  )
+  for name, (spills, bundles) in limits.items():
+    k = kernels[name]
+    assert k["step_spill_loads"] <= spills and k["step_bundles"] <= bundles, k
+  model = row["model"]
+  assert model["modelled_s"] * 1e3 <= ceiling_ms, model
