@@ -64,6 +64,11 @@ class CompileCase:
   kernels: int
   mesh_axes: tuple[tuple[str, int], ...] = (("dp", 2), ("fsdp", 2))
   sharding: tuple[tuple[str, object], ...] = (("batch_axes", ("dp", "fsdp")),)
+  kernels_on: tuple[tuple[str, int], ...] = ()  # (generation, Mosaic calls) where not ``kernels``
+
+  def kernels_for(self, generation: str | None) -> int:
+    """The Mosaic calls expected on one chip of ``generation`` (None: the sharded slice's)."""
+    return dict(self.kernels_on).get(generation, self.kernels)
 
   def kernel_sharding(self, devices) -> KernelSharding:
     names, sizes = zip(*self.mesh_axes)
@@ -123,6 +128,12 @@ def _loss_cases() -> list[CompileCase]:
     ]  # fmt: skip
   on_policy = _loss_case(PRODUCTION_LOSS_SHAPES[0], "fwd+bwd", on_policy=True, beta=0.0)
   out.append(CompileCase(f"grpo_loss/{PRODUCTION_LOSS_SHAPES[0]}/on-policy", "grpo_loss", on_policy, 1))  # fmt: skip
+  # f32 logits at Qwen's vocabulary: whole rows outgrow v4's VMEM, where the heuristic tiles the
+  # vocabulary (statistics then backward: 2 kernels; one training kernel elsewhere); a vocabulary
+  # that is not a multiple of 128 (the training kernel's chosen-column gather, issue 52: E2003)
+  big = _loss_case("qwen2.5-f32-4k", "fwd+bwd")
+  out.append(CompileCase("grpo_loss/qwen2.5-f32-4k/fwd+bwd", "grpo_loss", big, 1, kernels_on=(("v4", 2),)))  # fmt: skip
+  out.append(CompileCase("grpo_loss/ragged-32001/fwd+bwd", "grpo_loss", _loss_case("ragged-32001", "fwd+bwd"), 1))  # fmt: skip
   return out
 
 
@@ -352,7 +363,7 @@ def main(argv=None) -> int:
   failed = 0
   for case, run in runs:
     r = run()
-    bad = not r.ok or r.kernels < 1 or (case is not None and r.kernels != case.kernels)
+    bad = not r.ok or r.kernels < 1 or (case is not None and r.kernels != case.kernels_for(r.where))
     failed += bad
     status = "ok " if not bad else ("BAD" if r.ok else "ERR")
     print(f"{status} {r.where:16s} {r.case:52s} {r.seconds:6.1f}s wall {r.cpu_seconds:6.1f}s cpu kernels={r.kernels} {r.error}", flush=True)  # fmt: skip
