@@ -37,7 +37,7 @@ LOSS_SHAPES: dict[str, LossShape] = {
   "qwen2.5-f32-4k": LossShape(4, 1024, 151936, "float32"),
   "gemma-262k-4k": LossShape(4, 1024, 262144, "bfloat16"),
   # a vocabulary that is not a multiple of 128 lanes (the in-kernel gather's tail window)
-  "ragged-32001": LossShape(2, 256, 32001, "bfloat16"),
+  "ragged-32001": LossShape(4, 128, 32001, "bfloat16"),
 }
 
 PRODUCTION_LOSS_SHAPES = ("qwen2.5-8k", "llama3-8k")

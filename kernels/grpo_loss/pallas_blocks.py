@@ -231,8 +231,9 @@ def tile_vmem_bytes(bn: int, bv: int, itemsize: int) -> int:
 def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   """Why ``blocks`` cannot compile for ``target`` at ``shape`` (the tuner's dict: tokens, vocab,
   dtype), or None. TPU: Mosaic's (8, 128) tile rule, the statistics / backward tile within the scoped
-  VMEM default (those kernels pass no limit), and the training kernel's 8-row block (its minimum)
-  within the generation's VMEM. Other targets: :meth:`LossBlocks.check`."""
+  VMEM default (those kernels pass no limit), and, for whole-row blocks (not ``vocab_tiled``), the
+  training kernel's 8-row block (its minimum) within the generation's VMEM
+  (:func:`whole_row_misfit`). Other targets: :meth:`LossBlocks.check`."""
   n, v = shape["tokens"], shape["vocab"]
   itemsize = _itemsize(shape["dtype"])
   try:

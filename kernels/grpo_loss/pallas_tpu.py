@@ -11,6 +11,10 @@ VMEM (in and out, double-buffered: bn from :func:`kernels.grpo_loss.pallas_tpu_s
 and each group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
 (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`), then -g * softmax written, then each row's
 chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
+Where a [rows, V] block outgrows the generation's VMEM (``LossBlocks.vocab_tiled``, the heuristic's
+choice: v4 at f32 V 128256 / 151936 or bf16 V 262144), the statistics run over (rows, vocabulary)
+tiles (:mod:`kernels.grpo_loss.pallas_tpu_vocab`) and the training path is that pass then the
+backward kernel: two reads of the logits, one write of dlogits.
 
 Per-token inputs and outputs are [N, 1] f32 (a (bn, 1) block spans the last dim, which satisfies
 Mosaic's tiling rule). :mod:`kernels.grpo_loss.pallas` picks this family or the Triton one

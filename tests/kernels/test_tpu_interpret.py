@@ -106,10 +106,15 @@ def _loss_inputs(b, t, v, dtype, seed):
   return logits, ids, mask, adv, old
 
 
-def _loss_case(gen, capsys, b, t, v, dtype, level):
+def _loss_case(gen, capsys, b, t, v, dtype, level, edge_ids=False):
   """grpo_loss's gradient at G's production target against the reference: ``token`` is the
-  training kernel (one kernel writes dlogits), ``sequence`` the statistics then backward kernels."""
+  training kernel (one kernel writes dlogits), ``sequence`` the statistics then backward kernels.
+  ``edge_ids``: the first tokens' ids at the vocabulary's last column, the first column past the
+  last whole 128-lane slab and the column before it (random ids miss a short tail)."""
   logits, ids, mask, adv, old = _loss_inputs(b, t, v, dtype, seed=b * t)
+  if edge_ids:
+    edge = jnp.asarray([v - 1, v // 128 * 128, v // 128 * 128 - 1], jnp.int32)
+    ids = ids.at[0, :3].set(edge).at[-1, -3:].set(edge)
   opts = dict(old_logps=old, importance_sampling_level=level)
   loss = lambda impl: lambda x: kernels.grpo_loss(x, ids, mask, adv, impl=impl, **opts)[0]
   n = b * t
@@ -143,7 +148,7 @@ def test_grpo_loss_ragged_vocabulary(capsys):
   chosen column in the tail read from the wrong window or from both (its logit counted twice), a
   chosen column just below the tail taken from the tail window, the tail's columns past V swept
   (the form that Mosaic refused to compile before: a dynamic unaligned window, E2003)."""
-  _loss_case("v6e", capsys, 2, 5, 1100, jnp.bfloat16, "token")
+  _loss_case("v6e", capsys, 2, 5, 1100, jnp.bfloat16, "token", edge_ids=True)
 
 
 # issue 52's v4 targets (N = 4096): whole [rows, V] blocks outgrow v4's 16 MiB of VMEM
