@@ -84,7 +84,8 @@ def default_blocks(target: Target, n: int, v: int, dtype="float32") -> LossBlock
     blocks and take fewer rows where VMEM asks: kernels.grpo_loss.pallas_tpu_sweeps.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
-    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
+    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB); 6144 (12 folds) where the
+    scoped VMEM is 32 MiB (v6e, v7x). The vocabulary tail is masked
     in-kernel, so V = 151936 needs no padding. Where the whole-row kernels' [rows, V] blocks do
     not fit the generation's VMEM (:func:`whole_row_misfit`: v4's 16 MiB at f32 V = 128256 or bf16
     V = 262144), ``vocab_tiled``: the statistics over [bn, bv] tiles with the running sums in
@@ -104,7 +105,11 @@ def default_blocks(target: Target, n: int, v: int, dtype="float32") -> LossBlock
     warps = max(1, min(16, bv // 512))
     return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
-    bn, bv = (n if n <= 128 else 128), (v if v <= 4096 else 4096)
+    # 6144 columns where the scoped VMEM (32 MiB: v6e, v7x) holds the backward's 128 x 6144 tile:
+    # modelled at 1.187x one read for qwen2.5-8k's forward on v6e (1.216x at 4096, 1.307x at 8192;
+    # the training kernel 3.16 ms vs 3.30), libtpu's schedule of the unrolled sweep
+    wide = 6144 if scoped_vmem(target) >= 32 * MiB else 4096
+    bn, bv = (n if n <= 128 else 128), (v if v <= wide else wide)
     # the backward kernel's [bn, bv] tile within the scoped VMEM default (it passes no limit): v4's
     # (and an unnamed generation's) 16 MiB takes 64 rows of a 4096-wide bf16 tile, not 128
     while bn > 8 and bn % 16 == 0 and tile_vmem_bytes(bn, bv, 4) > scoped_vmem(target):
