@@ -76,8 +76,9 @@ class LossConfig:
   reuse_logits_buffer: bool = False
 
 
-def default_blocks(target: Target, n: int, v: int, dtype="float32") -> LossBlocks:
-  """The heuristic at [n, v] logits of ``dtype`` (f32 unless told: the larger blocks). Why these numbers:
+def default_blocks(target: Target, n: int, v: int, dtype=None) -> LossBlocks:
+  """The heuristic at [n, v] logits of ``dtype`` (None: whole-row blocks, whose fit legal_on
+  judges; the fused head's chunked softmax asks so). Why these numbers:
 
   * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
     step (the statistics and training kernels hold [rows, V]
@@ -115,7 +116,7 @@ def default_blocks(target: Target, n: int, v: int, dtype="float32") -> LossBlock
     while bn > 8 and bn % 16 == 0 and tile_vmem_bytes(bn, bv, 4) > scoped_vmem(target):
       bn //= 2
     blocks = LossBlocks(block_n=bn, block_v=bv)
-    if whole_row_misfit(target, blocks, n, v, dtype):
+    if dtype is not None and whole_row_misfit(target, blocks, n, v, dtype):
       # 16 x 16384 tiles: v4 f32 V = 151936 modelled at 1.19x one read of the logits forward, vs
       # 1.38x at 64 x 4096 and 1.88x at 128 x 2048 (libtpu's schedule: the per-tile merge of
       # each row group's lane partials and the running sums amortised over longer rows)
