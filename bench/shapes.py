@@ -31,9 +31,17 @@ LOSS_SHAPES: dict[str, LossShape] = {
   # production sizes: N = 8192 completion tokens
   "qwen2.5-8k": LossShape(8, 1024, 151936, "bfloat16"),
   "llama3-8k": LossShape(8, 1024, 128256, "bfloat16"),
+  # vocabularies whose whole-row blocks outgrow v4's 16 MiB of VMEM (N = 4096: issue 52's targets):
+  # f32 logits as trainers commonly hand them, and a Gemma-size vocabulary in bf16
+  "llama3-f32-4k": LossShape(4, 1024, 128256, "float32"),
+  "qwen2.5-f32-4k": LossShape(4, 1024, 151936, "float32"),
+  "gemma-262k-4k": LossShape(4, 1024, 262144, "bfloat16"),
+  # a vocabulary that is not a multiple of 128 lanes (the in-kernel gather's tail window)
+  "ragged-32001": LossShape(4, 128, 32001, "bfloat16"),
 }
 
 PRODUCTION_LOSS_SHAPES = ("qwen2.5-8k", "llama3-8k")
+LARGE_VOCAB_LOSS_SHAPES = ("llama3-f32-4k", "qwen2.5-f32-4k", "gemma-262k-4k")
 
 
 @dataclasses.dataclass(frozen=True)

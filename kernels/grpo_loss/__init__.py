@@ -165,4 +165,6 @@ def _choose(impl: str, blocks, target, shape: dict):
     return impl, None
   entry.check_blocks_type(impl, blocks)
   reason = entry.supported_on(target, shape, blocks)
+  if reason is None:  # the resolved impl (fallback would hand "auto" back unresolved)
+    return impl, blocks
   return ops.fallback(OP, "auto" if fallback_ok else impl, reason, stacklevel=4), blocks

@@ -80,7 +80,9 @@ def _run_reference(call: Call):
 def _pallas_config(call: Call) -> pallas_blocks.LossConfig:
   """The Pallas kernels' config for the call's rows (blocks checked by ``supported_on``)."""
   v = call.args.logits.shape[2]
-  blocks = call.blocks or pallas_blocks.default_blocks(call.target, call.rows, v)
+  blocks = call.blocks or pallas_blocks.default_blocks(
+    call.target, call.rows, v, call.args.logits.dtype
+  )
   return pallas_blocks.LossConfig(call.target, blocks, v, call.spec.temperature, call.reuse_logits_buffer)  # fmt: skip
 
 
@@ -155,7 +157,9 @@ IMPLEMENTATIONS = {
   "pallas": ops.Impl(
     modules=(pallas, pallas_tpu, pallas_triton),
     blocks=(pallas_blocks.LossBlocks,),
-    heuristic=lambda target, s: pallas_blocks.default_blocks(target, s["tokens"], s["vocab"]),
+    heuristic=lambda target, s: pallas_blocks.default_blocks(
+      target, s["tokens"], s["vocab"], s["dtype"]
+    ),
     candidates=pallas_blocks.candidate_blocks,
     supported_on=pallas_blocks.supported_on,
     run=functools.partial(_run_kernel, config=_pallas_config, token_logps=pallas.token_logps),

@@ -24,6 +24,10 @@ class LossBlocks:
   splits: programs per row in the rowloop statistics kernel (each a contiguous range of whole
     chunks; their partial max / sum-exp / entropy sums combined exactly by log-sum-exp), for
     batches too small to fill the GPU with one program per row; 1 elsewhere.
+  vocab_tiled: tiled family: the statistics kernel sweeps [block_n, block_v] tiles over a (rows,
+    vocabulary) grid (:mod:`kernels.grpo_loss.pallas_tpu_vocab`) and the training path is that
+    pass then the backward kernel (two reads of the logits), instead of holding [rows, V] row
+    blocks in VMEM (one read); the heuristic's choice where those blocks outgrow the VMEM.
   """
 
   block_n: int
@@ -31,15 +35,20 @@ class LossBlocks:
   num_warps: int = 8
   num_stages: int = 1
   splits: int = 1
+  vocab_tiled: bool = False
 
   def __post_init__(self):
     for name in ("block_n", "block_v", "num_warps", "num_stages", "splits"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"LossBlocks.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.vocab_tiled, bool):
+      raise ValueError(f"LossBlocks.vocab_tiled must be a bool, got {self.vocab_tiled!r}")
 
   def check(self, target: Target, n: int, v: int) -> None:
     """Raise ValueError unless these blocks are legal for ``target`` at an [n, v] problem."""
+    if self.vocab_tiled and target.family == "rowloop":
+      raise ValueError("LossBlocks.vocab_tiled is a tiled-family (TPU) setting: must be False")
     if target.family == "rowloop":
       if self.block_n != 1:
         raise ValueError(
@@ -67,16 +76,21 @@ class LossConfig:
   reuse_logits_buffer: bool = False
 
 
-def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
-  """The heuristic. Why these numbers:
+def default_blocks(target: Target, n: int, v: int, dtype=None) -> LossBlocks:
+  """The heuristic at [n, v] logits of ``dtype`` (None: whole-row blocks, whose fit legal_on
+  judges; the fused head's chunked softmax asks so). Why these numbers:
 
   * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
     step (the statistics and training kernels hold [rows, V]
     blocks and take fewer rows where VMEM asks: kernels.grpo_loss.pallas_tpu_sweeps.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
-    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB). The vocabulary tail is masked
-    in-kernel, so V = 151936 needs no padding.
+    and the backward kernel's tile width (128 x 4096 bf16: 1 MiB); 6144 (12 folds) where the
+    scoped VMEM is 32 MiB (v6e, v7x). The vocabulary tail is masked
+    in-kernel, so V = 151936 needs no padding. Where the whole-row kernels' [rows, V] blocks do
+    not fit the generation's VMEM (:func:`whole_row_misfit`: v4's 16 MiB at f32 V = 128256 or bf16
+    V = 262144), ``vocab_tiled``: the statistics over [bn, bv] tiles with the running sums in
+    VMEM, the training path two reads of the logits instead of one.
   * GPU: one row per program, 8192-wide chunks over 16 warps (16 contiguous elements, two 16-byte
     loads per thread per chunk), two pipeline stages: :func:`rowloop_budget` gives one resident
     program per SM (so the rows being swept, 132 x 297 KB = 39 MB, fit the 50 MB L2 that the training
@@ -92,13 +106,35 @@ def default_blocks(target: Target, n: int, v: int) -> LossBlocks:
     warps = max(1, min(16, bv // 512))
     return LossBlocks(block_n=1, block_v=bv, num_warps=warps, num_stages=2, splits=splits)
   if target.platform == "tpu" and not target.interpret:
-    bn, bv = (n if n <= 128 else 128), (v if v <= 4096 else 4096)
+    # 6144 columns where the scoped VMEM (32 MiB: v6e, v7x) holds the backward's 128 x 6144 tile:
+    # modelled at 1.187x one read for qwen2.5-8k's forward on v6e (1.216x at 4096, 1.307x at 8192;
+    # the training kernel 3.16 ms vs 3.30), libtpu's schedule of the unrolled sweep
+    wide = 6144 if scoped_vmem(target) >= 32 * MiB else 4096
+    bn, bv = (n if n <= 128 else 128), (v if v <= wide else wide)
     # the backward kernel's [bn, bv] tile within the scoped VMEM default (it passes no limit): v4's
     # (and an unnamed generation's) 16 MiB takes 64 rows of a 4096-wide bf16 tile, not 128
     while bn > 8 and bn % 16 == 0 and tile_vmem_bytes(bn, bv, 4) > scoped_vmem(target):
       bn //= 2
-    return LossBlocks(block_n=bn, block_v=bv)
+    blocks = LossBlocks(block_n=bn, block_v=bv)
+    if dtype is not None and whole_row_misfit(target, blocks, n, v, dtype):
+      # 16 x 16384 tiles: v4 f32 V = 151936 modelled at 1.19x one read of the logits forward, vs
+      # 1.38x at 64 x 4096 and 1.88x at 128 x 2048 (libtpu's schedule: the per-tile merge of
+      # each row group's lane partials and the running sums amortised over longer rows)
+      return LossBlocks(block_n=n if n <= 16 else 16, block_v=vocab_tile(v), vocab_tiled=True)
+    return blocks
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
+
+
+def vocab_tile(v: int, widest: int = 16384, narrowest: int = 8192) -> int:
+  """The vocab-tiled kernels' block_v at V = v: all of it when it fits, else the multiple of 128 in
+  [narrowest, widest] with the least modelled code run: tiles x (tile + last tile's remainder +
+  2048 columns' worth of per-tile overhead). Why: the last tile's sweep is its own code (its width
+  is static) and the static schedule carries both in every grid step's loop body: at V = 128256
+  and 16384 columns the 13568-column remainder made the modelled step ~35 % longer."""
+  if v <= widest:
+    return v
+  cost = lambda bv: -(-v // bv) * (bv + v % bv + 2048)
+  return min(range(widest, narrowest - 1, -128), key=cost)
 
 
 # ------------------------------------------------------------------ launch budgets (no GPU needed)
@@ -201,8 +237,9 @@ def tile_vmem_bytes(bn: int, bv: int, itemsize: int) -> int:
 def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   """Why ``blocks`` cannot compile for ``target`` at ``shape`` (the tuner's dict: tokens, vocab,
   dtype), or None. TPU: Mosaic's (8, 128) tile rule, the statistics / backward tile within the scoped
-  VMEM default (those kernels pass no limit), and the training kernel's 8-row block (its minimum)
-  within the generation's VMEM. Other targets: :meth:`LossBlocks.check`."""
+  VMEM default (those kernels pass no limit), and, for whole-row blocks (not ``vocab_tiled``), the
+  training kernel's 8-row block (its minimum) within the generation's VMEM
+  (:func:`whole_row_misfit`). Other targets: :meth:`LossBlocks.check`."""
   n, v = shape["tokens"], shape["vocab"]
   itemsize = _itemsize(shape["dtype"])
   try:
@@ -216,16 +253,24 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   tile = tile_vmem_bytes(bn, bv, itemsize)
   if tile > scoped_vmem(target):
     return f"{where}: a [{bn}, {bv}] tile needs ~{tile / MiB:.1f} MiB of VMEM, over the {scoped_vmem(target) / MiB:.0f} MiB scoped default"  # fmt: skip
-  # the forward (one [rows, V] block) and the training kernel (block in + dlogits out), each
-  # double-buffered, at sweeps.stats_rows' rows (8 at least) within the generation's VMEM
+  return None if blocks.vocab_tiled else whole_row_misfit(target, blocks, n, v, shape["dtype"])
+
+
+def whole_row_misfit(target: Target, blocks: LossBlocks, n: int, v: int, dtype) -> str | None:
+  """Why the whole-row statistics / training kernels cannot hold their [rows, V] blocks in
+  ``target``'s VMEM, or None: the forward (one block) and the training kernel (block in + dlogits
+  out), each double-buffered, at sweeps.stats_rows' rows (8 at least)."""
+  if target.platform != "tpu" or target.interpret:
+    return None
+  where = f"TPU {target.generation or '(any generation)'}"
   for kernel, count in (("statistics", 1), ("training", 2)):
-    rows = sweeps.stats_rows(blocks.block_n, n, v, shape["dtype"], target, blocks=count)
-    need = sweeps.vmem_bytes(rows, v, shape["dtype"], count)
+    rows = sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=count)
+    need = sweeps.vmem_bytes(rows, v, dtype, count)
     if need > target.vmem_bytes:
       return (
         f"{where}: the {kernel} kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of "
-        f"VMEM, over the {target.vmem_bytes / MiB:.0f} MiB there (a narrower vocabulary or bf16 "
-        "logits fit)"
+        f"VMEM, over the {target.vmem_bytes / MiB:.0f} MiB there (LossBlocks(vocab_tiled=True) "
+        "tiles the vocabulary instead)"
       )
   return None
 
@@ -252,7 +297,8 @@ def candidate_blocks(shape: dict, platform: str) -> list[LossBlocks | None]:
 
 def supported_on(target: Target, shape: dict, blocks: LossBlocks | None) -> str | None:
   """The ``pallas`` impl's legality (:func:`legal_on`) with ``blocks``, None: the heuristic's."""
-  return legal_on(target, blocks or default_blocks(target, shape["tokens"], shape["vocab"]), shape)
+  heuristic = default_blocks(target, shape["tokens"], shape["vocab"], shape["dtype"])
+  return legal_on(target, blocks or heuristic, shape)
 
 
 def _itemsize(dtype) -> int:

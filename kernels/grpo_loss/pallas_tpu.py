@@ -11,6 +11,10 @@ VMEM (in and out, double-buffered: bn from :func:`kernels.grpo_loss.pallas_tpu_s
 and each group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
 (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`), then -g * softmax written, then each row's
 chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
+Where a [rows, V] block outgrows the generation's VMEM (``LossBlocks.vocab_tiled``, the heuristic's
+choice: v4 at f32 V 128256 / 151936 or bf16 V 262144), the statistics run over (rows, vocabulary)
+tiles (:mod:`kernels.grpo_loss.pallas_tpu_vocab`) and the training path is that pass then the
+backward kernel: two reads of the logits, one write of dlogits.
 
 Per-token inputs and outputs are [N, 1] f32 (a (bn, 1) block spans the last dim, which satisfies
 Mosaic's tiling rule). :mod:`kernels.grpo_loss.pallas` picks this family or the Triton one
@@ -28,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import backend, lse
 from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
+from kernels.grpo_loss import pallas_tpu_vocab
 from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.train import TrainConfig, coefficient
 
@@ -60,6 +65,8 @@ def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg:
 
 def fwd(cfg: LossConfig, x, ids):
   """(logp, entropy, lse_rel, shift) [N] f32 of logits x [N, V] and ids [N]."""
+  if cfg.blocks.vocab_tiled:  # the heuristic's choice where a [rows, V] block outgrows VMEM
+    return pallas_tpu_vocab.fwd(cfg, x, ids)
   n, v = x.shape
   bn = sweeps.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
   chosen = lse.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
@@ -132,6 +139,8 @@ def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
 
 def train_fwd(cfg: TrainConfig, x, ids, tok):
   """(logp, entropy, lse_rel, shift [N] f32, dlogits [N, V]) of the training path."""
+  if cfg.loss.blocks.vocab_tiled:
+    return _vocab_tiled_train(cfg, x, ids, tok)
   n, v = x.shape
   bn = sweeps.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
   # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
@@ -159,3 +168,12 @@ def train_fwd(cfg: TrainConfig, x, ids, tok):
     name="grpo_loss_train",
   )(ids, x, tok)
   return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)
+
+
+def _vocab_tiled_train(cfg: TrainConfig, x, ids, tok):
+  """The training path where a [rows, V] block outgrows VMEM (``LossBlocks.vocab_tiled``): the
+  vocab-tiled statistics (:mod:`kernels.grpo_loss.pallas_tpu_vocab`), the coefficient g on [N]
+  in XLA, the tiled backward kernel: two reads of the logits, one write of dlogits."""
+  logp, ent, lse_rel, shift = pallas_tpu_vocab.fwd(cfg.loss, x, ids)
+  g = coefficient(cfg, logp, {k: tok[:, i] for i, k in enumerate(cfg.fields)})
+  return logp, ent, lse_rel, shift, bwd(cfg.loss, x, ids, lse_rel, shift, g)

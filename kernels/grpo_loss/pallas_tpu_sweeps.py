@@ -277,6 +277,16 @@ def _group_ids(ids_ref, first_row, size: int, sw: Sweep):
   return cols, (cols >= 0) & (cols < sw.width)
 
 
+def _aligned_start(c, sw: Sweep):
+  """The lane-aligned start of the [size, lanes] slab holding column c (clipped into the whole
+  slabs: a tail column's is the last slab's, which the caller does not use)."""
+  cc = jnp.clip(c, 0, sw.full * sw.lanes - 1)
+  if sw.lanes & (sw.lanes - 1) == 0:  # a power of two (128): one AND, no scalar division
+    return pl.multiple_of(cc & -sw.lanes, sw.lanes)
+  # cc >= 0: lax.rem is the floor remainder (jnp's // would need a sign op)
+  return pl.multiple_of(cc - jax.lax.rem(cc, sw.lanes), sw.lanes)
+
+
 def _row_windows(ids_ref, first_row, size: int, sw: Sweep, visit) -> None:
   """visit(r, c, start, ok) for each row r of a group: its id c (SMEM), the lane-aligned start of
   the [size, lanes] window holding column c (the block's last window for an id in a tail narrower
@@ -287,11 +297,7 @@ def _row_windows(ids_ref, first_row, size: int, sw: Sweep, visit) -> None:
     c = ids_ref[jnp.minimum(first_row + r, last)]
     ok = (c >= 0) & (c < sw.width)
     if aligned:
-      cc = jnp.clip(c, 0, aligned - 1)
-      if sw.lanes & (sw.lanes - 1) == 0:  # a power of two (128): one AND, no scalar division
-        start = pl.multiple_of(cc & -sw.lanes, sw.lanes)
-      else:  # cc >= 0: lax.rem is the floor remainder (jnp's // would need a sign op)
-        start = pl.multiple_of(cc - jax.lax.rem(cc, sw.lanes), sw.lanes)
+      start = _aligned_start(c, sw)
       if sw.tail:
         pl.when(c < aligned)(lambda r=r, c=c, s=start, ok=ok: visit(r, c, s, ok))
       else:
@@ -312,39 +318,25 @@ def gather_chosen(x_ref, rows, size: int, first_row, ids_ref, sw: Sweep):
                      axis=1, keepdims=True)  # fmt: skip
     chosen = jnp.where(ok, chosen, jnp.nan)
     return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
-  if sw.tail:  # two windows per row, chosen by pl.when, cannot hand values back
-    return _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw)
   row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
   lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
   picked = []
-
-  def visit(r, c, start, ok):
-    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)
-    kept = jnp.where((row == r) & (lane == c - start), w, 0.0)
-    picked.append(jnp.where((row == r) & (lane == 0) & ~ok, jnp.nan, kept))
-
-  _row_windows(ids_ref, first_row, size, sw, visit)
-  chosen = jnp.sum(_tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
-  return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
-
-
-def _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw: Sweep):
-  """gather_chosen for a vocabulary with a tail narrower than a slab (two windows, chosen per row
-  by pl.when): each row's value is read one element at a time from its window instead."""
-  vals = []
   last = ids_ref.shape[0] - 1
+  aligned = sw.full * sw.lanes  # ids below it lie in a whole slab, the rest in the tail window
+  # the block's last window (a static start: Mosaic proves no alignment of a dynamic unaligned one)
+  tail = x_ref[rows, pl.ds(sw.width - sw.lanes, sw.lanes)].astype(jnp.float32) if sw.tail else None
   for r in range(size):
     c = ids_ref[jnp.minimum(first_row + r, last)]
     ok = (c >= 0) & (c < sw.width)
-    col = jnp.clip(c, 0, sw.width - 1)
-    # the window starting at the row's column clipped to the block: [rows, lanes] at a dynamic,
-    # possibly unaligned start (the interpreter and narrow vocabularies only: V % 128 != 0)
-    start = jnp.minimum(col, sw.width - sw.lanes)
-    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)[r : r + 1]
-    lane = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
-    v = jnp.sum(jnp.where(lane == col - start, w, 0.0), axis=1, keepdims=True)
-    vals.append(jnp.where(ok, v, jnp.nan))
-  chosen = jnp.concatenate(vals, axis=0)
+    start = _aligned_start(c, sw)
+    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)
+    kept = jnp.where((row == r) & (lane == c - start) & (c < aligned), w, 0.0)
+    if sw.tail:  # both windows read, the one holding c selected: no pl.when (it returns nothing)
+      at = sw.width - sw.lanes
+      kept = kept + jnp.where((row == r) & (lane == c - at) & (c >= aligned), tail, 0.0)
+    picked.append(jnp.where((row == r) & (lane == 0) & ~ok, jnp.nan, kept))
+
+  chosen = jnp.sum(_tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
   return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
 
 

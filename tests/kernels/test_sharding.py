@@ -5,6 +5,8 @@ kernels in interpret mode at tiny shapes; and the sharding value is checked befo
 The TPU side (each kernel compiled inside a sharded program on a 4-chip v6e slice) is in
 tests/bench/tpu/test_compile.py; the legality checks behind ``impl="auto"`` at the end of this file."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,11 +192,15 @@ V4, V6E = (backend.make_target("tpu", interpret=False, generation=g) for g in ("
 def test_loss_blocks_legal_on_each_generation():
   """The training kernel keeps a [rows, V] block in and its dlogits out in VMEM: at V = 151936 bf16
   v4's 16 MiB takes 8 rows (compiled: 40 rows need 24.3 MB windows there), f32 not even 8; v6e takes
-  16 (half its VMEM, at most 24 MiB of blocks). Catches: a heuristic sized for v6e on v4, a legal_on
-  that passes what cannot compile."""
+  16 (half its VMEM, at most 24 MiB of blocks); at f32 on v4 the heuristic tiles the vocabulary
+  instead. Catches: a heuristic sized for v6e on v4, a legal_on that passes what cannot compile, a
+  vocabulary v4 refuses."""
   shape = dict(tokens=8192, vocab=151936, dtype="bfloat16")
-  heuristic = loss_blocks.default_blocks(V4, 8192, 151936)
-  assert loss_blocks.legal_on(V4, heuristic, shape) is None
+  heuristic = loss_blocks.default_blocks(V4, 8192, 151936, "bfloat16")
+  assert not heuristic.vocab_tiled and loss_blocks.legal_on(V4, heuristic, shape) is None
+  f32 = loss_blocks.default_blocks(V4, 8192, 151936, "float32")
+  assert f32.vocab_tiled and loss_blocks.legal_on(V4, f32, dict(shape, dtype="float32")) is None
+  assert not loss_blocks.default_blocks(V6E, 8192, 151936, "float32").vocab_tiled
   assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
   assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
   assert "16 MiB" in loss_blocks.legal_on(V4, heuristic, dict(shape, dtype="float32"))
@@ -207,18 +213,21 @@ def test_loss_blocks_legal_on_each_generation():
     assert ops.fallback(LOSS_OP, "auto", "over the 16 MiB there") == "xla"
 
 
-def test_grpo_loss_auto_falls_back_where_the_kernel_cannot_compile():
-  """f32 logits at V = 151936 on v4: impl='auto' runs the reference (with a warning naming the
-  reason), impl='pallas' is a ValueError before tracing reaches Mosaic."""
+def test_grpo_loss_v4_f32_tiles_the_vocabulary():
+  """f32 logits at V = 151936 on v4 (issue 52: refused, then run by XLA): impl='auto' runs the
+  kernels (the heuristic's vocab-tiled blocks), with no fallback warning; whole-row blocks given
+  explicitly are still a ValueError naming the training kernel, before tracing reaches Mosaic."""
   x = jax.ShapeDtypeStruct((8, 4, 151936), jnp.float32)
   ids, mask = jax.ShapeDtypeStruct((8, 4), jnp.int32), jax.ShapeDtypeStruct((8, 4), jnp.bool_)
   adv = jax.ShapeDtypeStruct((8,), jnp.float32)
   with backend.use_target("tpu", interpret=False, generation="v4"):
-    with pytest.warns(UserWarning, match="XLA reference"):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
       text = jax.jit(lambda *a: kernels.grpo_loss(*a)[0]).trace(x, ids, mask, adv).lower(lowering_platforms=("tpu",)).as_text()  # fmt: skip
-    assert backend.LOWERED_KERNEL_MARKERS["tpu"] not in text
+    assert backend.LOWERED_KERNEL_MARKERS["tpu"] in text
     with pytest.raises(ValueError, match="training kernel"):
-      jax.eval_shape(lambda *a: kernels.grpo_loss(*a, impl="pallas")[0], x, ids, mask, adv)
+      whole_rows = LossBlocks(16, 4096)
+      jax.eval_shape(lambda *a: kernels.grpo_loss(*a, impl="pallas", blocks=whole_rows)[0], x, ids, mask, adv)  # fmt: skip
 
 
 def test_linear_blocks_per_generation():

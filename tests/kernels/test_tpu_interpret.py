@@ -107,19 +107,24 @@ def _loss_inputs(b, t, v, dtype, seed):
   return logits, ids, mask, adv, old
 
 
-def _loss_case(gen, capsys, b, t, v, dtype, level):
+def _loss_case(gen, capsys, b, t, v, dtype, level, edge_ids=False):
   """grpo_loss's gradient at G's production target against the reference: ``token`` is the
-  training kernel (one kernel writes dlogits), ``sequence`` the statistics then backward kernels."""
+  training kernel (one kernel writes dlogits), ``sequence`` the statistics then backward kernels.
+  ``edge_ids``: the first tokens' ids at the vocabulary's last column, the first column past the
+  last whole 128-lane slab and the column before it (random ids miss a short tail)."""
   logits, ids, mask, adv, old = _loss_inputs(b, t, v, dtype, seed=b * t)
+  if edge_ids:
+    edge = jnp.asarray([v - 1, v // 128 * 128, v // 128 * 128 - 1], jnp.int32)
+    ids = ids.at[0, :3].set(edge).at[-1, -3:].set(edge)
   opts = dict(old_logps=old, importance_sampling_level=level)
   loss = lambda impl: lambda x: kernels.grpo_loss(x, ids, mask, adv, impl=impl, **opts)[0]
   n = b * t
   with production(gen) as target:
-    blocks = loss_blocks(target, n, v)
-    if level == "token":  # the training kernel's row blocks (two [rows, V] blocks in VMEM)
+    blocks = loss_blocks(target, n, v, dtype)
+    if level == "token" and not blocks.vocab_tiled:  # the training kernel's [rows, V] blocks
       rows = sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2)
       steps = -(-n // rows)
-    else:  # the backward kernel: (rows / block_n, V / block_v), both parallel
+    else:  # the backward kernel (last to run): (rows / block_n, V / block_v), both parallel
       steps = -(-n // blocks.block_n) * -(-v // blocks.block_v)
     value, grad = run_checked(lambda: jax.value_and_grad(loss("pallas"))(logits), capsys, steps)
   ref_value, ref_grad = jax.value_and_grad(loss("xla"))(logits)
@@ -137,6 +142,37 @@ def test_grpo_loss_kernels(gen, level, capsys):
   a race between a core's output block and its neighbour's."""
   steps = _loss_case(gen, capsys, 4, 11, QWEN_V, jnp.bfloat16, level)
   assert steps >= 2  # the shape must put both cores to work
+
+
+def test_grpo_loss_ragged_vocabulary(capsys):
+  """V = 1100 (8 whole 128-lane slabs and a 76-column tail) on v6e's training kernel. Catches: a
+  chosen column in the tail read from the wrong window or from both (its logit counted twice), a
+  chosen column just below the tail taken from the tail window, the tail's columns past V swept
+  (the form that Mosaic refused to compile before: a dynamic unaligned window, E2003)."""
+  _loss_case("v6e", capsys, 2, 5, 1100, jnp.bfloat16, "token", edge_ids=True)
+
+
+# issue 52's v4 targets (N = 4096): whole [rows, V] blocks outgrow v4's 16 MiB of VMEM
+V4_LARGE_VOCAB = ((128256, "float32"), (151936, "float32"), (262144, "bfloat16"))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_grpo_loss_vocab_tiled_on_v4(level, capsys):
+  """f32 logits at Qwen's V on v4 (N reduced to 18 tokens: 2 row blocks of 16, 10 vocabulary tiles
+  of 16384, the last ragged): the heuristic tiles the vocabulary, as at the production shapes
+  (and keeps whole rows where they fit). Catches: the running max / sums not carried across the
+  vocabulary axis (reset per tile, or a tile folded twice), the last tile's columns past V read
+  as logits, a row block's statistics written before its last tile, the training path's
+  coefficient or backward fed the wrong saved statistics."""
+  with production("v4") as target:
+    for v, dtype in V4_LARGE_VOCAB:
+      assert loss_blocks(target, 4096, v, dtype).vocab_tiled, (v, dtype)
+    assert not loss_blocks(target, 4096, QWEN_V, "bfloat16").vocab_tiled  # whole rows fit
+    assert loss_blocks(target, 18, QWEN_V, "float32").vocab_tiled
+  with production("v6e") as target:
+    assert not any(loss_blocks(target, 4096, v, d).vocab_tiled for v, d in V4_LARGE_VOCAB)
+  steps = _loss_case("v4", capsys, 2, 9, QWEN_V, jnp.float32, level)
+  assert steps >= 2
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 
 import kernels
 from bench.kernels.cases import Case, Check
-from bench.shapes import LOSS_SHAPES, PRODUCTION_LOSS_SHAPES, LossShape
+from bench.shapes import LARGE_VOCAB_LOSS_SHAPES, LOSS_SHAPES, PRODUCTION_LOSS_SHAPES, LossShape
 
 SHAPES_BY_SIZE = {
   "tiny": ("tiny",),
   "small": ("cpu-small", "cpu-medium"),
-  "large": PRODUCTION_LOSS_SHAPES,
+  "large": PRODUCTION_LOSS_SHAPES + LARGE_VOCAB_LOSS_SHAPES,
 }
 
 

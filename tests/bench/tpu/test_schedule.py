@@ -127,10 +127,12 @@ def test_live_compile_reads_a_kernel():
 def test_loss_kernel_schedule_stays_off_spills(mode):
   """The grpo_loss kernels at qwen2.5-8k compiled for v6e stay where the rework put them.
 
-  Catches: a change that puts the tile back in too few registers (spills per grid step: 4 forward,
-  824 on the training path today, against 2514 per step before the rework) or lengthens the
-  schedule past the targets (forward <= 1.2 x one HBM read of the logits, training path <= 1.2 x
-  one read + one write, both modelled at the v6e clock / datasheet bandwidth).
+  Catches: a change that puts the tile back in too few registers (spills per grid step: 68 forward,
+  1287 on the training path with v6e's 6144-column sweeps, against 2514 per step before the rework;
+  at 4096 columns 4 and 939, but schedules 3 % / 4 % longer: the forward at 1.216x one read, over
+  the target) or lengthens the schedule past the targets (forward <= 1.2 x one HBM read of the
+  logits, training path <= 1.2 x one read + one write, both modelled at the v6e clock / datasheet
+  bandwidth).
   """
   import tempfile
 
@@ -154,7 +156,7 @@ def test_loss_kernel_schedule_stays_off_spills(mode):
                          timeout=1200, capture_output=True, text=True).stdout  # fmt: skip
   row = json.loads(out.strip().splitlines()[-1])
   (kernel,) = row["compiled"]["kernel"]["kernels"]
-  limit = {"fwd": 16, "fwd+bwd": 1200}[mode]
+  limit = {"fwd": 96, "fwd+bwd": 1400}[mode]
   assert kernel["step_spill_loads"] <= limit, kernel
   gen = tpu_targets.generation("v6e")
   fields = ("name", "total_bundles", "grid", "step_bundles", "loops")
