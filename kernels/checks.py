@@ -131,6 +131,25 @@ def finite(name: str, x, where=None, *, allow_neg_inf: bool = False) -> None:
     )
 
 
+def real_array(name: str, x, *, hi: float, where=None, allow_neg_inf: bool = False) -> None:
+  """Where concrete: every value of ``x`` a number <= ``hi`` (at positions where ``where`` is true, if
+  given): no NaN, no +inf, none above ``hi``; -inf only with ``allow_neg_inf``."""
+  finite(name, x, where=where, allow_neg_inf=allow_neg_inf)
+  if x is None or not is_concrete(x, where):
+    return
+  arr = np.asarray(x)
+  bad = arr > hi
+  if where is not None:
+    bad &= np.broadcast_to(np.asarray(where) != 0, bad.shape)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    place = " at unmasked positions" if where is not None else ""
+    raise ValueError(
+      f"{name} must be <= {hi}{place}; {int(bad.sum())} values above it, first at {first}: "
+      f"{arr[first]}"
+    )
+
+
 def index_range(name: str, ids, hi: int, where=None, qualifier: str = "") -> None:
   """Where concrete: every id in [0, hi) (at positions where ``where`` is true, if given).
 

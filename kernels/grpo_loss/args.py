@@ -20,6 +20,7 @@ from kernels import checks
 from kernels.loss_spec import LossSpec
 
 LOGPS = ("old_logps", "ref_logps", "sampler_logps")
+DATA = (*LOGPS, "support_gap")  # the [B, T] f32 inputs beside ids, mask and advantages
 
 
 class LossArgs(NamedTuple):
@@ -32,6 +33,7 @@ class LossArgs(NamedTuple):
   old_logps: jax.Array | None  # [B, T] f32, stop_gradient, 0 at masked positions
   ref_logps: jax.Array | None  # [B, T] f32, same
   sampler_logps: jax.Array | None  # [B, T] f32, same
+  support_gap: jax.Array | None  # [B, T] f32 <= 0 (-inf: unfiltered), same (kernels.support)
 
 
 def validate_loss_args(
@@ -43,6 +45,7 @@ def validate_loss_args(
   old_logps,  # [B, T] or None
   ref_logps,  # [B, T] or None
   sampler_logps,  # [B, T] or None
+  support_gap=None,  # [B, T] or None
   spec: LossSpec,
   num_items_in_batch,
 ) -> LossArgs:
@@ -52,7 +55,8 @@ def validate_loss_args(
   concrete: ids outside [0, V) at unmasked positions, NaN / inf advantages (at unmasked positions,
   when [B, T]), NaN / +inf ``old_logps`` / ``ref_logps`` at unmasked positions (-inf is legal: the
   clamp bounds it), NaN / inf ``sampler_logps`` at unmasked positions (the sampled token had
-  positive probability), ``num_items_in_batch`` <= 0 or non-finite.
+  positive probability), NaN or positive ``support_gap`` at unmasked positions (a gap is <= 0; -inf
+  means nothing was filtered), ``num_items_in_batch`` <= 0 or non-finite.
 
   Returns the inputs as jax arrays (Python lists accepted), with masked positions zeroed so that
   nothing non-finite there reaches any arithmetic, and [B] advantages broadcast to [B, T].
@@ -70,6 +74,7 @@ def validate_loss_args(
     "old_logps": checks.as_array("old_logps", old_logps),
     "ref_logps": checks.as_array("ref_logps", ref_logps),
     "sampler_logps": checks.as_array("sampler_logps", sampler_logps),
+    "support_gap": checks.as_array("support_gap", support_gap),
   }
   _check_shapes(logits.shape, arrays)
   _check_dtypes(arrays)
@@ -90,13 +95,13 @@ def _check_shapes(logits_shape: tuple, arrays: dict) -> None:
     checks.shape("advantages", adv, (b, t), f" (per token) or ({b},){context}")
   else:
     checks.shape("advantages", adv, (b,), f" (per sequence) or ({b}, {t}){context}")
-  for name in ("completion_ids", "completion_mask", *LOGPS):
+  for name in ("completion_ids", "completion_mask", *DATA):
     checks.shape(name, arrays[name], (b, t), context)
 
 
 def _check_dtypes(arrays: dict) -> None:
   checks.dtype_kind("completion_ids", arrays["completion_ids"], "integer")
-  for name in ("advantages", *LOGPS):
+  for name in ("advantages", *DATA):
     arr = arrays[name]
     if arr is not None and not jnp.issubdtype(arr.dtype, jnp.number):
       raise checks.ArgumentTypeError(f"{name} must be numeric, got {arr.dtype}")
@@ -120,6 +125,7 @@ def _check_values(vocab: int, arrays: dict) -> None:
   checks.finite("old_logps", arrays["old_logps"], where=mask, allow_neg_inf=True)
   checks.finite("ref_logps", arrays["ref_logps"], where=mask, allow_neg_inf=True)
   checks.finite("sampler_logps", arrays["sampler_logps"], where=mask)
+  checks.real_array("support_gap", arrays["support_gap"], hi=0.0, where=mask, allow_neg_inf=True)
 
 
 def _zero_masked(logits, arrays: dict) -> LossArgs:
@@ -135,5 +141,5 @@ def _zero_masked(logits, arrays: dict) -> LossArgs:
     mask=mask,
     ids=jnp.where(mask, arrays["completion_ids"].astype(jnp.int32), 0),
     advantages=keep(adv if adv.ndim == 2 else jnp.broadcast_to(adv[:, None], (b, t))),
-    **{name: keep(arrays[name]) for name in LOGPS},
+    **{name: keep(arrays[name]) for name in DATA},
   )

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import loss_spec
+from kernels import loss_spec, support
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, LossSpec
 from kernels.objective import clamp_log_ratio, on_policy_log_ratio, policy_objective
 
@@ -42,19 +42,24 @@ class GRPOAux(NamedTuple):
   sampler_log_ratio: jax.Array  # [B, T] f32, old - sampler_logps (0 without them); no gradient
 
 
-def token_logps_and_entropy(logits, ids, temperature):
+def token_logps_and_entropy(
+  logits,  # [..., V]
+  ids,  # [...] int
+  temperature,
+  support_gap=None,  # [...] f32 or None: score each id over its sampled support (kernels.support)
+):
   """log softmax(logits / T)[id] and the entropy, in f32. Ids outside [0, V) give NaN log-probs
   (negative ones included: they never wrap around to V - 1).
 
-  The entropy uses 0 * log 0 = 0, so -inf logits (a top-k / top-p mask) leave it finite.
-  logits: [..., V]; ids: [...] int.
+  With ``support_gap``, both are over the sampled support S = {v : z_v >= z_id + gap} (z = logits /
+  T; :mod:`kernels.support`): the truncated, renormalised distribution the sampler drew from. A -inf
+  gap is the full softmax. The entropy uses 0 * log 0 = 0, so -inf logits (a top-k / top-p mask, or
+  columns outside S) leave it finite.
   """
-  z = logits.astype(jnp.float32) / temperature
-  logsm = jax.nn.log_softmax(z, axis=-1)
   ids = ids.astype(jnp.int32)
-  inside = (ids >= 0) & (ids < z.shape[-1])
-  picked = jnp.take_along_axis(logsm, jnp.where(inside, ids, 0)[..., None], axis=-1)[..., 0]
-  logp = jnp.where(inside, picked, jnp.nan)
+  z = support.apply_gap(logits.astype(jnp.float32) / temperature, ids, support_gap)
+  logsm = jax.nn.log_softmax(z, axis=-1)
+  logp = support.chosen_logit(logsm, ids)
   p = jnp.exp(logsm)
   entropy = -jnp.sum(jnp.where(p == 0, 0.0, p * logsm), axis=-1)  # NaN still propagates
   return logp, jax.lax.stop_gradient(entropy)
@@ -125,6 +130,7 @@ def grpo_loss_reference(
   old_logps=None,  # [B, T] f32 or None
   ref_logps=None,  # [B, T] f32 or None
   sampler_logps=None,  # [B, T] f32 or None
+  support_gap=None,  # [B, T] f32 <= 0 or None: score over the sampled support (kernels.support)
   spec: LossSpec | None = None,
   num_items_in_batch=None,
   **options,  # LossSpec fields, as keywords (with spec: must agree with it)
@@ -141,7 +147,7 @@ def grpo_loss_reference(
   adv = keep(adv[:, None] if adv.ndim == 1 else adv)
   logits = jnp.where(mask[..., None], logits, jnp.zeros((), logits.dtype))
   ids = jnp.where(mask, completion_ids, 0)
-  logp, entropy = token_logps_and_entropy(logits, ids, spec.temperature)
+  logp, entropy = token_logps_and_entropy(logits, ids, spec.temperature, keep(support_gap))
   return objective_and_loss(
     logp,
     entropy,

@@ -1,0 +1,71 @@
+"""The sampled support: scoring a token over the set the sampler drew it from (truncation-exact log-probs).
+
+A rollout that samples with top-k / top-p / min-p draws a token y from the truncated, renormalised
+distribution; scoring y under the full softmax biases the importance ratio by log(kept mass). The
+engine therefore returns, per sampled token, its **support gap** (z = logits / temperature)::
+
+    g = (smallest z in the set y was drawn from) - z_y  <= 0       (-inf: nothing was filtered)
+
+and the trainer, with its own scaled logits z', scores y over S = { v : z'_v >= z'_y + g }::
+
+    log p~(y) = z'_y - logsumexp{ z'_v : v in S }
+
+The gap is relative to z_y, so a constant shift of a row's logits leaves S unchanged, and the same gap
+applies to the reference model's logits. y is always in S (also when z'_y + g rounds above z'_y's own
+value); outside S a logit is -inf, so softmax, entropy, gradient (1[v = y] - p~_v on S, 0 outside)
+and the KL terms all follow from the plain formulas on the gapped logits. Every impl (the XLA
+reference, the chunked path, the Pallas / Mosaic kernels' forward and backward sweeps) forms its
+gapped logits with :func:`gapped` from a per-row :func:`threshold`, so the rule lives here only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["apply_gap", "chosen_logit", "gapped", "threshold"]
+
+
+def threshold(
+  z_chosen,  # [...] f32: the scaled logit of the scored token, z'_y
+  gap,  # [...] f32: the support gap g <= 0, -inf where nothing was filtered
+):  # -> [...] f32
+  """z'_y + g: the smallest scaled logit in the scored set; -inf where g is -inf (no filter).
+
+  Carries no gradient: set membership is a step function of the logits."""
+  return jax.lax.stop_gradient(z_chosen.astype(jnp.float32) + gap.astype(jnp.float32))
+
+
+def gapped(
+  z,  # [..., V] f32 scaled logits (or a [rows, cols] tile of them)
+  thr,  # [..., 1] f32 threshold (broadcasts over the vocabulary axis)
+  hit,  # [..., V] bool: the column is the scored token y (or None: no column is y's)
+):  # -> [..., V] f32
+  """z where z >= thr or the column is y, -inf elsewhere: the logits of S (module docstring).
+
+  The ``hit`` term keeps y in S whatever the rounding of z'_y + g; ties with the threshold are kept
+  (the sampler's threshold rule); a -inf threshold keeps every column, -inf ones included."""
+  keep = z >= thr if hit is None else (z >= thr) | hit
+  return jnp.where(keep, z, -jnp.inf)
+
+
+def chosen_logit(
+  z,  # [..., V] f32 scaled logits
+  ids,  # [...] int: the scored token; outside [0, V) gives NaN
+):  # -> [...] f32
+  """z[..., id], NaN for an id outside [0, V) (never a wrapped-around column)."""
+  inside = (ids >= 0) & (ids < z.shape[-1])
+  picked = jnp.take_along_axis(z, jnp.where(inside, ids, 0)[..., None], axis=-1)[..., 0]
+  return jnp.where(inside, picked, jnp.nan)
+
+
+def apply_gap(
+  z,  # [..., V] f32 scaled logits
+  ids,  # [...] int: the scored tokens
+  gap,  # [...] f32 support gaps, or None
+):  # -> [..., V] f32
+  """The gapped logits of whole rows (the XLA paths); ``gap=None``: z unchanged."""
+  if gap is None:
+    return z
+  hit = jnp.arange(z.shape[-1]) == ids[..., None]
+  return gapped(z, threshold(chosen_logit(z, ids), gap)[..., None], hit)
