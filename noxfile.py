@@ -91,7 +91,7 @@ def bench(session: nox.Session):
 @nox.session(**SHARED)
 def lower(session: nox.Session):
   """AOT-lower every kernel for TPU and CUDA at production shapes (no accelerator needed)."""
-  in_dev(session, "-m", "pytest", "-q", "tests/test_lowering.py", *session.posargs)
+  in_dev(session, "-m", "pytest", "-q", "tests/kernels/test_lowering.py", *session.posargs)
 
 
 @nox.session(**SHARED)
@@ -253,9 +253,11 @@ TUNIX_PINS = ("jax==0.10.2",)  # tunix 0.1.7 is tested here against jax 0.10.2
 
 @nox.session
 def tunix(session: nox.Session):
-  """The tunix drop-in's tests (tests/integrations: parity with tunix's grpo_loss_fn, a GRPOLearner
-  run, the compiled fused gradient) in their own environment: google-tunix brings its own flax /
-  grain / qwix stack, kept out of .nox/dev. CPU only; ~5 minutes on 2 cores after the install."""
+  """The tunix drop-in's tests (tests/integrations: parity with tunix's grpo_loss_fn and
+  ppo_policy_loss_fn; tunix's own GRPOLearner, PPOLearner (actor + critic) and agentic GRPOLearner
+  trained with its losses and ours; the compiled fused gradients) in their own environment:
+  google-tunix brings its own flax / grain / qwix stack, kept out of .nox/dev. CPU only; ~360 CPU
+  seconds, split over two xdist workers (about 3-4 minutes on 2 idle cores) after the install."""
   session.install("-e", ".[dev,tunix]", *TUNIX_PINS)
   args = session.posargs or ["-n", "2", "--dist", "loadfile", "tests/integrations"]
   session.run(
@@ -271,8 +273,8 @@ TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hy
 TPU_COMPILE_TESTS = (
   "tests/bench/tpu/test_compile.py",
   "tests/rl/aot/test_tpu_check.py",
-  "tests/test_optim_tiled.py",
-  "tests/test_tpu_targets.py",
+  "tests/kernels/optim/test_pallas_tpu.py",
+  "tests/kernels/test_tpu_targets.py",
   "tests/bench/tpu/test_schedule.py",
   "tests/bench/tpu/test_compiled_report.py",  # a compiled report's every row at or above its floors
 )

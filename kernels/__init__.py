@@ -3,6 +3,8 @@
 Public ops (the policy loss described by one :class:`LossSpec`): :func:`grpo_loss`, :func:`fused_linear_grpo_loss`, :func:`paged_attention`,
 :func:`adamw_update`, :func:`lion_update`, :func:`sgd_update`, :func:`fused_adamw`, :func:`fused_lion`,
 :func:`fused_sgd` (optimizers: :mod:`kernels.optim`). Targets and lowering: :mod:`kernels.backend`.
+Each op declares its implementations in one table (``kernels.<op>.impls.OP``, the protocol of
+:mod:`kernels.ops`; docs/ops.md), which its ``impl=`` argument, ``impl="auto"`` and the autotuner read.
 """
 
 from kernels import optim

@@ -1,6 +1,7 @@
 """Pieces shared by the loss kernels (``grpo_loss`` and ``fused_linear_grpo_loss``): the online
-log-sum-exp statistics over vocabulary tiles, its finite -inf, the large-max shift rule, and the block
-legality rules of each target."""
+log-sum-exp statistics over vocabulary tiles, its finite -inf, the large-max shift rule, a row's
+finished statistics and chosen logit (every kernel family's), and the block legality rules of each
+target."""
 
 from __future__ import annotations
 
@@ -122,3 +123,22 @@ def lane_update(z, valid, m, l, s):
   """
   m_new, l, s, _ = online_step(z, valid, m, l, s, rmax=jnp.max, rsum=lambda x: x)
   return m_new, l, s
+
+
+def finalize(m, l, s, chosen, found):
+  """(logp, entropy, lse_rel, shift) of rows' statistics: the log-sum-exp is shift + lse_rel."""
+  shift = lse_shift(m)
+  lse_rel = (m - shift) + jnp.log(l)
+  entropy = jnp.log(l) - s / l
+  # an id outside [0, V) poisons, never hides
+  logp = jnp.where(found > 0, (chosen - shift) - lse_rel, jnp.nan)
+  return logp, entropy, lse_rel, shift
+
+
+def chosen_logit(x, ids, vocab: int, temperature: float):
+  """z at each row's id, [N] f32 (NaN where the id is outside [0, V): it poisons, never hides).
+
+  x: [N, V]; ids: [N] int32. One gather of N elements outside the kernels."""
+  found = (ids >= 0) & (ids < vocab)
+  picked = jnp.take_along_axis(x, jnp.where(found, ids, 0)[:, None], axis=1)[:, 0]
+  return jnp.where(found, picked.astype(jnp.float32) * (1.0 / temperature), jnp.nan)

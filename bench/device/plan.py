@@ -96,7 +96,9 @@ def _bench(name: str, suite: str, size: str, work: pathlib.Path, limit: float, *
 
 def kernels_steps(size: str, work: pathlib.Path, limit) -> list[Step]:
   tiny = size == "tiny"
-  where = ["tests/test_mosaic_gpu_paged_attention.py"] if tiny else ["tests"]  # tiny: all skip
+  where = (
+    ["tests/kernels/paged_attention/test_mosaic_gpu.py"] if tiny else ["tests"]
+  )  # tiny: all skip
   pytest = ["pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "-m", "gpu", *where]
   pytest.append(f"--junitxml={work / 'gpu-tests.xml'}")
   steps = [_env(work, limit("env")), Step("gpu-tests", pytest, limit("gpu-tests"))]

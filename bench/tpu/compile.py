@@ -1,7 +1,7 @@
 """Every TPU kernel case through libtpu's real compiler, per generation, alone and in sharded programs.
 
 The one list of compile cases (:data:`CASES`: production shapes from :mod:`bench.shapes`, the option
-sets of ``tests/test_lowering.py``) that ``tests/bench/tpu/test_compile.py`` (``nox -s tpu_compile``)
+sets of ``tests/kernels/test_lowering.py``) that ``tests/bench/tpu/test_compile.py`` (``nox -s tpu_compile``)
 compiles for v4, v5e, v5p, v6e and v7x, and that ``python -m bench.tpu.compile`` prints as a table.
 A case builds its function and argument shapes for a :class:`kernels.sharding.KernelSharding` (or
 none: one chip); :func:`compile_case` places them on a generation's abstract devices
@@ -102,7 +102,7 @@ def _loss_case(shape_name: str, mode: str, **options) -> Callable:
   return build
 
 
-# The option sets of tests/test_lowering.py: sequence-level (GSPO + sequence IS + dual clip: statistics
+# The option sets of tests/kernels/test_lowering.py: sequence-level (GSPO + sequence IS + dual clip: statistics
 # and backward kernels), token-level options in the in-kernel coefficient.
 SEQUENCE_OPTIONS = dict(
   is_mode="sequence_truncate", importance_sampling_level="sequence", epsilon_c=3.0, is_cap=2.0
@@ -292,11 +292,10 @@ TUNED_OPS = ("grpo_loss", "paged_attention", "fused_linear")  # optim's TPU cand
 
 def tuner_candidates(generation: str) -> list[tuple[str, object, object]]:
   """(name, candidate, problem) for every kernel candidate ``bench.tune`` offers at the large size on
-  ``generation``, after its legality filter (:func:`bench.tune.legal_candidates`): what
+  ``generation``, after its legality filter (:func:`bench.tune.candidates`): what
   ``impl="auto"`` can pick there once a tune has run. The XLA reference (no kernel) is left out, and
   so are the heuristic's blocks at a shape :data:`CASES` compiles (the same kernels)."""
   from bench import tune
-  from kernels import autotune
 
   covered = [dict(dtype=s.dtype, tokens=s.tokens, vocab=s.vocab) for s in map(LOSS_SHAPES.get, PRODUCTION_LOSS_SHAPES)]  # fmt: skip
   covered += [dict(dtype=s.dtype, tokens=s.tokens, hidden=s.hidden, vocab=s.vocab) for s in map(LINEAR_LOSS_SHAPES.get, PRODUCTION_LINEAR_LOSS_SHAPES[:1])]  # fmt: skip
@@ -304,11 +303,10 @@ def tuner_candidates(generation: str) -> list[tuple[str, object, object]]:
   out = []
   with backend.use_target("tpu", interpret=False, generation=generation):
     for op in TUNED_OPS:
-      problems_of, candidates_of = tune.PROBLEMS[op]
-      for p in problems_of("large", "tpu"):
-        for c in tune.legal_candidates(p, candidates_of(p, "tpu"), "tpu"):
+      for p in tune.OPS[op][1]("large", "tpu"):
+        for c in tune.candidates(p, "tpu"):
           if c.impl != "xla" and (c.blocks is not None or p.shape not in covered):
-            out.append((f"tune/{op}/{autotune.bucket(op, p.shape)}/{c.label}", c, p))
+            out.append((f"tune/{op}/{p.op.bucket(p.shape)}/{c.label}", c, p))
   return out
 
 

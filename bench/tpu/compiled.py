@@ -300,12 +300,13 @@ def merge_modelled(measured: list, compiled: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------- the compile-checked tuner (TPU)
 def evaluate_modelled(slice_name: str, dump: pathlib.Path):
-  """``kernels.autotune.tune``'s ``evaluate`` for a TPU generation on a host without it: every
+  """``bench.kernels.autotune_search.tune``'s ``evaluate`` for a TPU generation on a host without it: every
   candidate compiled (nothing runs: parity is not checked here, only the interpreter tests check
   the kernels), those that fail dropped with the compiler's reason, the rest ranked by modelled time
   (:func:`model`). The heuristic row is compiled and modelled too, as the baseline."""
   import jax
 
+  from bench.kernels.autotune_search import Candidate
   from kernels import autotune, backend, tpu_targets
 
   gen = tpu_targets.Slice.parse(slice_name).generation
@@ -315,9 +316,7 @@ def evaluate_modelled(slice_name: str, dump: pathlib.Path):
     abstract = jax.eval_shape(problem.make_inputs)
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
     specs = jax.tree.map(spec, abstract)
-    todo = (
-      [autotune.Candidate(autotune.HEURISTIC, None, problem.heuristic)] if problem.heuristic else []
-    )
+    todo = [Candidate(autotune.HEURISTIC, None, problem.heuristic)] if problem.heuristic else []
     rows = []
     with backend.use_target("tpu", interpret=False, generation=gen.name):
       for cand in [*todo, *candidates]:

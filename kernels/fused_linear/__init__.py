@@ -8,22 +8,21 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from kernels import backend, checks, loss_spec
-from kernels.fused_linear import mosaic_gpu as _mosaic
-from kernels.fused_linear import pallas as _pallas
-from kernels.fused_linear import tuned as _tuned
-from kernels.fused_linear import vjp as _vjp
-from kernels.fused_linear.blocks import LinearBlocks, default_blocks, default_chunk, legal_on
-from kernels.fused_linear.mosaic_gpu import MosaicLinearBlocks
+from kernels.fused_linear.chunked_blocks import ChunkBlocks, default_chunk
+from kernels.fused_linear.impls import IMPLEMENTATIONS, OP, Call, shape_key
+from kernels.fused_linear.mosaic_gpu_blocks import MosaicLinearBlocks
+from kernels.fused_linear.pallas_blocks import LinearBlocks, default_blocks
 from kernels.fused_linear.reference import fused_linear_grpo_loss_reference, vocab_stats_reference
-from kernels.grpo_loss import blocks as loss_blocks
-from kernels.grpo_loss.args import LOGPS, LossArgs, validate_loss_args
-from kernels.grpo_loss.pallas import LossConfig
+from kernels.grpo_loss.args import validate_loss_args
 from kernels.grpo_loss.reference import GRPOAux
 from kernels.loss_spec import LossSpec
 from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
+  "IMPLEMENTATIONS",
   "IMPLS",
+  "OP",
+  "ChunkBlocks",
   "LinearBlocks",
   "MosaicLinearBlocks",
   "default_blocks",
@@ -33,7 +32,8 @@ __all__ = [
   "vocab_stats_reference",
 ]
 
-IMPLS = ("auto", "pallas", "mosaic_gpu", "chunked", "xla")
+# ("auto", "pallas", "mosaic_gpu", "chunked", "xla"): the table's, for callers that list them
+IMPLS = OP.choices
 
 
 def fused_linear_grpo_loss(
@@ -69,7 +69,7 @@ def fused_linear_grpo_loss(
       on GPU ``mosaic_gpu`` for bf16 / f16, else ``chunked``). ``"mosaic_gpu"``: the Hopper kernels
       (bf16 / f16; 8 N·H·V flops). ``"chunked"``: XLA matmuls per token chunk + grpo_loss's softmax
       kernels (one f32 [chunk, V] buffer, 6 N·H·V flops). ``"xla"``: the reference. ``"auto"``: the
-      tuned cache's winner (:mod:`.tuned`), else ``xla`` on CPU, ``chunked`` on GPU and TPU.
+      tuned cache's winner (:mod:`.impls`), else ``xla`` on CPU, ``chunked`` on GPU and TPU.
     blocks, chunk_size: tiles of the ``pallas`` (``LinearBlocks``) or ``mosaic_gpu``
       (``MosaicLinearBlocks``) path and tokens per chunk of the ``chunked`` path.
     sharding: e.g. ``KernelSharding(mesh, batch_axes=("dp", "fsdp"), vocab_axis="tp")``: B over
@@ -89,7 +89,7 @@ def fused_linear_grpo_loss(
     TypeError: ``impl="mosaic_gpu"`` with ``blocks`` that are not ``MosaicLinearBlocks``; a
       ``loss_scale`` that is not a numeric scalar.
   """
-  checks.choice("impl", impl, IMPLS)
+  OP.check(impl)
   spec = loss_spec.resolve(spec, **spec_fields)
   hidden, lm_head = _check_head(hidden, lm_head)
   (b, t, hd), v = hidden.shape, lm_head.shape[1]
@@ -103,44 +103,28 @@ def fused_linear_grpo_loss(
   scale = checks.loss_scale(loss_scale)
   scale = jnp.float32(1.0) if scale is None else scale
   target = backend.resolve(platform, interpret)
-  impl, choice = _choose(impl, blocks, chunk_size, target, _tuned.shape_key(n, hd, v // tp, hidden.dtype))  # fmt: skip
+  shape = shape_key(n, hd, v // tp, hidden.dtype)
+  resolve = lambda i, tiles: OP.resolve(i, tiles, target, shape)
+  impl, blocks, chunk_size = _choose(impl, blocks, chunk_size, resolve)
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
   hidden = jnp.where(args.mask[..., None], hidden, jnp.zeros((), hidden.dtype))
-  if impl == "xla":
-    logps = {name: getattr(args, name) for name in LOGPS}  # validated: 0 at masked positions
-    loss, aux = fused_linear_grpo_loss_reference(
-      hidden, lm_head, args.ids, args.mask, args.advantages, spec=spec, num_items_in_batch=num_items_in_batch, **logps
-    )  # fmt: skip
-    return loss * scale, jax.tree.map(jax.lax.stop_gradient, aux)
-  static = _static(impl, choice, target, args, hd, v // tp, spec, sharding, n)
-  return _run(static, hidden, lm_head, args, num_items_in_batch, scale)
+  call = Call(hidden, lm_head, args, spec, num_items_in_batch, scale, target, blocks, chunk_size, sharding, shape)  # fmt: skip
+  return OP[impl].run(call)
 
 
-def _choose(impl, blocks, chunk_size, target, shape: dict) -> tuple[str, _tuned.Choice]:
-  """The impl to run and the tiles (:mod:`.tuned`: the cache's winner or the caller's); ``auto``
-  without a cache entry: ``xla`` on CPU (the interpreter is a correctness tool), else ``chunked``."""
-  choice = _tuned.choose(impl, blocks, chunk_size, target, shape)
-  fallback = "xla" if target.platform == "cpu" else "chunked"
-  return (fallback if choice.impl == "auto" else choice.impl), choice
-
-
-def _run(static: _vjp.Static, hidden, lm_head, args: LossArgs, num_items_in_batch, scale):
-  """The kernel impls: the custom VJP on flattened tokens; aux is data (no gradient)."""
-  b, t, hd = hidden.shape
-  placeholder = jnp.zeros((b, t), jnp.float32)  # a None log-prob array, told apart by `present`
-  logps = (getattr(args, name) for name in LOGPS)
-  loss, aux = _vjp.fused_loss(
-    static,
-    hidden.reshape(b * t, hd),
-    lm_head,
-    args.ids.reshape(b * t),
-    args.mask,
-    args.advantages,
-    *(placeholder if a is None else a for a in logps),
-    num_items_in_batch,
-    scale,
-  )
-  return loss, jax.tree.map(jax.lax.stop_gradient, aux)
+def _choose(impl: str, blocks, chunk_size, resolve):
+  """(impl, blocks, chunk_size) after ``resolve(impl, tiles)`` (the call's: ``OP.resolve``, the tuned
+  cache's winner or the caller's; ``auto`` without an entry: xla on CPU, else chunked). The caller's
+  ``chunk_size`` is its ``ChunkBlocks`` (given tiles stay given)."""
+  tiles = blocks
+  if tiles is None and chunk_size is not None:
+    tiles = ChunkBlocks(chunk_size)
+  t_impl, t_tiles = resolve(impl, tiles)
+  if t_tiles is tiles:  # nothing tuned: the caller's own tiles
+    return t_impl, blocks, chunk_size
+  if isinstance(t_tiles, ChunkBlocks):
+    return t_impl, None, t_tiles.chunk_size
+  return t_impl, t_tiles, chunk_size
 
 
 def _check_head(hidden, lm_head):
@@ -176,30 +160,3 @@ def _sharding(sharding, mesh: Mesh | None, vocab_axis: str | None, v: int):
   if sharding is not None:
     sharding.check_axis("vocab_axis", "V", v)
   return sharding
-
-
-def _static(impl, choice, target, args: LossArgs, hd, vs, spec, sharding, n) -> _vjp.Static:
-  """The call's static half: the kernel configs of ``impl`` for one shard's n rows and [H, vs] head."""
-  b, t, _ = args.logits.shape
-  blocks = choice.blocks
-  if impl == "pallas" and target.platform == "gpu":
-    # The GPU's fused kernels are Mosaic GPU ones (a Triton program cannot hold the tiles; see
-    # pallas.py); wgmma has no f32 path that meets the f32 tolerance, so f32 inputs take chunked.
-    impl = "mosaic_gpu" if args.logits.dtype.name in _mosaic.DTYPES else "chunked"
-  fused = None
-  if impl == "mosaic_gpu":
-    fused = _mosaic.make_config(target, blocks, n, hd, vs, args.logits.dtype, spec.temperature)
-  elif impl == "pallas":
-    blocks = (
-      default_blocks(target, n, hd, vs, args.logits.dtype.itemsize) if blocks is None else blocks
-    )
-    reason = legal_on(target, blocks, _tuned.shape_key(n, hd, vs, args.logits.dtype))
-    if reason:  # tiles that cannot compile here: refused before anything compiles
-      raise ValueError(f"fused_linear_grpo_loss(impl='pallas'): {reason}")
-    fused = _pallas.FusedConfig(target, blocks, vs, spec.temperature)
-  chunk = default_chunk(n, vs) if choice.chunk_size is None else choice.chunk_size
-  softmax = LossConfig(target, loss_blocks.default_blocks(target, chunk, vs), vs, spec.temperature)
-  present = tuple(getattr(args, name) is not None for name in LOGPS)
-  mesh, axis = (None, None) if sharding is None else (sharding.mesh, sharding.vocab_axis)
-  rows = () if sharding is None else sharding.batch_axes
-  return _vjp.Static(impl, fused, softmax, chunk, mesh, axis, b, t, spec, present, rows)

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels.grpo_loss import pallas as loss_pallas
+from kernels.grpo_loss.pallas_blocks import LossConfig
 
 
-def chunk_pass(loss_cfg: loss_pallas.LossConfig, h, w, ids, finish, with_grads: bool = True):
+def chunk_pass(loss_cfg: LossConfig, h, w, ids, finish, with_grads: bool = True):
   """One chunk: statistics -> ``finish`` (combine across shards, loss terms) -> gradients (if asked).
 
   h: [c, H]; w: [H, V] (one vocabulary shard); ids: [c] int32 shard-local.
@@ -31,7 +32,7 @@ def chunk_pass(loss_cfg: loss_pallas.LossConfig, h, w, ids, finish, with_grads: 
   lse, logp, entropy = loss_pallas.row_stats(loss_cfg, logits, ids)
   # the ids this shard holds, from the ids themselves: a NaN test of logp (logp == logp) lost the
   # NaN under jit on XLA:CPU once row_stats' NaN came from a select outside the kernel (an id
-  # outside [0, V) then gave a finite loss: tests/test_fused_linear.py's bad-ids test)
+  # outside [0, V) then gave a finite loss: tests/kernels/fused_linear/test_fused_linear.py's bad-ids test)
   found = (ids >= 0) & (ids < w.shape[1])
   chosen = jnp.where(found, logp + lse, 0.0)
   lse_global, g, outputs = finish(lse, chosen, found.astype(jnp.float32), lse - entropy)
@@ -50,7 +51,7 @@ def _grads(loss_cfg, logits, h, w, ids, lse_global, g):
 
 
 def run(
-  loss_cfg: loss_pallas.LossConfig,
+  loss_cfg: LossConfig,
   chunk: int,
   h,
   w,
@@ -89,7 +90,7 @@ def run(
   return jax.tree.map(unpad, outputs), unpad(dh), dw
 
 
-def run_grads(loss_cfg: loss_pallas.LossConfig, chunk: int, h, w, ids, lse, g):
+def run_grads(loss_cfg: LossConfig, chunk: int, h, w, ids, lse, g):
   """The gradient pass alone: (dh [N, H] f32, dw [H, V] f32) for known global lse [N] and g [N]
   (padded rows get g = 0). Recomputes each chunk's logits."""
   n, _hd = h.shape

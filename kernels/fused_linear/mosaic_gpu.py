@@ -21,7 +21,7 @@ multiples by the wrapper; ids [Np] shard-local), each CTA one warpgroup, token r
            the dlogits chunks start after them.
 
 The backward at the H100's limit (registers 256 KiB / SM, shared memory 227 KiB, wgmma M >= 64; the
-arithmetic and modelled times are :func:`kernels.fused_linear.mosaic_evidence.backward_options`):
+arithmetic and modelled times are :func:`kernels.fused_linear.mosaic_gpu_evidence.backward_options`):
 dh needs a [64, H] f32 accumulator per CTA and dw an [H, block_v] one: 512 KiB each at H = 2048,
 more than an SM holds, so neither GEMM can finish on chip without either (b) slicing H in the grid
 (each H-slice recomputes the logits: 22 N·H·V flops at 256-column slices) or (c) reduce-adding
@@ -52,15 +52,8 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.fused_linear.mosaic_blocks import (  # noqa: F401 (re-exported: the kernels' tiles)
-  DL_CHUNK_BYTES,
-  DTYPES,
-  NUM_SMS,
-  SMEM_BUDGET,
-  TEMP_PER_LOGIT,
+from kernels.fused_linear.mosaic_gpu_blocks import (
   MosaicLinearBlocks,
-  _waves,
-  candidate_blocks,
   default_blocks,
 )
 from kernels.lse import NEG_BIG, online_step, row_reductions
@@ -277,7 +270,7 @@ def combine_splits(partials):
 
 def stats(cfg: MosaicLinearConfig, h, w, ids, *, store: bool = False):
   """Per-row (lse, chosen z, found, E[z]) of z = (h @ w) / temperature over this shard's columns, as
-  :func:`kernels.fused_linear.pallas.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N].
+  :func:`kernels.fused_linear.pallas_tpu.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N].
 
   store (the training path, blocks.stored_cols > 0): returns (stats, stored), stored = (pt
   [Np, cols], mt [cols / bv, Np]) for :func:`grads`: exp(z - m) of the first cols columns."""
@@ -310,7 +303,7 @@ def _stored_dl(cfg: MosaicLinearConfig, stored, ids, lse, g, dtype):
 
 def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored=None):
   """(dh [N, H], dw [H, V]) of sum_n g[n] * (z[n, id_n] - lse[n]), z = (h @ w) / temperature, as
-  :func:`kernels.fused_linear.pallas.grads` (g [N] f32 includes 1 / temperature).
+  :func:`kernels.fused_linear.pallas_tpu.grads` (g [N] f32 includes 1 / temperature).
 
   Vocabulary chunk by chunk: the dlogits kernel writes dl [Np, chunk] in h's dtype, then
   dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator). With

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.fused_linear import chunked as _chunked
 from kernels.fused_linear import mosaic_gpu as _mosaic
-from kernels.fused_linear import pallas as _pallas
-from kernels.grpo_loss.pallas import LossConfig
+from kernels.fused_linear import pallas_tpu as _pallas
+from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.reference import make_aux, reduce_loss
 from kernels.loss_spec import LossSpec
 from kernels.objective import policy_objective

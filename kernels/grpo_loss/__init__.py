@@ -40,33 +40,23 @@ concrete; under ``jax.jit`` an unmasked id outside [0, V), a NaN / inf advantage
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from kernels import autotune, backend, checks, loss_spec
-from kernels.grpo_loss import blocks as _blocks
-from kernels.grpo_loss import mosaic_gpu as _mosaic_gpu
-from kernels.grpo_loss import pallas as _pallas
-from kernels.grpo_loss import train as _train
-from kernels.grpo_loss import vjp as _vjp
+from kernels import backend, checks, loss_spec, ops
 from kernels.grpo_loss.args import LossArgs, validate_loss_args
-from kernels.grpo_loss.blocks import LossBlocks, default_blocks
-from kernels.grpo_loss.reference import (
-  GRPOAux,
-  grpo_loss_reference,
-  make_aux,
-  objective_and_loss,
-  token_logps_and_entropy,
-)
+from kernels.grpo_loss.impls import IMPLEMENTATIONS, OP, Call
+from kernels.grpo_loss.pallas_blocks import LossBlocks, default_blocks
+from kernels.grpo_loss.reference import GRPOAux, grpo_loss_reference, token_logps_and_entropy
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, LOSS_TYPES, LossSpec
-from kernels.objective import policy_objective
-from kernels.sharding import KernelSharding, local_batch, shard_rows
+from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
   "DEFAULT_MAX_LOG_RATIO",
+  "IMPLEMENTATIONS",
+  "IMPLS",
   "LOSS_TYPES",
+  "OP",
   "GRPOAux",
   "LossArgs",
   "LossBlocks",
@@ -78,7 +68,8 @@ __all__ = [
   "validate_loss_args",
 ]
 
-IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
+# ("auto", "pallas", "xla", "mosaic_gpu"): the table's, for callers that list them
+IMPLS = OP.choices
 
 
 def grpo_loss(
@@ -130,7 +121,7 @@ def grpo_loss(
   Raises:
     ValueError: see :func:`kernels.grpo_loss.args.validate_loss_args` for the full list.
   """
-  checks.choice("impl", impl, IMPLS)
+  OP.check(impl)
   spec = loss_spec.resolve(spec, **spec_fields)
   args = validate_loss_args(
     checks.as_array("logits", logits),
@@ -147,82 +138,25 @@ def grpo_loss(
   b, t, v = args.logits.shape
   n = local_batch(sharding, "logits", b) * t  # a kernel's rows: one shard's
   shape = dict(dtype=jnp.dtype(args.logits.dtype).name, tokens=n, vocab=v)
-  tuned_impl, tuned_blocks = autotune.resolve("grpo_loss", impl, blocks, target, shape)
-  impl, blocks = _legal_on_tpu(tuned_impl, tuned_blocks, blocks is not None, target, shape)
+  impl, blocks = _choose(impl, blocks, target, shape)
   scale = checks.loss_scale(loss_scale)
-  if impl == "xla" or (impl == "auto" and target.platform == "cpu"):
-    loss, aux = grpo_loss_reference(
-      args.logits, args.ids, args.mask, args.advantages, **_logps(args), spec=spec, num_items_in_batch=num_items_in_batch
-    )  # fmt: skip
-    return (loss if scale is None else loss * scale), aux
-  cfg = _kernel_config(impl, args, target, blocks, spec, reuse_logits_buffer, n)
-  if spec.sequence_level:
-    loss, aux = _sequence_level(impl, cfg, args, spec, num_items_in_batch, sharding)
-    return (loss if scale is None else loss * scale), aux
-  return _token_level(cfg, args, spec, num_items_in_batch, scale, sharding)
-
-
-def _legal_on_tpu(impl, blocks, given: bool, target, shape: dict):
-  """(impl, blocks), unless the TPU kernel cannot compile with them here (:func:`blocks.legal_on`):
-  then ``impl="auto"`` runs the reference (a warning says why) and an explicit impl or the caller's
-  own blocks are a ValueError, before anything reaches Mosaic."""
-  if target.platform != "tpu" or impl not in ("auto", "pallas"):
-    return impl, blocks
-  n, v = shape["tokens"], shape["vocab"]
-  reason = _blocks.legal_on(target, blocks or default_blocks(target, n, v), shape)
-  if reason is None:
-    return impl, blocks
-  return _blocks.checked_impl("grpo_loss", "pallas" if given else impl, reason), blocks
-
-
-def _logps(args: LossArgs) -> dict:
-  return dict(old_logps=args.old_logps, ref_logps=args.ref_logps, sampler_logps=args.sampler_logps)
-
-
-def _kernel_config(impl, args: LossArgs, target, blocks, spec: LossSpec, reuse: bool, n: int):
-  """The kernel's static config for its ``n`` rows (one shard's): Mosaic GPU (impl="mosaic_gpu") or
-  the Pallas tiled / rowloop one; ``reuse``: reuse_logits_buffer."""
-  b, t, v = args.logits.shape
-  x = args.logits.reshape(b * t, v)
-  if impl == "mosaic_gpu":  # the Hopper kernel; impl="pallas" is Triton on GPU
-    return _mosaic_gpu.make_config(x, target=target, blocks=blocks, temperature=spec.temperature, reuse_logits_buffer=reuse)  # fmt: skip
-  blocks = default_blocks(target, n, v) if blocks is None else blocks
-  blocks.check(target, n, v)
-  return _pallas.LossConfig(target, blocks, v, spec.temperature, reuse)
-
-
-def _token_level(kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, scale, sharding):
-  """The two-pass training path (:mod:`kernels.grpo_loss.vjp`): a token's loss weight is a function
-  of its own log p, so the forward writes dlogits in the same pass."""
-  b, t, v = args.logits.shape
-  data = dict(
-    mask=args.mask,
-    advantages=args.advantages,
-    **_logps(args),
-    num_items_in_batch=num_items_in_batch,
-    scale=scale,
+  call = Call(
+    args, spec, num_items_in_batch, target, blocks, reuse_logits_buffer, scale, sharding, n
   )
-  present = tuple(k for k in _train.TOKEN_FIELDS[3:] if data[k] is not None)
-  cfg = _train.TrainConfig(kernel_cfg, spec, _train.TOKEN_FIELDS[:3] + present)
-  x, ids = args.logits.reshape(b * t, v), args.ids.reshape(b * t)
-  loss, logp, entropy = _vjp.loss_logps(_vjp.Static(cfg, b, t, sharding), x, ids, data)
-  obj = policy_objective(logp.reshape(b, t), args.mask, args.advantages, spec, **_logps(args))
-  return loss, make_aux(args.mask, logp.reshape(b, t), entropy.reshape(b, t), obj)
+  return OP[impl].run(call)
 
 
-def _sequence_level(impl, kernel_cfg, args: LossArgs, spec: LossSpec, num_items_in_batch, sharding):
-  """GSPO / sequence IS modes: the statistics forward, the [B, T] objective, the backward kernel
-  (three passes: a token's weight is known only once its whole sequence's log-probs are)."""
-  b, t, v = args.logits.shape
-  x, ids = args.logits.reshape(b * t, v), args.ids.reshape(b * t)
-  kernel = _mosaic_gpu.token_logps_cfg if impl == "mosaic_gpu" else _pallas.token_logps
-  logp, entropy = shard_rows(sharding, functools.partial(kernel, kernel_cfg))(x, ids)
-  return objective_and_loss(
-    logp.reshape(b, t),
-    entropy.reshape(b, t),
-    args.mask,
-    args.advantages,
-    spec,
-    num_items_in_batch=num_items_in_batch,
-    **_logps(args),
-  )
+def _choose(impl: str, blocks, target, shape: dict):
+  """(impl, blocks) the call runs: the tuned cache and ``auto``'s platform default
+  (:meth:`kernels.ops.Op.resolve`), then the impl's legality (``supported_on``) before anything
+  compiles. Blocks the kernel cannot compile with here: ``impl="auto"`` with no blocks of the
+  caller's runs the reference (a warning says why); an explicit impl or the caller's own blocks are
+  a ValueError (a TypeError for blocks of another impl). An impl without blocks ignores them."""
+  fallback_ok = impl == "auto" and blocks is None
+  impl, blocks = OP.resolve(impl, blocks, target, shape)
+  entry = OP[impl]
+  if not entry.blocks:
+    return impl, None
+  entry.check_blocks_type(impl, blocks)
+  reason = entry.supported_on(target, shape, blocks)
+  return ops.fallback(OP, "auto" if fallback_ok else impl, reason, stacklevel=4), blocks

@@ -12,11 +12,11 @@ dlogits = g / T * (onehot(id) - softmax(z)) from the saved log-sum-exp), laid ou
   (``copy_smem_to_gmem``), waiting only until the store that last used a slot has *read* it.
 
 These are the statistics and backward kernels (the three-pass path: sequence-level specs, aux
-gradients); the training path's one kernel is :mod:`kernels.grpo_loss.mosaic_train`, built from the
+gradients); the training path's one kernel is :mod:`kernels.grpo_loss.mosaic_gpu_train`, built from the
 same pieces (:func:`stats_fold`, :func:`grad_store`, :func:`tile_pipeline`). The policy objective is
 the [B, T] XLA math of :mod:`kernels.objective` shared by every impl: all [N, V] traffic is in kernels.
 
-Launch budget at N 8192, V 151936 bf16 (:func:`kernels.grpo_loss.blocks.mosaic_budget`, tested):
+Launch budget at N 8192, V 151936 bf16 (:func:`kernels.grpo_loss.pallas_blocks.mosaic_budget`, tested):
 128 CTAs of 64 rows on 132 SMs, one per SM, 19 MB of logits each, 64 KB in flight per SM (4 stages of
 64 x 128 bf16) against ~18 KB that Little's law asks at 80 % of a 3.0 TB/s copy: the forward's one
 pass is not starved of loads (1.04 ms at 80 %). Not measured. Shapes that are not multiples
@@ -36,55 +36,16 @@ from jax.experimental import pallas as pl
 
 from kernels import backend
 from kernels.backend import Target
-from kernels.grpo_loss import mosaic_cluster
-from kernels.grpo_loss.mosaic_common import SMEM_BUDGET, MosaicLossConfig, pad_to
+from kernels.grpo_loss import mosaic_gpu_cluster
+from kernels.grpo_loss.mosaic_gpu_blocks import (
+  ClusterLossBlocks,
+  MosaicLossBlocks,
+  MosaicLossConfig,
+  check_vocab,
+  default_blocks,
+  pad_to,
+)
 from kernels.lse import NEG_BIG, online_step, row_reductions
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicLossBlocks:
-  """Tiles of the Mosaic GPU kernels.
-
-  block_n: token rows per CTA, a multiple of 64 (the WGMMA register layout's row tile).
-  block_v: vocabulary columns per shared-memory tile; block_v * itemsize a multiple of 128 bytes (the
-    swizzle width).
-  stages: depth of the TMA ring (tiles in flight); the backward has one input and one output ring.
-  """
-
-  block_n: int = 64
-  block_v: int = 128
-  stages: int = 4
-
-  def __post_init__(self):
-    for name in ("block_n", "block_v", "stages"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"MosaicLossBlocks.{name} must be a positive int, got {value!r}")
-
-  def check(self, dtype) -> None:
-    itemsize = jnp.dtype(dtype).itemsize
-    if self.block_n % 64:
-      raise ValueError(f"MosaicLossBlocks.block_n must be a multiple of 64, got {self.block_n}")
-    if (self.block_v * itemsize) % 128:
-      raise ValueError(
-        f"MosaicLossBlocks.block_v * itemsize must be a multiple of 128 bytes (the swizzle), got "
-        f"block_v={self.block_v} for {jnp.dtype(dtype).name}"
-      )
-    ring = 2 * self.stages * self.block_n * self.block_v * itemsize  # backward: in + out rings
-    if ring > SMEM_BUDGET:
-      raise ValueError(
-        f"MosaicLossBlocks use {ring} bytes of shared memory (2 rings of {self.stages} x "
-        f"{self.block_n} x {self.block_v}); at most {SMEM_BUDGET}"
-      )
-
-
-def default_blocks(dtype) -> MosaicLossBlocks:
-  """64 rows x 128 columns, as many stages as fit in half the budget (4 for bf16, 3 for f32).
-
-  Not tuned on hardware (none was available); the autotuner's cache overrides it per device.
-  """
-  tile = 64 * 128 * jnp.dtype(dtype).itemsize
-  return MosaicLossBlocks(64, 128, max(2, min(4, SMEM_BUDGET // (2 * tile))))
 
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -255,9 +216,9 @@ def padded_shape(cfg: MosaicLossConfig, n: int, v: int) -> tuple[int, int]:
 
 def stats_call(cfg: MosaicLossConfig, logits, ids):
   """(lse, logp, entropy) [N] f32 of unpadded logits [N, V] (one read): the row kernel, or with
-  ``ClusterLossBlocks`` the cluster-split kernel (:mod:`kernels.grpo_loss.mosaic_cluster`)."""
+  ``ClusterLossBlocks`` the cluster-split kernel (:mod:`kernels.grpo_loss.mosaic_gpu_cluster`)."""
   if not isinstance(cfg.blocks, MosaicLossBlocks):
-    return mosaic_cluster.stats(cfg, logits, ids)
+    return mosaic_gpu_cluster.stats(cfg, logits, ids)
   n, v = logits.shape
   np_, vp = padded_shape(cfg, n, v)
   return tuple(a[:n] for a in fwd_call(cfg, pad_to(logits, np_, vp), pad_to(ids, np_, vp)))
@@ -314,8 +275,8 @@ def make_config(
     )
   if blocks is None:
     blocks = default_blocks(logits.dtype)
-  if isinstance(blocks, mosaic_cluster.ClusterLossBlocks):
-    mosaic_cluster.check_vocab(logits.shape[1])
+  if isinstance(blocks, ClusterLossBlocks):
+    check_vocab(logits.shape[1])
     blocks.check(logits.dtype, logits.shape[1])
   elif isinstance(blocks, MosaicLossBlocks):
     blocks.check(logits.dtype)

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from kernels.grpo_loss import mosaic_train as _mosaic_train
+from kernels.grpo_loss import mosaic_gpu_train as _mosaic_train
 from kernels.grpo_loss import pallas as _pallas
-from kernels.grpo_loss import train as _train
+from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.reference import reduce_loss
 from kernels.objective import policy_objective
 from kernels.sharding import KernelSharding, shard_rows
@@ -92,13 +92,13 @@ def _kernels(static: Static):
   (logp, ent, res, dlogits); grad(x, ids, res, g) -> dlogits. Every argument and result is per row;
   with a sharding each runs shard-local over its batch axes (a Mosaic call cannot be partitioned)."""
   cfg = static.kernel
-  if isinstance(cfg.loss, _pallas.LossConfig):
+  if isinstance(cfg.loss, LossConfig):
     loss = cfg.loss
-    stats = lambda x, ids: (lambda o: (o[0], o[1], o[2:]))(_pallas._fwd_call(loss, x, ids))
+    stats = lambda x, ids: (lambda o: (o[0], o[1], o[2:]))(_pallas.fwd_call(loss, x, ids))
     train = lambda x, ids, tok: (lambda o: (o[0], o[1], o[2:4], o[4]))(
-      _train.train_fwd(cfg, x, ids, tok)
+      _pallas.train_fwd(cfg, x, ids, tok)
     )
-    grad = lambda x, ids, res, g: _pallas._bwd_call(loss, x, ids, *res, g)
+    grad = lambda x, ids, res, g: _pallas.bwd_call(loss, x, ids, *res, g)
   else:
     stats, train, grad = _mosaic_train.train_kernels(cfg)
   return tuple(shard_rows(static.sharding, f) for f in (stats, train, grad))

@@ -5,15 +5,17 @@ Three layers, each a thin one over the next:
                 dataclasses of validated hyperparameters with ``delta(p, g, scalars, *slots)``);
   leaf.py       a rule on arrays: ``update_leaves`` runs every leaf of a tree in one pass over memory
                 (param, grad and state read once, new param and state written once: 7 x 4 bytes per
-                f32 parameter for AdamW) in ONE launch for the whole tree, leaves aliased in place —
-                on GPU a Triton (leaf, chunk) walk (multi.py), on TPU a Mosaic (leaf, window) walk
-                over each leaf in its own tiled layout (pallas.py launches it, tiles.py plans it,
-                walk.py is its body) — or the pure-JAX reference (reference.py), all evaluating the
-                same body;
+                f32 parameter for AdamW) in ONE launch for the whole tree, leaves aliased in place,
+                through the op's table (impls.py): the ``pallas`` impl (pallas.py) is a Triton
+                (leaf, chunk) walk on GPU (pallas_triton.py) and a Mosaic (leaf, window) walk over
+                each leaf in its own tiled layout on TPU (pallas_tpu.py launches it,
+                pallas_tpu_plan.py plans it, pallas_tpu_walk.py is its body), ``xla`` the pure-JAX
+                reference (reference.py), all evaluating the same body (work.py's ``LeafWork``);
   transform.py  a rule over a tree: an ``optax.GradientTransformation`` returning the update delta,
                 and an in-place ``step(params, grads, state)``, optionally shard-local on a mesh
                 (one shard_map, one launch per device).
-  evidence.py   the launch's programs, bytes and occupancy against the H100 (no GPU needed).
+The GPU launch's programs, bytes and occupancy against the H100 (no GPU needed):
+pallas_triton_evidence.py; both families' blocks: pallas_blocks.py.
 The public functions below name the combinations: ``fused_adamw(...)`` is ``fused(AdamW(...), ...)``.
 A new element-wise optimizer is one ``Rule`` subclass (``SGD``: 13 lines, its math 4).
 """
@@ -25,13 +27,20 @@ from typing import NamedTuple
 import jax
 import optax
 
+from kernels.optim.impls import IMPLEMENTATIONS, OP
 from kernels.optim.leaf import KernelOptions, RuleUpdate, apply_rule, update_leaves
-from kernels.optim.multi import MultiTensorBlocks, candidate_blocks, default_blocks
-from kernels.optim.pallas import ElementwiseBlocks
+from kernels.optim.pallas_blocks import (
+  ElementwiseBlocks,
+  MultiTensorBlocks,
+  candidate_blocks,
+  default_blocks,
+)
 from kernels.optim.rules import SGD, AdamW, Interval, Lion, Rule, check_range
 from kernels.optim.transform import FusedOptimizer, FusedState, partition_specs_of
 
 __all__ = [
+  "IMPLEMENTATIONS",
+  "OP",
   "SGD",
   "AdamW",
   "AdamWUpdate",

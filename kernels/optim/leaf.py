@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels import autotune, backend
-from kernels.optim import pallas
-from kernels.optim.multi import LeafWork, MultiTensorBlocks, multi_tensor_call
-from kernels.optim.pallas import ElementwiseBlocks
-from kernels.optim.reference import elementwise_reference
+from kernels.optim.impls import OP
+from kernels.optim.pallas_blocks import ElementwiseBlocks, MultiTensorBlocks
 from kernels.optim.rules import NON_NEGATIVE, Rule, check_range
+from kernels.optim.work import LeafWork
 
 # "param": write the new parameter (and master, state) in place; "delta": return the update that
 # optax.apply_updates adds (the GradientTransformation path), nothing aliased.
@@ -34,11 +33,7 @@ class KernelOptions:
   blocks: ElementwiseBlocks | MultiTensorBlocks | None = None
 
   def __post_init__(self):
-    if self.impl not in ("auto", "pallas", "xla"):
-      raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {self.impl!r}")
-
-  def use_kernel(self, target: backend.Target) -> bool:
-    return self.impl == "pallas" or (self.impl == "auto" and target.platform != "cpu")
+    OP.check(self.impl)
 
 
 class RuleUpdate(NamedTuple):
@@ -97,8 +92,9 @@ def update_leaves(
   options: KernelOptions,
 ) -> list[RuleUpdate]:
   """Every leaf's step: one multi-tensor launch for all of them (the Triton walk of
-  :mod:`kernels.optim.multi` on GPU, the Mosaic one of :mod:`kernels.optim.pallas` on TPU and its
-  interpreter), else the XLA reference."""
+  :mod:`kernels.optim.pallas_triton` on GPU, the Mosaic one of :mod:`kernels.optim.pallas_tpu` on
+  TPU and its interpreter), else the XLA reference: the impl of ``options`` in the op's table
+  (:mod:`kernels.optim.impls`)."""
   masters = [None] * len(params) if masters is None else list(masters)
   works, leads = [], []
   for rule, p, g, s, m in zip(rules, params, grads, slots, masters, strict=True):
@@ -107,13 +103,9 @@ def update_leaves(
     leads.append(lead)
   target = backend.resolve(options.platform, options.interpret)
   options = tuned_options(options, target, rules, params)
-  kernel = options.use_kernel(target)
-  stacked = jnp.stack(scalars).astype(jnp.float32) if scalars else jnp.zeros([1], jnp.float32)
   name = f"{type(rules[0]).__name__.lower()}_update" if rules else "update"
-  if kernel and works:
-    outs = _launch(works, stacked, target, options.blocks, write, name)
-  else:
-    outs = [elementwise_reference(w.body, w.inputs, w.outputs, scalars) for w in works]
+  impl = OP.default(options.impl, target)
+  outs = OP[impl].run(works, scalars, target, options.blocks, write, name)
   return [
     RuleUpdate(o[lead], tuple(o[k] for k in rule.slots), o.get("master"))
     for o, lead, rule in zip(outs, leads, rules)
@@ -122,9 +114,9 @@ def update_leaves(
 
 def tuned_options(options: KernelOptions, target, rules: Sequence[Rule], params) -> KernelOptions:
   """``options`` with ``impl="auto"`` / ``blocks=None`` filled from the autotuner's cache (op
-  "optim", bucket: rule, param dtype, total parameters; bench.tune writes it) on the host's own
-  uninterpreted platform; tiles of the other kernel family, a malformed entry or an unreadable
-  cache leave the heuristics (:func:`kernels.autotune.resolve_checked`)."""
+  "optim", bucket: rule, param dtype, total parameters; bench.tune writes it) on the target's device
+  kind; tiles of the other kernel family, a malformed entry or an unreadable cache leave the
+  heuristics, with a warning (:func:`kernels.autotune.resolve`)."""
   if not rules:
     return options
   shape = dict(
@@ -132,31 +124,8 @@ def tuned_options(options: KernelOptions, target, rules: Sequence[Rule], params)
     dtype=jnp.result_type(params[0]).name,
     params=sum(math.prod(jnp.shape(p)) for p in params),
   )
-  legal = lambda impl, blocks: _check_tuned(target, impl, blocks)
-  impl, blocks = autotune.resolve_checked(
-    "optim", options.impl, options.blocks, target, shape, legal
-  )
+  impl, blocks = autotune.resolve(OP, options.impl, options.blocks, target, shape)
   return dataclasses.replace(options, impl=impl, blocks=blocks)
-
-
-def _check_tuned(target, impl: str, blocks) -> None:
-  """TypeError / ValueError unless a tuned (impl, blocks) can run on ``target``."""
-  KernelOptions(impl)  # the impl check
-  want = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
-  if blocks is not None and not isinstance(blocks, want):
-    raise TypeError(f"tuned blocks {blocks!r} are not {want.__name__} ({target.family} target)")
-
-
-def _launch(works, stacked, target, blocks, write: Write, name: str):
-  """One multi-tensor launch for the whole tree: the Triton (leaf, chunk) walk on the GPU family
-  (kernels.optim.multi), the Mosaic (leaf, window) walk on the tiled one (kernels.optim.pallas)."""
-  family = MultiTensorBlocks if target.family == "rowloop" else ElementwiseBlocks
-  if blocks is not None and not isinstance(blocks, family):
-    raise TypeError(
-      f"blocks for the {target.family} kernel must be {family.__name__}, got {blocks!r}"
-    )
-  call = multi_tensor_call if target.family == "rowloop" else pallas.multi_tensor_call
-  return call(works, stacked, target=target, blocks=blocks, in_place=write == "param", name=name)
 
 
 def _leaf_work(rule: Rule, param, grad, slots: tuple, master, write: Write):

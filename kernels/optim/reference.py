@@ -1,4 +1,4 @@
-"""The pure-JAX twin of the multi-tensor kernels (:mod:`kernels.optim.multi`, :mod:`kernels.optim.pallas`):
+"""The pure-JAX twin of the multi-tensor kernels (:mod:`kernels.optim.pallas_triton`, :mod:`kernels.optim.pallas_tpu`):
 the same body (built from a rule in :mod:`kernels.optim.rules`) evaluated on whole f32 arrays, which
 XLA fuses into one loop.
 

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from kernels import autotune, backend, checks
-from kernels.paged_attention import mosaic_gpu as _mosaic_gpu
-from kernels.paged_attention.blocks import PagedBlocks, default_blocks, legal_on
-from kernels.paged_attention.pallas import PagedConfig, paged_attention_splits
-from kernels.paged_attention.reference import (
-  combine_splits,
-  gather_pages,
-  paged_attention_reference,
-)
+from kernels import backend, checks
+from kernels.paged_attention.impls import IMPLEMENTATIONS, OP, Call
+from kernels.paged_attention.pallas_blocks import PagedBlocks, default_blocks
+from kernels.paged_attention.reference import gather_pages, paged_attention_reference
 from kernels.sharding import KernelSharding, local_batch
 
 __all__ = [
+  "IMPLEMENTATIONS",
   "IMPLS",
+  "OP",
   "PagedBlocks",
   "default_blocks",
   "gather_pages",
@@ -29,10 +22,8 @@ __all__ = [
   "paged_attention_reference",
 ]
 
-IMPLS = ("auto", "pallas", "xla", "mosaic_gpu")
-GPU_MIN_GROUP = (
-  16  # Triton's dot needs >= 16 rows: the GPU kernel pads the q heads of a kv head to this
-)
+# ("auto", "pallas", "xla", "mosaic_gpu"): the table's, for callers that list them
+IMPLS = OP.choices
 
 
 def paged_attention(
@@ -79,35 +70,21 @@ def paged_attention(
       The kernel runs shard-local in a ``shard_map`` (XLA cannot partition a Mosaic call) with
       blocks for the local B / Hkv; ``vocab_axis`` is unused here. The xla impl ignores it.
   """
-  checks.choice("impl", impl, IMPLS)
+  OP.check(impl)
   q, k_pages, v_pages = (checks.as_array(n, a) for n, a in zip(_KV_NAMES, (q, k_pages, v_pages)))
   lengths = checks.as_array("lengths", lengths)
   page_indices = checks.as_array("page_indices", page_indices)
-  b, _hq, d, hkv, page_size, pages_per_seq = _validate(q, k_pages, v_pages, lengths, page_indices)
+  b, hq, d, hkv, page_size, pages_per_seq = _validate(q, k_pages, v_pages, lengths, page_indices)
   scale = checks.real("scale", d**-0.5 if scale is None else scale, lo=0.0, lo_open=True)
   lengths, page_indices, poisoned = _checked_table(
     lengths, page_indices, k_pages.shape[1], page_size
   )
   target = backend.resolve(platform, interpret)
-  b, _hq, hkv = _local_sizes(sharding, b, _hq, hkv)  # what one shard's kernel sees
-  impl, blocks = autotune.resolve("paged_attention", impl, blocks, target, dict(dtype=jnp.dtype(k_pages.dtype).name, batch=b, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size, ctx=pages_per_seq * page_size))  # fmt: skip
-  if impl == "auto":
-    impl = "xla" if target.platform == "cpu" else "pallas"
-  if impl == "xla":
-    out = paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, scale=scale)
-  elif impl == "mosaic_gpu":  # the Mosaic GPU kernel (Hopper); impl="pallas" is Triton on GPU
-    kernel = functools.partial(_mosaic_gpu.paged_attention, scale=scale, target=target, blocks=blocks)  # fmt: skip
-    out = _shard(sharding, kernel)(q, k_pages, v_pages, lengths, page_indices)
-  else:
-    blocks = blocks or default_blocks(target, b, hkv, pages_per_seq, page_size)
-    shape = dict(dtype=k_pages.dtype, q_heads=_hq, kv_heads=hkv, head_dim=d, page_size=page_size)
-    reason = legal_on(target, blocks, shape)  # tiles and, on TPU, a step's VMEM: before Mosaic
-    if reason:
-      raise ValueError(f"paged_attention blocks {blocks}: {reason}")
-    if target.platform == "gpu" and d & (d - 1):
-      raise ValueError(f"the GPU kernel needs a power-of-two head_dim, got {d}")
-    cfg = PagedConfig(target, blocks, scale)
-    out = _shard(sharding, functools.partial(_pallas, cfg))(q, k_pages, v_pages, lengths, page_indices)  # fmt: skip
+  b, hq, hkv = _local_sizes(sharding, b, hq, hkv)  # what one shard's kernel sees
+  shape = dict(dtype=jnp.dtype(k_pages.dtype).name, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, page_size=page_size, ctx=pages_per_seq * page_size)  # fmt: skip
+  impl, blocks = OP.resolve(impl, blocks, target, shape)
+  arrays = (q, k_pages, v_pages, lengths, page_indices)
+  out = OP[impl].run(Call(arrays, scale, target, blocks, sharding, shape))
   return jnp.where(poisoned[:, None, None], jnp.nan, out).astype(out.dtype)
 
 
@@ -121,22 +98,6 @@ def _local_sizes(sharding: KernelSharding | None, b: int, hq: int, hkv: int):
   sharding.check_axis("head_axis", "Hkv", hkv)
   heads = sharding.axis_size(sharding.head_axis)
   return local_batch(sharding, "q", b), hq // heads, hkv // heads
-
-
-def _shard(sharding: KernelSharding | None, kernel):
-  """``kernel(q, k_pages, v_pages, lengths, page_indices)`` run shard-local: sequences over the batch
-  axes, kv heads (and their q heads) over the head axis."""
-  if sharding is None:
-    return kernel
-  rows, heads = sharding.batch_axes or None, sharding.head_axis
-  kv = P(heads)
-  return jax.shard_map(
-    kernel,
-    mesh=sharding.mesh,
-    in_specs=(P(rows, heads), kv, kv, P(rows), P(rows)),
-    out_specs=P(rows, heads),
-    check_vma=False,
-  )
 
 
 def _checked_table(
@@ -169,26 +130,6 @@ def _checked_table(
   poisoned = (lengths < 0) | jnp.any(out_of_pool, axis=1)
   safe_pages = jnp.where(reached & ~out_of_pool, page_indices, 0).astype(jnp.int32)
   return jnp.clip(lengths, 0, capacity).astype(jnp.int32), safe_pages, poisoned
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _pallas(cfg: PagedConfig, q, k_pages, v_pages, lengths, page_indices):
-  b, hq, d = q.shape
-  hkv = k_pages.shape[0]
-  g = hq // hkv
-  qg = q.reshape(b, hkv, g, d).astype(
-    k_pages.dtype
-  )  # the MXU / tensor cores take both operands alike
-  gp = g
-  if cfg.target.family == "rowloop":
-    gp = max(GPU_MIN_GROUP, 1 << (g - 1).bit_length())
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-  per_step = cfg.blocks.pages_per_block * cfg.blocks.num_splits
-  pad = -page_indices.shape[1] % per_step
-  page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))  # filler page 0: beyond every length
-  o, lse = paged_attention_splits(cfg, qg, k_pages, v_pages, lengths, page_indices)
-  out = o[0] if cfg.blocks.num_splits == 1 else combine_splits(o, lse)
-  return out[:, :, :g].reshape(b, hq, d).astype(q.dtype)
 
 
 def _validate(q, k_pages, v_pages, lengths, page_indices):

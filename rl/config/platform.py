@@ -1,4 +1,4 @@
-"""Which platform a config targets, and what `train.policy_loss_impl` means there: ONE table.
+"""Which platform a config targets, and what `train.policy_loss_impl` means there: the loss ops' tables.
 
 `policy_loss_impl=pallas` means "this project's kernel on this platform": the Triton loss on GPU, the
 tiled kernel on TPU, the Pallas interpreter on CPU; with `fused_lm_head=true` the best fused LM-head
@@ -13,28 +13,22 @@ from __future__ import annotations
 import os
 
 from kernels.backend import Platform, host_platform
+from kernels.fused_linear import OP as FUSED_LOSS_OP
+from kernels.grpo_loss import OP as LOSS_OP
 from rl.configlib import ConfigError
 
 PLATFORMS: tuple[Platform, ...] = ("cpu", "gpu", "tpu")
 
 # (platform, train.fused_lm_head) -> {train.policy_loss_impl: the impl passed to the kernel entry
-# point (kernels.grpo_loss, or kernels.fused_linear_grpo_loss when fused)}. A missing key: the
-# platform lacks that choice. "auto" is the kernels' own per-platform default.
+# point (kernels.grpo_loss, or kernels.fused_linear_grpo_loss when fused)}: "auto" (the kernels' own
+# per-platform default) and every impl the op's table offers on the platform (kernels.ops.Impl's
+# platforms). A missing key: the platform lacks that choice.
 LOSS_IMPLS: dict[tuple[Platform, bool], dict[str, str]] = {
-  ("cpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas", "mosaic_gpu": "mosaic_gpu"},
-  ("cpu", True): {"auto": "auto", "xla": "xla", "pallas": "pallas", "chunked": "chunked"},
-  ("gpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas", "mosaic_gpu": "mosaic_gpu"},
-  ("gpu", True): {
-    "auto": "auto",
-    "xla": "xla",
-    "pallas": "pallas",
-    "mosaic_gpu": "mosaic_gpu",
-    "chunked": "chunked",
-  },
-  ("tpu", False): {"auto": "auto", "xla": "xla", "pallas": "pallas"},
-  ("tpu", True): {"auto": "auto", "xla": "xla", "pallas": "pallas", "chunked": "chunked"},
+  (platform, fused): {impl: impl for impl in ("auto", *op.on(platform))}
+  for platform in PLATFORMS
+  for fused, op in ((False, LOSS_OP), (True, FUSED_LOSS_OP))
 }
-# Every value train.policy_loss_impl may take somewhere (the config's Literal mirrors it).
+# Every value train.policy_loss_impl may take somewhere (the config's Literal is built from it).
 CHOICES = tuple(sorted({k for row in LOSS_IMPLS.values() for k in row}))
 
 

@@ -7,8 +7,12 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from kernels.loss_spec import DEFAULT_MAX_LOG_RATIO, IS_MODES
+from rl.config.platform import CHOICES as LOSS_IMPL_CHOICES
 from rl.configlib import Range, check_ranges
 from rl.model.qwen import REMAT
+
+# train.policy_loss_impl: "auto" and every impl the loss ops' tables offer somewhere (rl.config.platform)
+PolicyLossImpl = Literal[LOSS_IMPL_CHOICES]
 
 __all__ = ["IsMode", "TrainSection"]
 
@@ -26,8 +30,8 @@ class TrainSection:
   ppo_epochs: int = 1  # > 1 makes the clipping matter (old log-probs are recorded)
   # rl.config.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
   # project's kernel there); a choice the platform lacks is an error at load.
-  policy_loss_impl: Literal["pallas", "chunked", "xla", "auto", "mosaic_gpu"] = "auto"
-  fused_lm_head: bool = False  # the loss from hidden states and the LM head (no [B, T, V] logits)
+  policy_loss_impl: PolicyLossImpl = "auto"
+  fused_lm_head: bool = False
   # Rematerialisation of the decoder layers in the update's backward (rl.model.qwen.REMAT): none
   # keeps every layer's intermediates; layer recomputes each layer keeping its weight matmuls'
   # outputs; full recomputes each layer from its input (the least memory: one more decoder forward

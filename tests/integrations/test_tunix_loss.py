@@ -72,20 +72,16 @@ def _ours(fused: bool, impl: str):
 def test_matches_tunix_grpo_loss(case):
   """Every case, untied head, through the production paths (the kernels, interpreted)."""
   model, ex, cfg = _problem(case, False)
-  theirs = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)
-  for name in ("fused_chunked", "logits_pallas"):
-    ours = tp.loss_and_grads(_ours(*IMPLS[name]), model, ex, cfg)
-    tp.assert_matches(ours, theirs, f"{case} untied {name}")
+  ours = {name: _ours(*IMPLS[name]) for name in ("fused_chunked", "logits_pallas")}
+  tp.assert_all_match(algo_core.grpo_loss_fn, ours, model, ex, cfg, f"{case} untied")
 
 
 @pytest.mark.parametrize("case", ["default_k1", "seq_scale_k2_gspo_cap", "packed_token_mean"])
 def test_tied_head_every_impl(case):
   """The tied embedding ([V, D], transposed into the head) through every impl."""
   model, ex, cfg = _problem(case, True)
-  theirs = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)
-  for name, (fused, impl) in IMPLS.items():
-    ours = tp.loss_and_grads(_ours(fused, impl), model, ex, cfg)
-    tp.assert_matches(ours, theirs, f"{case} tied {name}")
+  ours = {name: _ours(fused, impl) for name, (fused, impl) in IMPLS.items()}
+  tp.assert_all_match(algo_core.grpo_loss_fn, ours, model, ex, cfg, f"{case} tied")
 
 
 def test_cases_are_active():
@@ -94,15 +90,15 @@ def test_cases_are_active():
   lp = np.asarray(tp.true_logps(model, ex))
   m = np.asarray(ex.completion_mask) > 0
   assert (np.abs(lp - np.asarray(ex.old_per_token_logps))[m] > 20).any()
-  _, aux, _ = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)
+  _, aux = tp.loss_and_aux(algo_core.grpo_loss_fn, model, ex, cfg)
   assert float(aux["is_ratio/max"]) == pytest.approx(float(np.exp(np.float32(20.0))), rel=1e-6)
-  _, aux, _ = tp.loss_and_grads(algo_core.grpo_loss_fn, *_problem("token_mean_k3_dual_clip", False))
+  _, aux = tp.loss_and_aux(algo_core.grpo_loss_fn, *_problem("token_mean_k3_dual_clip", False))
   assert float(aux["pg_clipfrac_lower"]) > 0  # the dual clip bites
-  _, aux, _ = tp.loss_and_grads(algo_core.grpo_loss_fn, *_problem("seq_scale_k2_gspo_cap", False))
+  _, aux = tp.loss_and_aux(algo_core.grpo_loss_fn, *_problem("seq_scale_k2_gspo_cap", False))
   assert float(aux["is_ratio/max"]) == pytest.approx(float(np.exp(np.float32(10.0))), rel=1e-6)
   model, ex, cfg = _problem("seq_sum_weights_on_policy", False)
-  base = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)[0]
-  unweighted = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex.replace(sampler_is_weights=None), cfg)  # fmt: skip
+  base = tp.loss_and_aux(algo_core.grpo_loss_fn, model, ex, cfg)[0]
+  unweighted = tp.loss_and_aux(algo_core.grpo_loss_fn, model, ex.replace(sampler_is_weights=None), cfg)  # fmt: skip
   assert abs(float(base) - float(unweighted[0])) > 1e-3
 
 
@@ -111,10 +107,8 @@ def test_register_selects_the_losses_by_name():
 
   grpo_tunix.register(impl="xla", fused_impl="xla")
   model, ex, cfg = _problem("default_k1", True)
-  theirs = tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)
-  for name in grpo_tunix.NAMES:
-    fn = function_registry.get_policy_loss_fn(name)
-    tp.assert_matches(tp.loss_and_grads(fn, model, ex, cfg), theirs, name)
+  ours = {name: function_registry.get_policy_loss_fn(name) for name in grpo_tunix.GRPO_NAMES}
+  tp.assert_all_match(algo_core.grpo_loss_fn, ours, model, ex, cfg, "registered")
 
 
 @pytest.mark.parametrize(
@@ -157,6 +151,6 @@ def test_bf16_model_close_to_tunix():
   model = tp.tiny_qwen3(False, dtype=jnp.bfloat16)
   ex = tp.example(model, seed=3)
   cfg = tp.grpo_config(beta=0.04)
-  e_loss = float(tp.loss_and_grads(algo_core.grpo_loss_fn, model, ex, cfg)[0])
-  loss = float(tp.loss_and_grads(_ours(True, "chunked"), model, ex, cfg)[0])
+  e_loss = float(tp.loss_and_aux(algo_core.grpo_loss_fn, model, ex, cfg)[0])
+  loss = float(tp.loss_and_aux(_ours(True, "chunked"), model, ex, cfg)[0])
   assert abs(loss - e_loss) <= 2e-2 * max(abs(e_loss), 1e-2)

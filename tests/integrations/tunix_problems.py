@@ -3,6 +3,8 @@ where tunix is installed: the test modules importorskip it first)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
 from tunix.rl.grpo import grpo_learner
+from tunix.rl.ppo import ppo_learner
 
 PAD, EOS = 0, 2
 # The issue's targets (f32, CPU): loss relative error and gradients relative to the largest one.
@@ -43,6 +46,20 @@ def grpo_config(**options) -> grpo_learner.GRPOConfig:
   for k, v in extra.items():
     setattr(cfg, k, v)
   return cfg
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class KLPPOConfig(ppo_learner.PPOConfig):
+  """PPOConfig with the ``kl_coef`` that ppo_policy_loss_fn reads with getattr (0.1.7's PPOConfig
+  has no such field, and its slots refuse a new attribute)."""
+
+  kl_coef: float = 0.0
+
+
+def ppo_example(ex) -> ppo_learner.TrainExample:
+  """The PPO learner's TrainExample with ``ex``'s fields (per-token advantages expected)."""
+  fields = {f.name: getattr(ex, f.name) for f in dataclasses.fields(ex)}
+  return ppo_learner.TrainExample(**fields)
 
 
 def true_logps(model, example, temperature=1.0):  # -> [B, T] f32 (the model's own log-probs)
@@ -133,13 +150,37 @@ def _packed(model, rng, b, length, vocab, ref, weights, temperature):
 
 def loss_and_grads(loss_fn, model, ex, cfg):
   """(loss, aux, grads) of ``loss_fn(model, ex, cfg, PAD, EOS)`` w.r.t. every nnx.Param, jitted."""
+  return losses_and_grads([loss_fn], model, ex, cfg)[0]
+
+
+def losses_and_grads(loss_fns, model, ex, cfg) -> list:
+  """[(loss, aux, grads)] of each loss fn, all in one jitted program (one compile: the tests'
+  time on CPU is mostly XLA compiles)."""
   graph, state = nnx.split(model)
 
-  def f(state):
-    return loss_fn(nnx.merge(graph, state), ex, cfg, PAD, EOS)
+  def all_of(state):
+    out = []
+    for fn in loss_fns:
+      f = lambda s, fn=fn: fn(nnx.merge(graph, s), ex, cfg, PAD, EOS)
+      (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(state)
+      out.append((loss, aux, grads))
+    return out
 
-  (loss, aux), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(state)
-  return loss, aux, grads
+  return jax.jit(all_of)(state)
+
+
+def assert_all_match(reference_fn, ours: dict, model, ex, cfg, msg: str) -> None:
+  """Each of ``ours`` (name -> loss fn) matches ``reference_fn`` (:func:`assert_matches`),
+  computed in one program."""
+  theirs, *mine = losses_and_grads([reference_fn, *ours.values()], model, ex, cfg)
+  for name, result in zip(ours, mine):
+    assert_matches(result, theirs, f"{msg} {name}")
+
+
+def loss_and_aux(loss_fn, model, ex, cfg):
+  """(loss, aux) of ``loss_fn(model, ex, cfg, PAD, EOS)``, jitted, no gradient (cheaper to compile)."""
+  graph, state = nnx.split(model)
+  return jax.jit(lambda state: loss_fn(nnx.merge(graph, state), ex, cfg, PAD, EOS))(state)
 
 
 def assert_matches(ours, theirs, msg: str):

@@ -1,7 +1,7 @@
 """Every TPU kernel as a TPU generation runs it, executed in jax's TPU interpreter on this CPU.
 
 Inside ``backend.use_target("tpu", interpret=False, generation=G)`` each op builds exactly what
-libtpu compiles for G (tests/test_tpu_compile.py compiles the same calls): blocks and rows from the
+libtpu compiles for G (tests/bench/tpu/test_compile.py compiles the same calls): blocks and rows from the
 heuristics at the call's shape, the compiler params (grid semantics, VMEM limits), the paged
 kernel's DMA unroll (64) and two-slot page ring, the optimizer's 3-slot pipelined walk and its core
 split. ``pltpu.force_tpu_interpret_mode`` then runs those pallas_calls in the TPU interpreter: a DMA
@@ -40,9 +40,9 @@ from bench.tolerances import assert_close
 from kernels import backend
 from kernels.fused_linear import default_blocks as fused_blocks
 from kernels.fused_linear import reference as fl_reference
-from kernels.grpo_loss import tiles
-from kernels.grpo_loss.blocks import default_blocks as loss_blocks
-from kernels.optim import pallas as optim_pallas
+from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
+from kernels.grpo_loss.pallas_blocks import default_blocks as loss_blocks
+from kernels.optim import pallas_tpu as optim_pallas
 from kernels.paged_attention import paged_attention_reference
 
 GENERATIONS = ("v4", "v5e", "v6e")
@@ -116,7 +116,7 @@ def _loss_case(gen, capsys, b, t, v, dtype, level):
   with production(gen) as target:
     blocks = loss_blocks(target, n, v)
     if level == "token":  # the training kernel's row blocks (two [rows, V] blocks in VMEM)
-      rows = tiles.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2)
+      rows = sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2)
       steps = -(-n // rows)
     else:  # the backward kernel: (rows / block_n, V / block_v), both parallel
       steps = -(-n // blocks.block_n) * -(-v // blocks.block_v)

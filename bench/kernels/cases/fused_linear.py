@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import kernels
 from bench.kernels.cases import Case, Check
 from bench.shapes import LINEAR_LOSS_SHAPES, PRODUCTION_LINEAR_LOSS_SHAPES, LinearLossShape
-from kernels.fused_linear import mosaic_gpu
+from kernels.fused_linear import mosaic_gpu_blocks
 
 SHAPES_BY_SIZE = {
   "tiny": ("tiny",),
@@ -100,7 +100,7 @@ def cases(size: str, platform: str) -> list[Case]:
           {**params, "impl": impl},
         )
       )
-    if platform == "gpu" and jnp.dtype(s.dtype).name in mosaic_gpu.DTYPES:
+    if platform == "gpu" and jnp.dtype(s.dtype).name in mosaic_gpu_blocks.DTYPES:
       out.append(_stored_case(name, s, inputs, 2 * io, (value, dh, dw), params))
   return out
 
@@ -109,7 +109,7 @@ def _stored_case(name, s: LinearLossShape, inputs, io, checks, params) -> Case:
   """fwd+bwd of the Mosaic GPU path with the most stored columns the temp target allows (the
   statistics pass keeps exp(z - m) of the first columns for the backward): beside the plain
   mosaic_gpu row, what sharing the forward's logits with the backward buys."""
-  base = mosaic_gpu.default_blocks(s.tokens, s.hidden, s.vocab)
+  base = mosaic_gpu_blocks.default_blocks(s.tokens, s.hidden, s.vocab)
   blocks = dataclasses.replace(base, stored_cols=base.max_stored_cols(s.tokens, s.hidden, s.vocab))
   return Case(
     "fused_linear/mosaic_gpu-stored",

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from bench.kernels.cases import Case
 from bench.kernels.cases import grpo_loss as loss_cases
 from bench.kernels.cases import paged_attention as paged_cases
-from kernels.grpo_loss.mosaic_cluster import default_blocks as cluster_blocks
-from kernels.paged_attention.mosaic_gpu import DTYPES as PAGED_DTYPES
+from kernels.grpo_loss.mosaic_gpu_blocks import default_cluster_blocks as cluster_blocks
+from kernels.paged_attention.mosaic_gpu_blocks import DTYPES as PAGED_DTYPES
 
 
 def cases(size: str, platform: str) -> list[Case]:

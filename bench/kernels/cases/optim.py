@@ -1,7 +1,7 @@
 """Optimizer bench cases: fused AdamW / Lion / SGD vs optax on a decoder-shaped f32 parameter tree.
 
 Two kernel variants per optimizer, both the multi-tensor step (one launch for the whole tree: Triton,
-kernels/optim/multi.py, on GPU; Mosaic, kernels/optim/pallas.py, on TPU): ``inplace`` (fused_*_step, writes params: the 7 x 4 bytes/param minimum for
+kernels/optim/pallas_triton.py, on GPU; Mosaic, kernels/optim/pallas_tpu.py, on TPU): ``inplace`` (fused_*_step, writes params: the 7 x 4 bytes/param minimum for
 AdamW) and ``optax-api`` (the GradientTransformation returning a delta, then
 ``optax.apply_updates``: 10 words). The reference is ``optax.adamw`` / ``optax.lion`` / ``optax.sgd`` +
 ``apply_updates`` under one jit.
@@ -33,7 +33,7 @@ import optax
 from bench.kernels.cases import Case, Check
 from bench.shapes import decoder_param_shapes
 from kernels import optim
-from kernels.optim.evidence import launch_evidence
+from kernels.optim.pallas_triton_evidence import launch_evidence
 
 SHAPES_BY_SIZE = {
   "tiny": ("tiny",),

@@ -1,26 +1,24 @@
-"""Tunix drop-in: the suite's GRPO loss kernels as tunix policy losses (tunix 0.1.7).
+"""Tunix drop-in: the suite's loss kernels as tunix policy losses (tunix 0.1.7).
 
     from kernels.integrations import tunix as grpo_tunix
-    grpo_tunix.register()                                      # once, before building the learner
-    config = GRPOConfig(..., policy_loss_fn="grpo_kernels_fused")   # or "grpo_kernels"
+    grpo_tunix.register()                      # once, before building the learner
+    GRPOConfig(..., policy_loss_fn="grpo_kernels_fused")   # GRPO, agentic GRPO ("grpo_kernels")
+    PPOConfig(..., policy_loss_fn="ppo_kernels_fused")     # PPO with a critic ("ppo_kernels")
 
-``"grpo_kernels"``: tunix's forward (f32 [B, T, V] logits from the model), then
+``"grpo_kernels"`` / ``"ppo_kernels"``: tunix's forward (f32 [B, T, V] logits from the model), then
 :func:`kernels.grpo_loss` — the kernel's training path writes dlogits in its forward, no f32 softmax /
-log-softmax copies. ``"grpo_kernels_fused"``: the model's final-norm hidden states and LM head weight
-into :func:`kernels.fused_linear_grpo_loss`; the [B, T, V] logits never exist (Qwen2, Qwen3, Llama3,
-tied or untied heads). Both take tunix's signature ``fn(model, train_example, algo_config, pad_id,
-eos_id, **kwargs) -> (loss, aux)``, compute tunix's loss for every option of its config
-(:mod:`.options`: the mapping and the one unsupported key) and return tunix's aux keys
-(:mod:`.metrics`). Tunix main returns ``LossOutput`` (weighted metrics) instead of a tuple and adds
-``skip_lm_head``: the hidden-state path uses ``skip_lm_head`` where the model has it; the return
-type follows 0.1.7.
+log-softmax copies. ``"grpo_kernels_fused"`` / ``"ppo_kernels_fused"``: the model's final-norm hidden
+states and LM head weight into :func:`kernels.fused_linear_grpo_loss`; the [B, T, V] logits never
+exist (Qwen2, Qwen3, Llama3, tied or untied heads; PPO's entropy bonus included, :mod:`.entropy`).
+All take tunix's signature ``fn(model, train_example, algo_config, pad_id, eos_id, **kwargs) ->
+(loss, aux)``, compute tunix's loss (``grpo_loss_fn`` / ``ppo_policy_loss_fn``) for every option of
+its config (:mod:`.options`, :mod:`.ppo_options`: the mappings and the refused keys) and return
+tunix's aux keys (:mod:`.metrics`). Tunix main returns ``LossOutput`` (weighted metrics) instead of
+a tuple and adds ``skip_lm_head``: the hidden-state path uses ``skip_lm_head`` where the model has
+it; the return type follows 0.1.7.
 """
 
 from __future__ import annotations
-
-import functools
-
-import jax.numpy as jnp
 
 try:
   from tunix.rl import function_registry
@@ -40,27 +38,45 @@ from kernels.integrations.tunix.options import (
   row_scale,
   weighted_advantages,
 )
+from kernels.integrations.tunix.ppo import ppo_policy_loss
 
-__all__ = ["NAMES", "policy_loss", "register"]
+__all__ = ["GRPO_NAMES", "NAMES", "PPO_NAMES", "policy_loss", "ppo_policy_loss", "register"]
 
-NAMES = ("grpo_kernels", "grpo_kernels_fused")
+GRPO_NAMES = ("grpo_kernels", "grpo_kernels_fused")  # GRPOConfig (also the agentic learner's)
+PPO_NAMES = ("ppo_kernels", "ppo_kernels_fused")  # PPOConfig
+NAMES = GRPO_NAMES + PPO_NAMES
 
 
 def register(*, impl: str = "auto", fused_impl: str = "auto", chunk_size: int | None = None):
-  """Register ``"grpo_kernels"`` and ``"grpo_kernels_fused"`` as tunix policy losses.
+  """Register ``"grpo_kernels"``, ``"grpo_kernels_fused"``, ``"ppo_kernels"`` and
+  ``"ppo_kernels_fused"`` as tunix policy losses.
 
   impl / fused_impl: the ``impl`` of :func:`kernels.grpo_loss` / :func:`kernels.fused_linear_grpo_loss`
   ("auto": the kernel on TPU / GPU, the XLA reference on CPU, where the Pallas interpreter is a
   correctness tool; the fused "auto" is "chunked" on TPU / GPU). chunk_size: tokens per chunk of
-  the fused "chunked" impl (default: its heuristic). Registering again replaces both.
+  the fused "chunked" impl and of the fused PPO entropy bonus (default: their heuristics).
+  Registering again replaces all four.
   """
   checks.choice("impl", impl, IMPLS)
   checks.choice("fused_impl", fused_impl, FUSED_IMPLS)
   checks.positive_int("chunk_size", chunk_size, allow_none=True)
-  for name, fused, which in ((NAMES[0], False, impl), (NAMES[1], True, fused_impl)):
-    fn = functools.partial(policy_loss, fused=fused, impl=which, chunk_size=chunk_size)
-    functools.update_wrapper(fn, policy_loss)
-    function_registry.register_policy_loss_fn(name)(fn)
+  for names, loss in ((GRPO_NAMES, policy_loss), (PPO_NAMES, ppo_policy_loss)):
+    for name, fused, which in ((names[0], False, impl), (names[1], True, fused_impl)):
+      fn = _bound(loss, name, fused=fused, impl=which, chunk_size=chunk_size)
+      function_registry.register_policy_loss_fn(name)(fn)
+
+
+def _bound(loss, name: str, **options):
+  """``loss`` with its options fixed, as a plain function of tunix's five arguments: the learners
+  call it through ``nnx.value_and_grad`` with keyword arguments, which flax resolves to positions
+  from the signature (a ``functools.partial`` has none it can use)."""
+
+  def fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    return loss(model, train_example, algo_config, pad_id, eos_id, **options, **kwargs)
+
+  fn.__name__ = fn.__qualname__ = name
+  fn.__doc__ = loss.__doc__
+  return fn
 
 
 def policy_loss(
@@ -85,7 +101,7 @@ def policy_loss(
   else:
     logits, scored = _model.logits(model, ex, pad_id, eos_id)
     source = (logits,)
-  data = _rows(ex, scored)
+  data = _model.example_rows(ex, scored)
   row_length = ex.completion_ids.shape[1]  # tunix's per-token arrays span the packed buffer too
   loss_cfg = loss_from_config(algo_config, row_length=row_length, has_ref=data["ref"] is not None)
   mask = data["mask"] != 0
@@ -101,10 +117,9 @@ def policy_loss(
     loss, aux = kernels.fused_linear_grpo_loss(*source, scored.ids, mask, adv, chunk_size=chunk_size, **call)  # fmt: skip
   else:
     loss, aux = kernels.grpo_loss(*source, scored.ids, mask, adv, **call)
-  unpack = _pad_front if scored.packed else (lambda x: x)
   metrics = tunix_metrics(
-    unpack(aux.per_token_logps),
-    unpack(aux.entropy),
+    _model.unpack(aux.per_token_logps, scored),
+    _model.unpack(aux.entropy, scored),
     ex.completion_mask,
     ex.advantages,
     ex.old_per_token_logps,
@@ -113,24 +128,3 @@ def policy_loss(
     algo_config,
   )
   return loss, metrics
-
-
-def _rows(ex, scored: _model.Scored) -> dict:
-  """The per-token arrays on the scored rows: tunix's [B, T] arrays, or with packing its [B, L]
-  arrays without their first position (no token predicts it; tunix scores it with log p = 0, so
-  its completion_mask there must be 0 — it is the first prompt token of the buffer)."""
-  cut = (lambda a: None if a is None else a[:, 1:]) if scored.packed else (lambda a: a)
-  adv = jnp.asarray(ex.advantages)
-  return dict(
-    mask=cut(ex.completion_mask),
-    advantages=cut(adv) if adv.ndim == 2 else adv,
-    old=cut(ex.old_per_token_logps),
-    ref=cut(ex.ref_per_token_logps),
-    weights=cut(getattr(ex, "sampler_is_weights", None)),
-  )
-
-
-def _pad_front(
-  x,
-):  # [B, L - 1] -> [B, L]: tunix's packed per-token layout (0 at the first position)
-  return jnp.pad(x, ((0, 0), (1, 0)))

@@ -86,3 +86,34 @@ def tunix_metrics(
     aux["kl_loss"] = common.aggregate_loss(kl, mask, mode)
   aux["entropy"] = common.aggregate_loss(entropy, mask, mode)
   return aux
+
+
+def ppo_metrics(
+  logp,  # [B, T] f32, our per-token log-probs (0 at masked positions)
+  mask,  # [B, T] int / float, tunix's completion_mask
+  advantages,  # [B, T] f32, per-token (GAE)
+  old_logps,  # [B, T] or None
+  ref_logps,  # [B, T] or None
+  spec,  # kernels.LossSpec of the loss (its clip range, dual clip and ratio clamp)
+  kl: bool,  # the k1 KL term is on
+) -> dict:
+  """The aux dict of tunix's ppo_policy_loss_fn (``pg_clipfrac``, ``pg_clipfrac_lower``, and ``kl``
+  when the KL term is on; the caller adds ``loss/entropy``), with tunix's masked_mean. The ratio is
+  clamped as the loss clamps it (identical flags below 20 nats)."""
+  logp = jax.lax.stop_gradient(logp)
+  bound = spec.max_log_ratio if spec.max_log_ratio is not None else jnp.inf
+  old = logp if old_logps is None else old_logps.astype(jnp.float32)
+  ratio = jnp.exp(jnp.clip(logp - old, -bound, bound))
+  adv = jnp.asarray(advantages, jnp.float32)
+  pg1 = -ratio * adv
+  pg2 = -jnp.clip(ratio, 1 - spec.epsilon_low, 1 + spec.epsilon_high) * adv
+  per_token = jnp.maximum(pg1, pg2)
+  pg3 = per_token if spec.epsilon_c is None else -spec.epsilon_c * adv
+  lower = ((per_token > pg3) & (adv < 0.0)).astype(jnp.float32)
+  aux = {
+    "pg_clipfrac": algo_core.masked_mean(jnp.greater(pg2, pg1), mask),
+    "pg_clipfrac_lower": algo_core.masked_mean(lower, mask),
+  }
+  if kl:
+    aux["kl"] = algo_core.masked_mean(common.compute_kl_divergence(logp, ref_logps, "kl"), mask)
+  return aux

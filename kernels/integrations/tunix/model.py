@@ -125,3 +125,25 @@ def lm_head(model, dtype):  # -> [D, V] in dtype
       f"{type(model).__name__} has neither lm_head.w nor a tied embedder.input_embedding"
     )
   return jnp.asarray(emb[...], dtype).T
+
+
+def example_rows(ex, scored: Scored) -> dict:
+  """The per-token arrays of a tunix train example on the scored rows: tunix's [B, T] arrays, or
+  with packing its [B, L] arrays without their first position (no token predicts it; tunix scores
+  it with log p = 0, so its completion_mask there must be 0 — it is the first prompt token of the
+  buffer)."""
+  cut = (lambda a: None if a is None else a[:, 1:]) if scored.packed else (lambda a: a)
+  adv = jnp.asarray(ex.advantages)
+  return dict(
+    mask=cut(ex.completion_mask),
+    advantages=cut(adv) if adv.ndim == 2 else adv,
+    old=cut(ex.old_per_token_logps),
+    ref=cut(ex.ref_per_token_logps),
+    weights=cut(getattr(ex, "sampler_is_weights", None)),
+  )
+
+
+def unpack(x, scored: Scored):  # [B, T'] -> tunix's per-token layout
+  """Our per-token values in tunix's layout: packed rows get back their first position (0, as
+  tunix's log p there)."""
+  return jnp.pad(x, ((0, 0), (1, 0))) if scored.packed else x

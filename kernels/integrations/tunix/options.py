@@ -101,15 +101,20 @@ def loss_from_config(algo_config, *, row_length: int, has_ref: bool) -> TunixLos
   )
   if algo == "gspo-token":
     fields.update(importance_sampling_level="sequence_token", sequence_log_ratio_cap=GSPO_TOKEN_CAP)
+  return TunixLoss(spec_from_fields(fields, "GRPOConfig"), per_row)
+
+
+def spec_from_fields(fields: dict, config: str) -> LossSpec:
+  """LossSpec(**fields); a field given as (config key, value) is named in LossSpec's ValueError as
+  ``{config}.{key}={value!r}``."""
   keys = {k: v[0] for k, v in fields.items() if isinstance(v, tuple)}
   values = {k: (v[1] if isinstance(v, tuple) else v) for k, v in fields.items()}
   try:
-    spec = LossSpec(**values)
+    return LossSpec(**values)
   except ValueError as e:
     field = next((k for k in keys if str(e).startswith(k)), None)
-    where = f"GRPOConfig.{keys[field]}={values[field]!r}" if field else "GRPOConfig"
+    where = f"{config}.{keys[field]}={values[field]!r}" if field else config
     raise ValueError(f"{where}: {e}") from e
-  return TunixLoss(spec, per_row)
 
 
 def row_scale(mask):  # [B, T] bool -> scalar f32

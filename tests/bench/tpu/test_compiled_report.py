@@ -96,7 +96,7 @@ CHUNKED = """
 import json, pathlib, sys
 import jax, jax.numpy as jnp
 import kernels
-from bench import compiled
+from bench.tpu import compiled
 from bench.kernels.cases import Case
 from bench.kernels.cases import fused_linear as fl
 from bench.shapes import LinearLossShape
@@ -129,7 +129,7 @@ def test_scan_of_kernels_counted_per_trip(tmp_path):
   """Catches: the chunked path's kernels and matmuls counted once per program instead of once per
   chunk (4 here), which modelled the production rows below their flop floor. The paged decode
   kernel at a TPU-shaped small case (head_dim 128) is held to its floors too."""
-  from bench import tpu_schedule
+  from bench.tpu import schedule as tpu_schedule
 
   dump = tmp_path / "dump"
   dump.mkdir()

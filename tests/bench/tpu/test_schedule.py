@@ -1,6 +1,6 @@
 """bench.tpu.schedule: libtpu's scheduled-code dumps read into bundles per grid step and spills.
 
-The excerpts under tests/data/tpu_schedule/ are trimmed from real dumps of libtpu 0.0.42.1 (jax
+The excerpts under tests/kernels/data/tpu_schedule/ are trimmed from real dumps of libtpu 0.0.42.1 (jax
 0.10.2): ``1-grpo_loss_fwd.1`` is the forward loss kernel before its rework (qwen2.5-8k on v6e: grid
 64 x 75, the spilling one); ``2-jvp_grpo_loss_train_.1`` the reworked training kernel (three loops
 in the grid step, two of them unrolled by 8 and one by 32). Trimming keeps every loop's first

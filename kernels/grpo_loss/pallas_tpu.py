@@ -1,0 +1,161 @@
+"""Pallas kernels of the GRPO loss for the tiled family (Mosaic TPU, and the CPU interpreter of it).
+
+Statistics forward over grid (rows / bn,): a [bn, V] row block in VMEM swept in register-sized slabs
+(:mod:`kernels.grpo_loss.pallas_tpu_sweeps`), the online max / sum-exp and the entropy's running sum
+finished into (log p, entropy) and the saved log-sum-exp; the vocabulary tail is masked in-kernel,
+never padded in memory. The chosen logits are gathered outside (N elements).
+Backward over grid (rows / bn, V / bv) tiles: dlogits = g / T * (onehot(id) - softmax(z)) from the saved
+log-sum-exp, where g = d loss / d log p; no f32 [N, V] array is ever built.
+Training path (:func:`train_fwd`, token-level specs): grid (rows / bn,); a [bn, V] row block stays in
+VMEM (in and out, double-buffered: bn from :func:`kernels.grpo_loss.pallas_tpu_sweeps.stats_rows`)
+and each group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
+(:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`), then -g * softmax written, then each row's
+chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
+
+Per-token inputs and outputs are [N, 1] f32 (a (bn, 1) block spans the last dim, which satisfies
+Mosaic's tiling rule). :mod:`kernels.grpo_loss.pallas` picks this family or the Triton one
+(:mod:`kernels.grpo_loss.pallas_triton`) by the target.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import backend, lse
+from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
+from kernels.grpo_loss.pallas_blocks import LossConfig
+from kernels.grpo_loss.train import TrainConfig, coefficient
+
+
+def _tiled_fwd_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *, cfg):
+  """A [bn, V] row block, row group by row group (:func:`kernels.grpo_loss.pallas_tpu_sweeps.row_stats`); chosen_ref: [bn, 1] the
+  rows' chosen logits, gathered outside (N elements; the training kernel reads them in-kernel)."""
+  bn, v = x_ref.shape
+  sw = sweeps.sweep_of(v, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret)
+
+  def rows_body(rows, size):
+    stats = sweeps.row_stats(x_ref, rows, size, sw, chosen_ref[rows, :])
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
+      ref[rows, :] = val
+
+  sweeps.for_row_groups(bn, sweeps.row_group(bn, x_ref.dtype), rows_body)
+
+
+def _tiled_bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, dx_ref, *, cfg: LossConfig):
+  j = pl.program_id(1)
+  x = x_ref[...].astype(jnp.float32)
+  col = j * cfg.blocks.block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  p = jnp.exp((x * (1.0 / cfg.temperature) - shift_ref[...]) - lse_ref[...])
+  onehot = (col == ids_ref[...]).astype(jnp.float32)
+  g = g_ref[...]
+  # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf. Out-of-range columns are
+  # dropped by the store.
+  dx_ref[...] = jnp.where(g == 0, 0.0, g * (onehot - p)).astype(dx_ref.dtype)
+
+
+def fwd(cfg: LossConfig, x, ids):
+  """(logp, entropy, lse_rel, shift) [N] f32 of logits x [N, V] and ids [N]."""
+  n, v = x.shape
+  bn = sweeps.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
+  chosen = lse.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
+  row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  outs = pl.pallas_call(
+    functools.partial(_tiled_fwd_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn),),
+    in_specs=[pl.BlockSpec((bn, v), lambda i: (i, 0)), row_spec],
+    out_specs=[row_spec] * 4,
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
+    compiler_params=backend.compiler_params(
+      cfg.target,
+      dimension_semantics=("parallel",),
+      vmem_limit_bytes=sweeps.vmem_bytes(bn, v, x.dtype, blocks=1),
+    ),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_fwd",
+  )(x, chosen)
+  return tuple(o.reshape(n) for o in outs)
+
+
+def bwd(cfg: LossConfig, x, ids, lse, shift, g):
+  """dlogits [N, V] in x's dtype from the saved (lse, shift) and g = d loss / d z_chosen [N]."""
+  n, v = x.shape
+  bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  tile = pl.BlockSpec((bn, bv), lambda i, j: (i, j))
+  row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
+  return pl.pallas_call(
+    functools.partial(_tiled_bwd_kernel, cfg=cfg),
+    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+    in_specs=[tile] + [row_spec] * 4,
+    out_specs=tile,
+    out_shape=jax.ShapeDtypeStruct((n, v), x.dtype),
+    input_output_aliases={0: 0} if cfg.reuse_logits_buffer else {},
+    compiler_params=backend.compiler_params(
+      cfg.target, dimension_semantics=("parallel", "parallel")
+    ),
+    interpret=cfg.target.interpret,
+    name="grpo_loss_bwd",
+  )(x, *(a.reshape(n, 1) for a in (ids, lse, shift, g)))
+
+
+# ------------------------------------------------------------------------------- training path
+def _tiled_train_kernel(ids_ref, x_ref, tok_ref, *out_refs, cfg, rows_per_step):
+  """Per group of rows (:mod:`kernels.grpo_loss.pallas_tpu_sweeps`): the statistics sweeps, log p, the
+  coefficient g, the dlogits sweep, then each row's chosen column; all from the [bn, V] block in
+  VMEM. ids_ref: all N ids in SMEM (the chosen columns' addresses)."""
+  logp_ref, ent_ref, lse_ref, shift_ref, dx_ref = out_refs
+  bn, v = x_ref.shape
+  sw = sweeps.sweep_of(v, cfg.loss.temperature, cfg.loss.blocks.block_v, cfg.loss.target.interpret)
+  # read at the kernel's top level: the interpreter has no rule for program_id inside its loops
+  step_row = pl.program_id(0) * rows_per_step
+
+  def rows_body(rows, size):
+    first = step_row + rows.start
+    chosen = sweeps.gather_chosen(x_ref, rows, size, first, ids_ref, sw)
+    m, l, s = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size), axis=1)
+    logp, ent, lse_rel, shift = lse.finalize(m, l, s, chosen, 1.0)
+    tok = {k: tok_ref[rows, i : i + 1] for i, k in enumerate(cfg.fields)}
+    g = coefficient(cfg, logp, tok)
+    sweeps.write_grads(x_ref, dx_ref, rows, sw, m, l, g)
+    # the chosen column: g * onehot - g * softmax, in the order the sweep's formula had it
+    value = jnp.where(g == 0, 0.0, g + (-g / l) * jnp.exp(chosen - m))
+    sweeps.patch_chosen(dx_ref, rows, size, first, ids_ref, value, sw)
+    for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), (logp, ent, lse_rel, shift)):
+      ref[rows, :] = val
+
+  sweeps.for_row_groups(bn, sweeps.row_group(bn, x_ref.dtype), rows_body)
+
+
+def train_fwd(cfg: TrainConfig, x, ids, tok):
+  """(logp, entropy, lse_rel, shift [N] f32, dlogits [N, V]) of the training path."""
+  n, v = x.shape
+  bn = sweeps.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
+  # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
+  row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
+  block = pl.BlockSpec((bn, v), lambda i, ids: (i, 0))
+  grid = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
+    grid=(pl.cdiv(n, bn),),
+    in_specs=[block, pl.BlockSpec((bn, tok.shape[1]), lambda i, ids: (i, 0))],
+    out_specs=[row_spec] * 4 + [block],
+  )
+  outs = pl.pallas_call(
+    functools.partial(_tiled_train_kernel, cfg=cfg, rows_per_step=bn),
+    grid_spec=grid,
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4
+    + [jax.ShapeDtypeStruct((n, v), x.dtype)],
+    # operand 0 is the prefetched ids: the logits are operand 1
+    input_output_aliases={1: 4} if cfg.loss.reuse_logits_buffer else {},
+    compiler_params=backend.compiler_params(
+      cfg.loss.target,
+      dimension_semantics=("parallel",),
+      vmem_limit_bytes=sweeps.vmem_bytes(bn, v, x.dtype, blocks=2),
+    ),
+    interpret=cfg.loss.target.interpret,
+    name="grpo_loss_train",
+  )(ids, x, tok)
+  return tuple(o.reshape(n) for o in outs[:4]) + (outs[4],)

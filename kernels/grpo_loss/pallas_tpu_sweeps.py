@@ -1,0 +1,371 @@
+"""Register-sized sweeps of the tiled (TPU) loss kernels: row groups x 128-lane slabs, lane partials.
+
+Why: a whole [bn, bv] tile as one value makes Mosaic hold the tile and its temporaries in registers it
+does not have (64 vector registers of [8, 128] f32): at 128 x 2048 libtpu's schedule spent 1397 of
+the forward's 1621 vector loads per grid step on spill reloads (bench/tpu/schedule.py reads it).
+
+Here a kernel holds [rows, V] row blocks in VMEM and sweeps each group of ``G`` rows (16 packed
+2-byte rows, 8 f32 rows: one vreg's worth) in 128-lane slabs:
+
+1. the lanes' max ([G, 128], in the logits' own dtype where the chip has a bf16 VPU);
+2. the exponentials relative to it, folded by :func:`kernels.lse.online_step` with ``rmax=None`` (the
+   max is known: no rescaling), the slab axis as its reduction (elementwise across registers);
+3. one merge of a row's 128 lanes (:func:`kernels.lse.merge`) when the row is done.
+
+Taking the max first costs one cheap sweep but frees the exponentials from waiting on it: in the
+one-sweep online form every loop step's exponentials queue behind that step's max and the EUP's
+latency (libtpu's schedule: ~4 bundles per vreg); here the unrolled steps are independent and the
+static schedule fills the four vector ALU slots (~2.2 bundles per vreg, the VALU bound at 8 ops per
+element). The chosen token's logit is one gather outside the kernel
+(:func:`kernels.lse.chosen_logit`): the sweeps never compare columns with the id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels import lse
+
+LANES = 128
+SLABS_PER_FOLD = 4  # slabs one online step folds: 4 x [16, 128] f32 = 8 vregs of logits
+MAX_SLABS = 16  # slabs one step of the max sweep reduces (bf16: 16 half-empty vregs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """How the columns [0, width) of a row block are swept (all static)."""
+
+  width: int  # columns of the block (the whole vocabulary)
+  lanes: int  # slab width: 128, or width when narrower
+  inv_t: float  # 1 / temperature
+  per_fold: int = SLABS_PER_FOLD  # slabs one online step folds
+  unroll: int = 8  # online steps per loop iteration (LossBlocks.block_v / (per_fold x lanes))
+  # the interpreter's form (:func:`sweep_of`): one slab as wide as the row, and each row's chosen
+  # column read / written by one whole-group select instead of a window per row
+  whole_rows: bool = False
+
+  @property
+  def full(self) -> int:
+    return self.width // self.lanes
+
+  @property
+  def tail(self) -> int:
+    return self.width - self.full * self.lanes
+
+
+def sweep_of(width: int, temperature: float, block_v: int = 4096, interpret: bool = False) -> Sweep:
+  """The sweep of [rows, width] blocks: ``block_v`` columns per loop iteration (whole folds of
+  SLABS_PER_FOLD slabs, unrolled: independent steps the scheduler interleaves).
+
+  ``interpret`` (the Pallas interpreter: a CPU target): one slab as wide as the row, no loop. The
+  slabs and their unrolling are the TPU scheduler's need; the interpreter executes every written-out
+  step one by one (a 16-row group at V = 32000 is 250 slabs: the cpu-medium training call took
+  ~42 s per call swept in slabs, ~2 s as whole rows on 2 cores). The TPU-interpreter tests
+  (tests/kernels/test_tpu_interpret.py) run the slab form."""
+  if interpret:
+    return Sweep(width, width, 1.0 / temperature, 1, 1, whole_rows=True)
+  lanes = min(LANES, width)
+  per_fold = min(SLABS_PER_FOLD, max(1, width // lanes))
+  return Sweep(width, lanes, 1.0 / temperature, per_fold, max(1, block_v // (per_fold * lanes)))
+
+
+def row_group(block_n: int, dtype) -> int:
+  """Rows per group: one vreg's worth (16 packed 2-byte rows, 8 f32 rows), at most the block."""
+  return min(block_n, 16 if jnp.dtype(dtype).itemsize <= 2 else 8)
+
+
+def for_row_groups(block_n: int, group: int, body) -> None:
+  """body(rows: pl.ds, size: int) over the block's rows: full groups in a loop, the rest static."""
+  full, rest = divmod(block_n, group)
+  if full == 1:
+    body(pl.ds(0, group), group)
+  elif full > 1:
+
+    @pl.loop(0, full)
+    def _(g):
+      body(pl.ds(pl.multiple_of(g * group, group), group), group)
+
+  if rest:
+    body(pl.ds(full * group, rest), rest)
+
+
+def _tree(op, a):
+  """op-reduce a stack [k, ...] over its leading axis pairwise: independent ops, not one chain."""
+  while a.shape[0] > 1:
+    h = a.shape[0] // 2
+    top = op(a[:h], a[h : 2 * h])
+    a = jnp.concatenate([top, a[2 * h :]]) if a.shape[0] % 2 else top
+  return a[0]
+
+
+def load_z(x_ref, rows, start, sw: Sweep, floor=None):
+  """Scaled f32 logits of one [rows, lanes] slab at column ``start``; columns below ``floor``
+  (static: already swept, when the tail window overlaps the slabs before it) -inf."""
+  x = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)
+  z = x if sw.inv_t == 1.0 else x * sw.inv_t
+  if floor is None:
+    return z
+  col = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  return jnp.where(col >= floor - start, z, -jnp.inf)
+
+
+def _raw(x_ref, rows, first, count, sw: Sweep):
+  """[count, G, lanes] logits in their own dtype from column ``first``: one wide load (one base
+  address, immediate offsets: separate slab loads each cost a chain of scalar address arithmetic),
+  split into slabs in registers."""
+  x = x_ref[rows, pl.ds(first, count * sw.lanes)]
+  return jnp.stack([x[:, i * sw.lanes : (i + 1) * sw.lanes] for i in range(count)])
+
+
+def _scaled(raw, sw: Sweep):
+  z = raw.astype(jnp.float32)
+  return z if sw.inv_t == 1.0 else z * sw.inv_t
+
+
+def unrolled_loop(steps: int, unroll: int, body, carry):
+  """carry = body(c, carry) for c in [0, steps): a loop whose body is ``unroll`` steps written out
+  (over the largest multiple of it), then the rest as straight-line steps.
+
+  Unrolled here, not by fori_loop's ``unroll=``: jax 0.11's Pallas TPU lowering drops that argument
+  (one step a trip: the qwen2.5-8k forward kernel's schedule grew from 12407 to 27017 bundles a grid
+  step under libtpu 0.0.48.1, tests/bench/tpu/test_schedule.py), and fori_loop's own remainder loop (2 or
+  more steps left over) segfaults libtpu 0.0.48.1's compiler on the training kernel (V = 128256: 250
+  steps, unroll 8); 0.0.42.1 compiles both."""
+  u = max(1, min(unroll, steps))
+  trips = steps // u
+
+  def group(i, carry):  # steps i*u .. i*u + u - 1
+    for j in range(u):
+      carry = body(i * u + j, carry)
+    return carry
+
+  if trips:
+    carry = jax.lax.fori_loop(0, trips, group, carry)
+  for c in range(trips * u, steps):
+    carry = body(jnp.int32(c), carry)
+  return carry
+
+
+def sweep_slabs(x_ref, rows, sw: Sweep, each, carry, per_step: int, unroll: int, raw=False):
+  """carry = each(z [k, G, lanes], carry) over the row's slabs: ``per_step`` slabs per step in a loop
+  (unrolled ``unroll`` times), then the remaining slabs, then the tail narrower than a slab as the
+  block's last ``lanes`` columns with the columns already swept masked (width >= lanes). ``raw``:
+  full steps get the logits unscaled in their own dtype (the tail is always f32, scaled)."""
+  k = max(1, min(per_step, sw.full))
+  steps, rest = divmod(sw.full, k)
+
+  def full(first, count):
+    z = _raw(x_ref, rows, first, count, sw)
+    return z if raw else _scaled(z, sw)
+
+  if steps > 1:
+    step = lambda c, cr: each(full(pl.multiple_of(c * (k * sw.lanes), sw.lanes), k), cr)
+    carry = unrolled_loop(steps, unroll, step, carry)
+  elif steps:
+    carry = each(full(0, k), carry)
+  if rest:
+    z = _raw(x_ref, rows, steps * k * sw.lanes, rest, sw)
+    carry = each(z if raw else _scaled(z, sw), carry)
+  if sw.tail:
+    z = load_z(x_ref, rows, sw.width - sw.lanes, sw, floor=sw.full * sw.lanes)[None]
+    carry = each(z, carry, scaled=True) if raw else each(z, carry)
+  return carry
+
+
+def lane_max(x_ref, rows, sw: Sweep, size: int):
+  """[size, lanes] f32: each lane's max of the scaled logits. Full steps reduce in the logits' own
+  dtype (bf16 on a chip with a bf16 VPU: no unpack; the max of bf16 values is one of them, and
+  scaling by 1 / T > 0 keeps the order), scaled once at the end; the tail in f32."""
+  low = jnp.full((size, sw.lanes), -jnp.inf, x_ref.dtype)
+  top = jnp.full((size, sw.lanes), lse.NEG_BIG, jnp.float32)
+
+  def each(z, carry, scaled=False):
+    lo, hi = carry
+    if scaled:  # the f32 tail, already scaled
+      return lo, jnp.maximum(hi, _tree(jnp.maximum, z))
+    return jnp.maximum(lo, _tree(jnp.maximum, z)), hi
+
+  low, top = sweep_slabs(x_ref, rows, sw, each, (low, top), MAX_SLABS, 4 * sw.unroll, raw=True)
+  return jnp.maximum(top, _scaled(low, sw))
+
+
+def lane_stats(x_ref, rows, sw: Sweep, size: int):
+  """(m, l, s) lane partials [size, lanes] of a row group: the max sweep, then the exponentials'
+  sweep folded by the shared online step with the max known (``rmax=None``)."""
+  m = lane_max(x_ref, rows, sw, size)
+
+  def each(z, ls):
+    _, l, s, _ = lse.online_step(
+      z, None, m, *ls, rmax=None, rsum=lambda a: _tree(jnp.add, a), expand=lambda a: a[None]
+    )
+    return l, s
+
+  zeros = jnp.zeros((size, sw.lanes), jnp.float32)
+  l, s = sweep_slabs(x_ref, rows, sw, each, (zeros, zeros), sw.per_fold, sw.unroll)
+  return m, l, s
+
+
+def row_stats(x_ref, rows, size: int, sw: Sweep, chosen):
+  """(logp, entropy, lse_rel, shift), [size, 1] each, of ``rows`` of a [rows, V] block; chosen:
+  [size, 1] (NaN where the id is outside [0, V): :func:`kernels.lse.chosen_logit`)."""
+  m, l, s = lse.merge(*lane_stats(x_ref, rows, sw, size), axis=1)
+  return lse.finalize(m, l, s, chosen, 1.0)
+
+
+def stats_rows(block_n: int, n: int, v: int, dtype, target, blocks: int = 1) -> int:
+  """Rows per grid step of a kernel holding ``blocks`` [rows, V] blocks double-buffered in VMEM: at
+  most ``block_n``, within half of the target's VMEM (24 MiB at most), whole row groups where
+  the budget allows (8 rows at least); all N when N is smaller. The interpreter takes block_n."""
+  if target.platform != "tpu" or target.interpret:
+    return min(block_n, n)
+  row = 2 * blocks * v * jnp.dtype(dtype).itemsize
+  fit = min(target.vmem_bytes // 2, 24 << 20) // row
+  group = row_group(1 << 30, dtype)
+  rows = fit // group * group if fit >= group else max(8, fit // 8 * 8)
+  rows = max(8, min(rows, block_n // 8 * 8 or 8))
+  return n if n <= rows else rows
+
+
+def vmem_bytes(rows: int, v: int, dtype, blocks: int) -> int:
+  """VMEM of a step holding ``blocks`` double-buffered [rows, V] blocks, plus 4 MiB of headroom for
+  spill room and the small per-row blocks."""
+  return 2 * blocks * rows * v * jnp.dtype(dtype).itemsize + (4 << 20)
+
+
+def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g):
+  """dx = -g * softmax(z) over a row group's columns, in dx's dtype: the chosen column's + g is
+  written afterwards (:func:`patch_chosen`), so the sweep never compares columns with the id.
+
+  m, l: [G, 1] the rows' merged max and sum exp(z - m); g: [G, 1] d loss / d z_chosen; softmax =
+  exp(z - m) / l with -g / l folded per row. g == 0 (a masked row) writes exactly 0 even where its
+  logits are NaN / inf. Folds of per_fold slabs, unrolled; a tail narrower than a slab as it is.
+  """
+  nga = -g / l
+  k = max(1, min(sw.per_fold, sw.full))
+
+  def block(first, z):  # z: [count, G, width] scaled logits of the columns from ``first``
+    d = jnp.where(g[None] == 0, 0.0, nga[None] * jnp.exp(z - m[None]))
+    out = jnp.concatenate(list(d), axis=1) if d.shape[0] > 1 else d[0]
+    dx_ref[rows, pl.ds(first, out.shape[1])] = out.astype(dx_ref.dtype)
+
+  steps, rest = divmod(sw.full, k)
+
+  def step(c, carry):
+    first = pl.multiple_of(c * (k * sw.lanes), sw.lanes)
+    block(first, _scaled(_raw(x_ref, rows, first, k, sw), sw))
+    return carry
+
+  if steps:
+    unrolled_loop(steps, sw.unroll, step, 0)
+  if rest:
+    first = steps * k * sw.lanes
+    block(first, _scaled(_raw(x_ref, rows, first, rest, sw), sw))
+  if sw.tail:
+    first = sw.full * sw.lanes
+    block(first, _scaled(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
+
+
+def _group_ids(ids_ref, first_row, size: int, sw: Sweep):
+  """([size, 1] ids, [size, 1] whether each is in [0, V)) of a row group, from SMEM one scalar a
+  row (rows past N read the last id): the whole-row form's gather and patch select with them."""
+  last = ids_ref.shape[0] - 1
+  cols = jnp.stack([ids_ref[jnp.minimum(first_row + r, last)] for r in range(size)])[:, None]
+  return cols, (cols >= 0) & (cols < sw.width)
+
+
+def _row_windows(ids_ref, first_row, size: int, sw: Sweep, visit) -> None:
+  """visit(r, c, start, ok) for each row r of a group: its id c (SMEM), the lane-aligned start of
+  the [size, lanes] window holding column c (the block's last window for an id in a tail narrower
+  than a slab) and whether c is in [0, V). Rows past N (a partial last block) read the last id."""
+  last = ids_ref.shape[0] - 1
+  aligned = sw.full * sw.lanes  # ids below it lie in a whole slab; the rest in the last window
+  for r in range(size):
+    c = ids_ref[jnp.minimum(first_row + r, last)]
+    ok = (c >= 0) & (c < sw.width)
+    if aligned:
+      cc = jnp.clip(c, 0, aligned - 1)
+      if sw.lanes & (sw.lanes - 1) == 0:  # a power of two (128): one AND, no scalar division
+        start = pl.multiple_of(cc & -sw.lanes, sw.lanes)
+      else:  # cc >= 0: lax.rem is the floor remainder (jnp's // would need a sign op)
+        start = pl.multiple_of(cc - jax.lax.rem(cc, sw.lanes), sw.lanes)
+      if sw.tail:
+        pl.when(c < aligned)(lambda r=r, c=c, s=start, ok=ok: visit(r, c, s, ok))
+      else:
+        visit(r, c, start, ok)
+    if sw.tail:
+      pl.when(c >= aligned)(lambda r=r, c=c, ok=ok: visit(r, c, sw.width - sw.lanes, ok))
+
+
+def gather_chosen(x_ref, rows, size: int, first_row, ids_ref, sw: Sweep):
+  """[size, 1] f32: each row's scaled logit at its id, NaN for an id outside [0, V) (it poisons,
+  never hides). Per row: the [size, lanes] window holding the id with all but its one element
+  zeroed (NaN in lane 0 when the id is out of range); the rows' windows summed pairwise (independent
+  rows, no chain) and across lanes once: every other element is 0, so the sum is the element."""
+  if sw.whole_rows:
+    cols, ok = _group_ids(ids_ref, first_row, size, sw)
+    x = x_ref[rows, :].astype(jnp.float32)
+    chosen = jnp.sum(jnp.where(cols == jax.lax.broadcasted_iota(jnp.int32, x.shape, 1), x, 0.0),
+                     axis=1, keepdims=True)  # fmt: skip
+    chosen = jnp.where(ok, chosen, jnp.nan)
+    return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
+  if sw.tail:  # two windows per row, chosen by pl.when, cannot hand values back
+    return _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw)
+  row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+  picked = []
+
+  def visit(r, c, start, ok):
+    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)
+    kept = jnp.where((row == r) & (lane == c - start), w, 0.0)
+    picked.append(jnp.where((row == r) & (lane == 0) & ~ok, jnp.nan, kept))
+
+  _row_windows(ids_ref, first_row, size, sw, visit)
+  chosen = jnp.sum(_tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
+  return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
+
+
+def _gather_chosen_scratch(x_ref, rows, size, first_row, ids_ref, sw: Sweep):
+  """gather_chosen for a vocabulary with a tail narrower than a slab (two windows, chosen per row
+  by pl.when): each row's value is read one element at a time from its window instead."""
+  vals = []
+  last = ids_ref.shape[0] - 1
+  for r in range(size):
+    c = ids_ref[jnp.minimum(first_row + r, last)]
+    ok = (c >= 0) & (c < sw.width)
+    col = jnp.clip(c, 0, sw.width - 1)
+    # the window starting at the row's column clipped to the block: [rows, lanes] at a dynamic,
+    # possibly unaligned start (the interpreter and narrow vocabularies only: V % 128 != 0)
+    start = jnp.minimum(col, sw.width - sw.lanes)
+    w = x_ref[rows, pl.ds(start, sw.lanes)].astype(jnp.float32)[r : r + 1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    v = jnp.sum(jnp.where(lane == col - start, w, 0.0), axis=1, keepdims=True)
+    vals.append(jnp.where(ok, v, jnp.nan))
+  chosen = jnp.concatenate(vals, axis=0)
+  return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
+
+
+def patch_chosen(dx_ref, rows, size: int, first_row, ids_ref, value, sw: Sweep):
+  """Overwrite each row's chosen column of dx with ``value`` ([size, 1] f32: g * (1 - p_chosen),
+  computed once per row in f32 and rounded once). ids_ref: all N ids in SMEM; first_row: the
+  group's first row in the whole array. A row at a time: load the [size, lanes] window holding its
+  id, select its one element, store (ids outside [0, V) write nothing, as the onehot never matched)."""
+  if sw.whole_rows:
+    cols, ok = _group_ids(ids_ref, first_row, size, sw)
+    old = dx_ref[rows, :]
+    hit = (cols == jax.lax.broadcasted_iota(jnp.int32, old.shape, 1)) & ok
+    dx_ref[rows, :] = jnp.where(hit, value, old.astype(jnp.float32)).astype(dx_ref.dtype)
+    return
+  row = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+
+  def visit(r, c, start, ok):
+    old = dx_ref[rows, pl.ds(start, sw.lanes)]
+    hit = (row == r) & (lane == c - start) & ok
+    new = jnp.where(hit, value[r : r + 1, :], old.astype(jnp.float32))
+    dx_ref[rows, pl.ds(start, sw.lanes)] = new.astype(dx_ref.dtype)
+
+  _row_windows(ids_ref, first_row, size, sw, visit)
