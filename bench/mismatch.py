@@ -16,6 +16,14 @@ logits passed through the same filter, which leaves only the engine's numerical 
 count of drawn tokens outside the trainer's filtered set (its logits round differently at the edge of
 the top-k / nucleus: in bf16 on a kernel other than the trainer's).
 
+The "truncated (kernel)" rows (issue 48) score each token as the loop does with
+`train.score_sampled_support`: the loss op's per-token log-prob entry point
+(`kernels.grpo_loss.token_logps_and_entropy`) with the engine's support gaps (`kernels.support`), so
+the filter's own log(kept mass) is gone and what is left is the engine's numerical mismatch. sglang_jax
+reports full-softmax log-probs and no gaps: the loop replays the gaps and moves its log-probs onto the
+replayed support by the same log(kept mass) (rl.support), so its truncated ratio is the full-softmax
+one and its row repeats the plain trainer's.
+
 Engines: "paged", "dense", "sglang_jax" (skipped, with the reason, where sglang-jax is not installed or
 the model's head_dim is not 128: use --size h128), and "paged:<attn_impl>" for a paged decode attention
 other than the default. The random weights are scaled x10 as in bench.rollout.throughput, so distributions are
@@ -36,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels.grpo_loss import token_logps_and_entropy
 from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, scale_weights
@@ -58,8 +67,11 @@ NOTE = (
   "|dlogp| = |trainer - sampler| in nats over every completion token; k3 KL = KL(sampler || trainer). "
   "With top-k / top-p the engine reports the log-prob of the truncated, renormalised distribution it "
   "drew from, so that row's mismatch is the filter's and expected; the `filtered` columns compare "
-  "with the trainer's logits under the same filter (the engine's numerical mismatch alone)."
+  "with the trainer's logits under the same filter (the engine's numerical mismatch alone). "
+  "`truncated (kernel)` rows: the trainer scores each token over its sampled support (the engine's "
+  "support gaps; replayed for sglang_jax), as the loop does with train.score_sampled_support."
 )
+TRUNCATED = ", truncated (kernel)"  # the suffix of a filtered sampling's truncated-trainer row
 DTYPES = ("bfloat16", "float32")
 # name -> (top_k, top_p); temperature 1 everywhere, the trainer's
 SAMPLINGS = {"plain": (0, 1.0), "top-k 20 + top-p 0.9": (20, 0.9)}
@@ -120,9 +132,13 @@ def requests(size: dict, top_k: int, top_p: float, seed: int = 0):
 
 
 def trainer_logps(model, result: RolloutResult, size: dict, top_k: int, top_p: float, rows=8):
-  """([N, C] the trainer's log-probs of the drawn tokens: plain softmax, and under the same filter),
-  from one teacher-forced forward per `rows` completions (one compile, small [rows, C, V] logits)."""
+  """([N, C] the trainer's log-probs of the drawn tokens: plain softmax, under the same filter, and
+  over each token's sampled support: the engine's gaps, or replayed), from one teacher-forced
+  forward per `rows` completions (one compile, small [rows, C, V] logits)."""
   c = size["new_tokens"]
+  gaps = result.padded_gaps(c)
+  replay = gaps is None  # sglang_jax: its truncated ratio is the full softmax's (module docstring)
+  gaps = np.full((len(result.completions), c), -np.inf, np.float32) if replay else gaps
   tokens, mask = pack(
     [x.prompt_ids for x in result.completions],
     [x.token_ids for x in result.completions],
@@ -133,29 +149,40 @@ def trainer_logps(model, result: RolloutResult, size: dict, top_k: int, top_p: f
   graphdef, state = nnx.split(model)
 
   @jax.jit
-  def forward(st, t, m):  # [rows, T] -> ([rows, C], [rows, C]) f32
+  def forward(st, t, m, g):  # [rows, T] x2, [rows, C] -> 3 x [rows, C] f32
     mdl = nnx.merge(graphdef, st)
     ids, _ = split_completion(t, m, c)
     logits = mdl.logits(completion_hidden(mdl, t, m, c))  # [rows, C, V] f32
     flat = logits.reshape(-1, logits.shape[-1])
     n = flat.shape[0]
-    filt = processed_logprobs(
-      flat, jnp.ones(n), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p, jnp.float32)
-    ).reshape(logits.shape)
+    settings = (jnp.ones(n), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p), jnp.zeros(n))
+    filt = processed_logprobs(flat, *settings).reshape(logits.shape)
     take = lambda lp: jnp.take_along_axis(lp, ids[..., None], axis=-1)[..., 0]
-    return take(jax.nn.log_softmax(logits, axis=-1)), take(filt)
+    truncated, _ = token_logps_and_entropy(logits, ids, 1.0, g)
+    return take(jax.nn.log_softmax(logits, axis=-1)), take(filt), truncated
 
   n = len(tokens)
   pad = -n % rows
-  tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, 0)])
-  mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
-  outs = [forward(state, tokens[i : i + rows], mask[i : i + rows]) for i in range(0, n + pad, rows)]
-  plain, filtered = (np.concatenate([np.asarray(o[j]) for o in outs])[:n] for j in (0, 1))
-  return plain, filtered
+  tokens, mask, gaps = (np.concatenate([x, np.repeat(x[:1], pad, 0)]) for x in (tokens, mask, gaps))
+  outs = [
+    forward(state, tokens[i : i + rows], mask[i : i + rows], gaps[i : i + rows])
+    for i in range(0, n + pad, rows)
+  ]
+  return tuple(np.concatenate([np.asarray(o[j]) for o in outs])[:n] for j in range(3))
 
 
-def measure(model, result: RolloutResult, size: dict, top_k: int, top_p: float) -> dict:
-  plain, filtered = trainer_logps(model, result, size, top_k, top_p)
+def measure(model, result: RolloutResult, size: dict, top_k: int, top_p: float) -> list[dict]:
+  """The row of the trainer's full softmax, and with a filter also the truncated (kernel) row."""
+  plain, filtered, truncated = trainer_logps(model, result, size, top_k, top_p)
+  rows = [stats_of(result, size, plain, filtered)]
+  if top_k > 0 or top_p < 1.0:
+    rows.append(stats_of(result, size, truncated, filtered))
+  return rows
+
+
+def stats_of(result: RolloutResult, size: dict, plain, filtered) -> dict:
+  """One row's statistics: the sampler against the trainer's `plain` log-probs ([N, C]), and the
+  `filtered` columns against the trainer under the same filter."""
   _, mask, sampler = result.padded(size["new_tokens"])
   stats = {k: float(v) for k, v in mismatch_metrics(sampler, plain, mask).items()}
   # a token the engine kept may fall outside the trainer's top-k / nucleus (-inf there) when their
@@ -193,9 +220,10 @@ def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLING
         for sampling in samplings:
           top_k, top_p = SAMPLINGS[sampling]
           result = engine.generate(*requests(size, top_k, top_p))
-          rows.append(
-            MismatchRow(name, dtype, sampling, **measure(model, result, size, top_k, top_p))
-          )
+          for label, found in zip(
+            (sampling, sampling + TRUNCATED), measure(model, result, size, top_k, top_p)
+          ):
+            rows.append(MismatchRow(name, dtype, label, **found))
       finally:
         engine.close()
   return rows

@@ -4,7 +4,12 @@ A rollout that samples with top-k / top-p / min-p draws a token y from the trunc
 distribution; scoring y under the full softmax biases the importance ratio by log(kept mass). The
 engine therefore returns, per sampled token, its **support gap** (z = logits / temperature)::
 
-    g = (smallest z in the set y was drawn from) - z_y  <= 0       (-inf: nothing was filtered)
+    g = t - z_y  <= 0       (-inf: nothing was filtered)
+
+with t any threshold between the largest dropped z and the smallest kept z of the set y was drawn
+from (the engines report the midpoint, ``rl.rollout.sampling.gap_of``: on the sampler's own logits S
+below is exactly the kept set, and a trainer whose logits round differently keeps the same boundary
+tokens; with t = the smallest kept z the boundary token would drop out half the time)
 
 and the trainer, with its own scaled logits z', scores y over S = { v : z'_v >= z'_y + g }::
 

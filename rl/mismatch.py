@@ -10,6 +10,12 @@ With r = old - s per completion token (masked tokens only):
     ``mismatch/masked_or_truncated_fraction``, the fraction of tokens whose weight is not their ratio
     rho (token modes: rho = exp(r); sequence modes: exp of the sequence's masked sum of r), i.e. the
     weight was truncated to the cap or masked to 0.
+With a filtering sampler (rl.support), the trainer's log-probs both over the full softmax ("raw") and
+over each token's sampled support ("truncated"), each against the sampler's, as ratios rho = exp(r):
+  * ``mismatch/{raw,truncated}/ratio_mean``: the mean of rho (the bias: log(kept mass) on the raw side);
+  * ``.../below_fraction``, ``.../above_fraction``: the tails, rho < 1 - epsilon_low and
+    rho > 1 + epsilon_high (the loss's clip range);
+  * ``.../k3_kl``: as above.
 A batch with no completion token reports no mismatch (0, and 1 for the exp / weight means).
 
 The loop computes the statistics per micro-batch inside the compiled step: `mismatch_sums` gives
@@ -73,6 +79,33 @@ def mismatch_sums(
   return out
 
 
+SUPPORT_SIDES = ("raw", "truncated")
+
+
+def support_sums(
+  sampler_logps,  # [B, T] f32: the rollout engine's log-probs
+  raw_logps,  # [B, T] f32: the trainer's, over the full softmax
+  truncated_logps,  # [B, T] f32: the trainer's, over each token's sampled support
+  mask,  # [B, T] bool
+  epsilon_low: float,
+  epsilon_high: float,
+) -> dict[str, jax.Array]:  # "<side>/<name>" -> [] f32 sums
+  """Additive sums of the raw and truncated ratios' statistics (module docstring), for `finish`."""
+  s = jnp.asarray(sampler_logps, jnp.float32)
+  m = jnp.asarray(mask, jnp.bool_)
+  total = lambda x: jnp.sum(jnp.where(m, x, 0.0))
+  out = {}
+  for side, trainer in zip(SUPPORT_SIDES, (raw_logps, truncated_logps)):
+    r = jnp.where(m, jnp.asarray(trainer, jnp.float32) - s, 0.0)
+    rc = jnp.clip(r, -MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    rho = jnp.exp(rc)
+    out[f"{side}/ratio"] = total(rho)
+    out[f"{side}/below"] = total((rho < 1.0 - epsilon_low).astype(jnp.float32))
+    out[f"{side}/above"] = total((rho > 1.0 + epsilon_high).astype(jnp.float32))
+    out[f"{side}/k3_kl"] = total(jnp.expm1(rc) - rc)
+  return out
+
+
 def reduce_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Sums stacked over micro-batches ([K] each, e.g. from a scan) -> one batch's sums ([] each)."""
   return {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v) for k, v in sums.items()}
@@ -91,6 +124,12 @@ def finish(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
   if "is_weight" in sums:
     out["is_weight_mean"] = mean("is_weight", 1.0)
     out["masked_or_truncated_fraction"] = mean("masked_or_truncated", 0.0)
+  for side in SUPPORT_SIDES:
+    if f"{side}/ratio" in sums:
+      out[f"{side}/ratio_mean"] = mean(f"{side}/ratio", 1.0)
+      out[f"{side}/below_fraction"] = mean(f"{side}/below", 0.0)
+      out[f"{side}/above_fraction"] = mean(f"{side}/above", 0.0)
+      out[f"{side}/k3_kl"] = mean(f"{side}/k3_kl", 0.0)
   return {PREFIX + k: v for k, v in out.items()}
 
 

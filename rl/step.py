@@ -15,9 +15,10 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from rl import kernel_sharding, mismatch, sharding
+from rl import kernel_sharding, mismatch, sharding, support
 from rl.advantages import advantage_stats, group_advantages
 from rl.data import Example, rewards
 from rl.data.tokenizer import IM_END
@@ -42,9 +43,10 @@ def grpo_step(s: Setup, policy: Policy, train_step, step: int) -> dict[str, floa
     scores = score(s, result, mine)
   totals = np.array([sc["total"] for sc in scores], np.float32)
   adv = np.asarray(group_advantages(totals, s.cfg.sampling.group_size))
-  tokens, mask, sampler_logps = pack_rows(s, result)
+  tokens, mask, sampler_logps, gaps = pack_rows(s, result)
   with timer("update"):
-    losses = optimize(s, policy, train_step, s.to_batch(tokens, mask, adv, sampler_logps))
+    batch = s.to_batch(tokens, mask, adv, sampler_logps, support_gaps=gaps)
+    losses = optimize(s, policy, train_step, batch)
   step_s = time.perf_counter() - t_step
   return step_metrics(s, result, scores, totals, adv, losses, timer.reset(), step_s)
 
@@ -65,6 +67,7 @@ def sampling_params(s: Setup, step: int, first: int, n: int) -> list[SamplingPar
       temperature=sampling.temperature,
       top_k=sampling.top_k,
       top_p=sampling.top_p,
+      min_p=sampling.min_p,
       n=sampling.group_size,
       seed=prompt_seed(s.cfg, step, first + i),
     )
@@ -82,7 +85,8 @@ def score(s: Setup, result: RolloutResult, examples: Sequence[Example]) -> list[
 
 def pack_rows(s: Setup, result: RolloutResult):
   """The completions as rows at the run's fixed widths: ([N, P + C] tokens, [N, P + C] mask,
-  [N, C] the engine's log-probs, aligned with the rows' completions)."""
+  [N, C] the engine's log-probs, [N, C] its support gaps or None, aligned with the rows'
+  completions)."""
   c = s.cfg.sampling.max_new_tokens
   tokens, mask = pack(
     [x.prompt_ids for x in result.completions],
@@ -91,20 +95,23 @@ def pack_rows(s: Setup, result: RolloutResult):
     c,
     s.tokenizer.pad_id,
   )
-  return tokens, mask, result.padded(c)[2]
+  return tokens, mask, result.padded(c)[2], result.padded_gaps(c)
 
 
 def optimize(s: Setup, policy: Policy, train_step, batch: Batch) -> list[dict]:
   """Reference / old log-probs when the loss needs them, then one optimizer step per PPO epoch;
   the live weights (and the rollout's) move to the result. Each epoch's metrics."""
   sampling, tcfg = s.cfg.sampling, s.cfg.train
+  old = None
+  if sampling.filters(s.model.cfg.vocab_size) and batch.sampler_logps is not None:
+    batch, old = sampled_support(s, policy, batch)
   logps_of = lambda weights: batch_token_logps(
     s.graphdef, weights, batch, sampling.max_new_tokens, sampling.temperature
   )
   if policy.ref_params is not None:
     batch = batch._replace(ref_logps=logps_of(policy.ref_params))
   if tcfg.ppo_epochs > 1:
-    batch = batch._replace(old_logps=logps_of(policy.params))
+    batch = batch._replace(old_logps=logps_of(policy.params) if old is None else old)
   epochs = []
   params, opt_state = policy.params, policy.opt_state
   for _ in range(tcfg.ppo_epochs):
@@ -113,6 +120,37 @@ def optimize(s: Setup, policy: Policy, train_step, batch: Batch) -> list[dict]:
   policy.opt_state = opt_state
   policy.set_params(params)
   return jax.device_get(epochs)
+
+
+def sampled_support(s: Setup, policy: Policy, batch: Batch) -> tuple[Batch, object]:
+  """A filtering sampler: the old policy's pass over the batch (rl.support.support_pass) gives the
+  raw and truncated log-probs the mismatch metrics compare, and the gaps (the engine's, or replayed
+  for one that reports none) that the loss uses under train.score_sampled_support. Returns the
+  batch and the old policy's log-probs as the loss scores them (the pass's, for ppo_epochs > 1)."""
+  sampling = s.cfg.sampling
+  score = s.cfg.train.score_sampled_support
+  replay = None if batch.support_gaps is not None else support.replay_of(sampling)
+  if replay is not None and score:
+    support.say_replayed(s.cfg.rollout.backend)
+  truncated, raw, gaps = support.support_pass(
+    s.graphdef,
+    policy.params,
+    batch.tokens,
+    batch.attention_mask,
+    sampling.max_new_tokens,
+    sampling.temperature,
+    replay,
+    batch.support_gaps,
+  )
+  batch = batch._replace(raw_logps=raw, truncated_logps=truncated, support_gaps=None)
+  if not score:
+    return batch, raw
+  batch = batch._replace(support_gaps=gaps)
+  if replay is not None:  # the engine's full-softmax log-probs onto the replayed support
+    mask = batch.attention_mask[..., -sampling.max_new_tokens :]
+    sampler = batch.sampler_logps + jnp.where(mask, truncated - raw, 0.0)
+    batch = batch._replace(sampler_logps=sampler)
+  return batch, truncated
 
 
 def step_metrics(
@@ -163,6 +201,7 @@ def eval_sampled(s: Setup, step: int) -> dict[str, float]:
     temperature=sampling.temperature,
     top_k=sampling.top_k,
     top_p=sampling.top_p,
+    min_p=sampling.min_p,
     n=1,
     seed=prompt_seed(s.cfg, step, 10**6),
   )

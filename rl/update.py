@@ -36,7 +36,7 @@ from flax import nnx
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import mismatch
+from rl import mismatch, support
 from rl.optimizer import Optimizer, _global_norm, guarded_step
 
 Objective = Literal["grpo", "sft"]
@@ -56,6 +56,13 @@ class Batch(NamedTuple):
   old_logps: jax.Array | None = None  # [K, M, C] f32: the policy before this step's first epoch
   ref_logps: jax.Array | None = None  # [K, M, C] f32: the reference model, when beta > 0
   sampler_logps: jax.Array | None = None  # [K, M, C] f32: the rollout engine's, 0 on padding
+  # [K, M, C] f32 support gaps (rl.support, train.score_sampled_support): old, reference and current
+  # log-probs score each token over its sampled support; None: the full softmax
+  support_gaps: jax.Array | None = None
+  # [K, M, C] f32 each, for the mismatch/raw/* and mismatch/truncated/* metrics only: the old
+  # policy's full-softmax and truncated log-probs (rl.support.support_pass); None: not reported
+  raw_logps: jax.Array | None = None
+  truncated_logps: jax.Array | None = None
 
 
 def pack(
@@ -140,11 +147,13 @@ def token_logps(
   attention_mask,  # [M, T]
   completion_len: int,
   temperature: float,
+  support_gap=None,  # [M, C] f32 or None: over each token's sampled support (kernels.support)
 ):  # -> [M, C] f32
-  """log pi(completion token) under softmax(logits / temperature); 0 on padding. Used for old / ref."""
+  """log pi(completion token) under softmax(logits / temperature) (over the sampled support with
+  `support_gap`); 0 on padding. Used for old / ref."""
   ids, mask = split_completion(tokens, attention_mask, completion_len)
   logits = model.logits(completion_hidden(model, tokens, attention_mask, completion_len))
-  logp, _ = token_logps_and_entropy(logits, ids, temperature)
+  logp, _ = token_logps_and_entropy(logits, jnp.where(mask, ids, 0), temperature, support_gap)
   return jnp.where(mask, logp, 0.0)
 
 
@@ -191,6 +200,15 @@ def _micro_loss(
       aux.is_weight if weighted else None,
       is_level=spec.is_mode.split("_")[0] if weighted else "token",
     )
+    if mb.raw_logps is not None:  # the raw and truncated ratios (a filtering sampler)
+      found |= mismatch.support_sums(
+        mb.sampler_logps,
+        mb.raw_logps,
+        mb.truncated_logps,
+        mask,
+        spec.epsilon_low,
+        spec.epsilon_high,
+      )
     sums.update({MISMATCH_SUM + k: v for k, v in found.items()})
   return loss, sums
 
@@ -213,6 +231,7 @@ def policy_loss(
     old_logps=mb.old_logps,
     ref_logps=mb.ref_logps,
     sampler_logps=mb.sampler_logps,
+    support_gap=mb.support_gaps,  # None: the full softmax (rl.support passes it only when given)
     spec=settings.spec,
     num_items_in_batch=items,
     impl=settings.impl,
@@ -223,7 +242,7 @@ def policy_loss(
   )
   if settings.fused_lm_head:
     weight = model.lm_head_weight()
-    return kernels.fused_linear_grpo_loss(
+    return support.fused_linear_grpo_loss(
       hidden.astype(weight.dtype),
       weight,
       ids,
@@ -231,7 +250,7 @@ def policy_loss(
       mb.advantages,
       **kw,
     )
-  return kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
+  return support.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
 
 
 def batch_loss_and_grads(
@@ -345,10 +364,12 @@ def compile_train_step(
 def batch_token_logps(
   graphdef, params, batch: Batch, completion_len: int, temperature: float
 ):  # -> [K, M, C] f32
-  """Per-token log-probs of every completion (old policy / reference model), micro-batch by micro-batch."""
+  """Per-token log-probs of every completion (old policy / reference model), micro-batch by
+  micro-batch; over each token's sampled support where the batch carries `support_gaps`."""
   model = nnx.merge(graphdef, params)
 
   def one(_, mb):
-    return None, token_logps(model, mb[0], mb[1], completion_len, temperature)
+    return None, token_logps(model, mb[0], mb[1], completion_len, temperature, mb[2])
 
-  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask))[1]
+  xs = (batch.tokens, batch.attention_mask, batch.support_gaps)
+  return jax.lax.scan(one, None, xs)[1]

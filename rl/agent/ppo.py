@@ -20,8 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-import kernels
 from kernels.grpo_loss import DEFAULT_MAX_LOG_RATIO
+from rl import support
 
 
 def _check_same_shape(**arrays) -> None:
@@ -113,6 +113,7 @@ def policy_loss(
   max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
   impl: str = "auto",
   lm_head=None,  # [H, V]: the fused LM-head loss (no [B, T, V] logits)
+  support_gap=None,  # [B, T] f32 or None: score over the sampled support (rl.support)
   sharding=None,  # kernels.sharding.KernelSharding: shard-local over a mesh (rl.kernel_sharding)
 ):  # -> (loss, kernels.grpo_loss.GRPOAux)
   """The PPO clipped surrogate with per-token advantages: kernels.grpo_loss (Pallas / XLA / Mosaic
@@ -139,10 +140,10 @@ def policy_loss(
     sharding=sharding,
   )
   if lm_head is not None:
-    return kernels.fused_linear_grpo_loss(
-      logits.astype(lm_head.dtype), lm_head, ids, mask, advantages, **kw
+    return support.fused_linear_grpo_loss(
+      logits.astype(lm_head.dtype), lm_head, ids, mask, advantages, support_gap=support_gap, **kw
     )
-  return kernels.grpo_loss(logits, ids, mask, advantages, **kw)
+  return support.grpo_loss(logits, ids, mask, advantages, support_gap=support_gap, **kw)
 
 
 def approx_kl_sum(logp, old_logp, mask):  # [B, T] x3 -> scalar: sum of k3 KL(old || new) terms

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl import sharding
+from rl import sharding, support
 from rl.advantages import group_advantages
 from rl.agent import ppo
 from rl.agent.critic import CriticModel, ValueHead
@@ -107,7 +107,10 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
     shape(packed.attention_mask),
     shape(packed.model_mask),
   )
-  stub = AgentBatch(tokens, attn, mask, *([None] * 4))
+  reported = None if packed.support_gaps is None else shape(packed.support_gaps)
+  v, params = s.model.cfg.vocab_size, a.policy.params
+  gaps = support.batch_gaps(s.cfg, v, s.graphdef, params, reported, tokens, attn, cw, mask)
+  stub = AgentBatch(tokens, attn, mask, *([None] * 4), support_gaps=gaps)
   old_logps, old_values = old_logps_and_values(
     s.graphdef, a.head_graphdef, a.policy.params, a.head_params, stub, cw, temp
   )
@@ -133,7 +136,7 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
     ref = batch_token_logps(s.graphdef, a.policy.ref_params, stub, cw, temp)
     ref = jnp.where(mask, ref, 0.0)  # model tokens only, as the old log-probs
   batch = AgentBatch(
-    tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns, ref
+    tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns, ref, gaps
   )
   return batch, critic
 
@@ -280,6 +283,7 @@ class AgentStep:
       temperature=temperature,
       top_k=sampling.top_k,
       top_p=sampling.top_p,
+      min_p=sampling.min_p,
     )
     seeds = [seed for seed in env_seeds for _ in range(group)]
     sample_seeds = [seed_of(i) for i in range(len(seeds))]

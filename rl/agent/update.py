@@ -37,6 +37,9 @@ class AgentBatch(NamedTuple):
   old_values: jax.Array  # [K, M, C] f32
   returns: jax.Array  # [K, M, C] f32 (value targets; zeros for grpo)
   ref_logps: jax.Array | None = None  # [K, M, C] f32, the reference policy's (train.beta > 0)
+  # [K, M, C] f32: MODEL tokens' support gaps, -inf on an environment's tokens (rl.support); None:
+  # the full softmax (the sampler does not filter, or train.score_sampled_support is off)
+  support_gaps: jax.Array | None = None
 
 
 def _forward(graphdef, params, critic, tokens, attention_mask, completion_len, remat="none"):
@@ -52,13 +55,14 @@ def old_logps_and_values(graphdef, head_graphdef, params, head_params, batch, co
   head = nnx.merge(head_graphdef, head_params)
 
   def one(_, mb):
-    tokens, attn, mask = mb
+    tokens, attn, mask, gap = mb
     model, hidden, values = _forward(graphdef, params, head, tokens, attn, completion_len)
     ids = tokens[:, -completion_len:]
-    logp, _ = token_logps_and_entropy(model.logits(hidden), jnp.where(mask, ids, 0), temp)
+    logp, _ = token_logps_and_entropy(model.logits(hidden), jnp.where(mask, ids, 0), temp, gap)
     return None, (jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0))
 
-  return jax.lax.scan(one, None, (batch.tokens, batch.attention_mask, batch.model_mask))[1]
+  xs = (batch.tokens, batch.attention_mask, batch.model_mask, batch.support_gaps)
+  return jax.lax.scan(one, None, xs)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +106,10 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
       model, hidden, values = _forward(
         graphdef, p, head, mb.tokens, mb.attention_mask, s.completion_len, s.remat
       )
-      ids = mb.tokens[:, -s.completion_len :]
       fused = s.fused_lm_head
       pl, aux = ppo.policy_loss(
         hidden if fused else model.logits(hidden),
-        ids,
+        mb.tokens[:, -s.completion_len :],
         mb.model_mask,
         mb.advantages,
         old_logps=mb.old_logps,
@@ -120,6 +123,7 @@ def update_step(graphdef, head_graphdef, policy_opt, head_opt, s: UpdateSettings
         num_items_in_batch=items,
         impl=s.impl,
         lm_head=model.lm_head_weight() if fused else None,
+        support_gap=mb.support_gaps,
         sharding=s.kernel_sharding,
       )
       vl, vclipped = ppo.value_loss(values, mb.old_values, mb.returns, mb.model_mask, s.value_clip)

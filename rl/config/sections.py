@@ -111,12 +111,15 @@ class RewardSection:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSection:
-  """How the rollout samples: the GRPO group size, temperature, top-k / top-p, completion length."""
+  """How the rollout samples: the GRPO group size, temperature, top-k / top-p / min-p, completion
+  length. The filters keep a threshold set (ties with the last kept token kept), their intersection;
+  the trainer scores each token over the set it was drawn from (train.score_sampled_support)."""
 
   group_size: int = 8  # completions per prompt (the GRPO group)
   temperature: float = 1.0  # training rollouts sample; the trainer's logits are scaled by it too
-  top_k: int = 0  # sample among the k most likely tokens; 0: off
+  top_k: int = 0  # sample among the k most likely tokens (and those tied with the k-th); 0: off
   top_p: float = 1.0  # nucleus sampling; 1: off
+  min_p: float = 0.0  # keep tokens of probability >= min_p x the most likely one's; 0: off
   max_new_tokens: int = 64  # completion length limit (and dr_grpo's divisor)
 
   RANGES: ClassVar[dict[str, Range]] = {
@@ -124,11 +127,17 @@ class SamplingSection:
     "temperature": Range(gt=0),
     "top_k": Range(ge=0),
     "top_p": Range(gt=0, le=1),
+    "min_p": Range(ge=0, le=1),
     "max_new_tokens": Range(ge=1),
   }
 
   def __post_init__(self):
     check_ranges(self, "sampling")
+
+  def filters(self, vocab_size: int) -> bool:
+    """Whether the rollout draws from a truncated distribution (top-k below the vocabulary, top-p
+    below 1, or min-p above 0): its tokens then carry support gaps."""
+    return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,11 @@ class TrainSection:
   is_cap: float = 2.0  # the importance weight's truncation / masking threshold
   importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
   epsilon_c: float | None = None  # dual-clip PPO (> 1); null: off
+  # With a filtering sampler (sampling.top_k / top_p / min_p), score each token over the set it was
+  # drawn from (kernels.support: the engine's support gaps, or replayed on the old policy's logits
+  # for sglang_jax) in the old, reference and current log-probs; false: the full softmax, which
+  # biases the ratio by log(kept mass). No effect when the sampler does not filter.
+  score_sampled_support: bool = True
   max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO  # clamp before exp; null: off
   optimizer: Literal["adamw", "lion"] = "adamw"  # the update rule (kernels.optim / optax)
   fused_optimizer: bool = True  # kernels.optim's one-pass update (false: optax's)

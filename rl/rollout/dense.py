@@ -59,17 +59,17 @@ class DenseEngine(RolloutEngine):
     for s in seqs:
       s.admitted = t
     logits, cache = steps.prefill(graphdef, state, cache, jnp.asarray(tokens), positions, last)
-    first, lps = jax.device_get(
+    first, lps, gaps = jax.device_get(
       steps.sample_first(logits, *self._sampling_arrays(seqs), self._filtered(seqs))
     )
     stats.prefill_s += time.perf_counter() - t
     stats.prefill_tokens += sum(len(s.prompt) for s in seqs)
     for i, s in enumerate(seqs):
-      self._accept(s, first[i : i + 1], lps[i : i + 1])
+      self._accept(s, first[i : i + 1], lps[i : i + 1], gaps[i : i + 1])
     t = time.perf_counter()
     while any(s.finish is None for s in seqs):
       live = [s if s.finish is None else None for s in seqs]
-      toks, logps, emitted, cache = steps.decode_chunk(
+      toks, logps, gaps, emitted, cache = steps.decode_chunk(
         graphdef,
         state,
         cache,
@@ -77,9 +77,9 @@ class DenseEngine(RolloutEngine):
         self._filtered(live),
         **self._slot_arrays(live),
       )
-      toks, logps, emitted = jax.device_get((toks, logps, emitted))
+      toks, logps, gaps, emitted = jax.device_get((toks, logps, gaps, emitted))
       stats.decode_steps += ecfg.steps_per_sync
       for i, s in enumerate(live):
         if s is not None:
-          self._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+          self._accept(s, *(x[emitted[:, i], i] for x in (toks, logps, gaps)))
     stats.decode_s += time.perf_counter() - t

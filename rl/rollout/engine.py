@@ -36,6 +36,7 @@ class Seq:
   submitted: float
   gen: list[int] = dataclasses.field(default_factory=list)
   logps: list[float] = dataclasses.field(default_factory=list)
+  gaps: list[float] | None = dataclasses.field(default_factory=list)  # None: not reported
   pages: list[int] = dataclasses.field(default_factory=list)
   admitted: float | None = None
   finish: str | None = None
@@ -57,6 +58,7 @@ class Seq:
       queued_s=(self.admitted or now) - self.submitted,
       latency_s=now - self.submitted,
       preemptions=self.preemptions,
+      support_gaps=None if self.gaps is None else np.asarray(self.gaps, np.float32),
     )
 
 
@@ -70,6 +72,10 @@ class RolloutEngine:
   The engine keeps a reference to the live model: `generate` reads its current parameters every call,
   so an optimizer update between calls is seen without a copy or a restart.
   """
+
+  # Whether its completions carry support gaps (rl.rollout.types.Completion); an engine that cannot
+  # report them (sglang_jax) has the trainer replay its filter on the old policy's logits instead.
+  reports_support_gaps = True
 
   def __init__(
     self,
@@ -127,9 +133,12 @@ class RolloutEngine:
 
   def _filtered(self, seqs: Sequence[Seq | None]) -> bool:
     """Whether any row filters its distribution: False compiles the plain sampler only."""
-    live = [s for s in seqs if s is not None]
+    live = [s.params for s in seqs if s is not None]
     return filters(
-      [s.params.top_k for s in live], [s.params.top_p for s in live], self.model.cfg.vocab_size
+      [p.top_k for p in live],
+      [p.top_p for p in live],
+      [p.min_p for p in live],
+      self.model.cfg.vocab_size,
     )
 
   # ----------------------------------------------------------------------------------- requests
@@ -169,11 +178,16 @@ class RolloutEngine:
     return groups
 
   # ----------------------------------------------------------------------------------- finishing
-  def _accept(self, seq: Seq, tokens, logps) -> None:
-    """Append tokens from the device and decide whether the sequence is done."""
+  def _accept(self, seq: Seq, tokens, logps, gaps=None) -> None:
+    """Append tokens from the device (with their log-probs and support gaps; `gaps` None: the
+    backend reports none) and decide whether the sequence is done."""
     start = len(seq.gen)
     seq.gen.extend(int(t) for t in tokens)
     seq.logps.extend(float(x) for x in logps)
+    if gaps is None:
+      seq.gaps = None
+    elif seq.gaps is not None:
+      seq.gaps.extend(float(x) for x in gaps)
     if seq.gen and seq.gen[-1] in seq.stop_ids:
       seq.finish = "eos"
     elif len(seq.gen) >= seq.limit:
@@ -188,6 +202,8 @@ class RolloutEngine:
       text = self.tokenizer.decode(seq.gen[:end])
       if any(s in text for s in seq.params.stop_strings):
         del seq.gen[end:], seq.logps[end:]
+        if seq.gaps is not None:
+          del seq.gaps[end:]
         seq.finish = "stop"
         return
 
@@ -200,6 +216,7 @@ class RolloutEngine:
     stop = np.full((n, k), -1, np.int32)
     seeds, samples = np.zeros(n, np.uint32), np.zeros(n, np.int32)
     temp, topp, topk = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+    minp = np.zeros(n, np.float32)
     for i, s in enumerate(seqs):
       if s is None:
         continue
@@ -208,6 +225,7 @@ class RolloutEngine:
       stop[i, : len(s.stop_ids)] = s.stop_ids
       seeds[i], samples[i] = s.params.seed, s.sample_index
       temp[i], topk[i], topp[i] = s.params.temperature, s.params.top_k, s.params.top_p
+      minp[i] = s.params.min_p
     arrays = dict(
       tokens=jnp.asarray(tokens),
       positions=jnp.asarray(positions),
@@ -218,6 +236,7 @@ class RolloutEngine:
       temperature=jnp.asarray(temp),
       top_k=jnp.asarray(topk),
       top_p=jnp.asarray(topp),
+      min_p=jnp.asarray(minp),
     )
     return self._put_rows(arrays)
 
@@ -240,6 +259,7 @@ class RolloutEngine:
       jnp.asarray([s.params.temperature for s in seqs], jnp.float32),
       jnp.asarray([s.params.top_k for s in seqs], jnp.int32),
       jnp.asarray([s.params.top_p for s in seqs], jnp.float32),
+      jnp.asarray([s.params.min_p for s in seqs], jnp.float32),
     )
 
   def _result(self, groups: list[list[Seq]], stats: RolloutStats, t0: float) -> RolloutResult:

@@ -46,6 +46,27 @@ class Episode:
   infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   done: bool = False
   truncated: bool = False  # ended by max_seq_len before the environment ended it
+  # support gap per token (kernels.support): the engine's on MODEL tokens, -inf elsewhere (an
+  # environment's tokens were never sampled); None: the engine reports none
+  gaps: list[float] | None = None
+
+  def add_reply(self, gen: list[int], logps, gaps) -> None:  # gaps: [len(gen)] or None
+    """A reply of the model, with the engine's log-probs and support gaps (None: not reported)."""
+    start = len(self.tokens)
+    self.tokens += gen
+    self.roles += [MODEL] * len(gen)
+    self.logps += [float(x) for x in logps]
+    if self.gaps is not None:
+      self.gaps = None if gaps is None else self.gaps + [float(x) for x in gaps]
+    self.turns.append((start, len(self.tokens)))
+
+  def add_observation(self, obs: list[int]) -> None:
+    """Tokens the environment inserts: never sampled, so no log-prob and a -inf gap."""
+    self.tokens += obs
+    self.roles += [ENV] * len(obs)
+    self.logps += [0.0] * len(obs)
+    if self.gaps is not None:
+      self.gaps += [-np.inf] * len(obs)
 
   @property
   def prompt_len(self) -> int:
@@ -122,7 +143,14 @@ def rollout(
         f"rollout max_seq_len={limit}"
       )
     episodes.append(
-      Episode(int(env_seed), int(sample_seed), prompt, [PROMPT] * len(prompt), [0.0] * len(prompt))
+      Episode(
+        int(env_seed),
+        int(sample_seed),
+        prompt,
+        [PROMPT] * len(prompt),
+        [0.0] * len(prompt),
+        gaps=[-np.inf] * len(prompt),
+      )
     )
   live = list(range(len(episodes)))
   while live:
@@ -140,11 +168,7 @@ def rollout(
     still = []
     for i, completion in zip(live, result.completions):
       ep, gen = episodes[i], [int(t) for t in completion.token_ids]
-      start = len(ep.tokens)
-      ep.tokens += gen
-      ep.roles += [MODEL] * len(gen)
-      ep.logps += [float(x) for x in completion.logprobs]
-      ep.turns.append((start, len(ep.tokens)))
+      ep.add_reply(gen, completion.logprobs, completion.support_gaps)
       step = envs[i].step(tokenizer.decode(gen))
       ep.turn_rewards.append(float(step.reward))
       ep.infos.append(dict(step.info))
@@ -156,9 +180,7 @@ def rollout(
       if len(ep.tokens) + len(obs) >= limit:  # no room for another reply
         ep.done = ep.truncated = True
         continue
-      ep.tokens += obs
-      ep.roles += [ENV] * len(obs)
-      ep.logps += [0.0] * len(obs)
+      ep.add_observation(obs)
       stats.env_tokens += len(obs)
       still.append(i)
     stats.env_seconds += time.perf_counter() - t_env
@@ -177,6 +199,9 @@ class PackedEpisodes:
   model_mask: np.ndarray  # [N, C] bool: MODEL tokens of the completion part (the trained ones)
   sampler_logps: np.ndarray  # [N, C] f32: the sampler's log-probs on MODEL tokens, 0 elsewhere
   rewards: np.ndarray  # [N, C] f32: each turn's reward on that turn's last MODEL token
+  # [N, C] f32: the support gaps of MODEL tokens, -inf elsewhere (environment tokens, padding);
+  # None: the engine reports none
+  support_gaps: np.ndarray | None = None
 
   @property
   def completion_len(self) -> int:
@@ -192,6 +217,8 @@ def pack_episodes(
   model_mask = np.zeros((n, completion_width), bool)
   logps = np.zeros((n, completion_width), np.float32)
   rewards = np.zeros((n, completion_width), np.float32)
+  reported = all(ep.gaps is not None for ep in episodes)
+  gaps = np.full((n, completion_width), -np.inf, np.float32) if reported else None
   for i, ep in enumerate(episodes):
     p = ep.prompt_len
     rest = len(ep.tokens) - p
@@ -205,9 +232,11 @@ def pack_episodes(
     roles = np.asarray(ep.roles[p:], np.int8)
     model_mask[i, :rest] = roles == MODEL
     logps[i, :rest] = np.where(roles == MODEL, np.asarray(ep.logps[p:], np.float32), 0.0)
+    if gaps is not None:
+      gaps[i, :rest] = np.where(roles == MODEL, np.asarray(ep.gaps[p:], np.float32), -np.inf)
     for (_, end), r in zip(ep.turns, ep.turn_rewards):
       rewards[i, end - 1 - p] += r
-  return PackedEpisodes(tokens, attention, model_mask, logps, rewards)
+  return PackedEpisodes(tokens, attention, model_mask, logps, rewards, gaps)
 
 
 EPISODE_METRICS = (

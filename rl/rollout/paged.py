@@ -188,7 +188,7 @@ class _Generation:
     self.cache = cache
     if batch.fresh:  # each sample of a new group draws its first token from its prompt's logits
       rows = jnp.asarray(batch.fresh_rows, jnp.int32)
-      first, lps = jax.device_get(
+      first, lps, gaps = jax.device_get(
         steps.sample_first(
           logits[rows],
           *self.engine._sampling_arrays(batch.fresh),
@@ -196,7 +196,7 @@ class _Generation:
         )
       )
       for i, s in enumerate(batch.fresh):
-        self.engine._accept(s, first[i : i + 1], lps[i : i + 1])
+        self.engine._accept(s, first[i : i + 1], lps[i : i + 1], gaps[i : i + 1])
     else:
       jax.block_until_ready(cache.k)
     self.stats.prefill_s += time.perf_counter() - t
@@ -249,16 +249,16 @@ class _Generation:
     for i, s in enumerate(running):
       table[i, : len(s.pages)] = s.pages
     cache = self.cache.with_table(self.engine._put_rows(jnp.asarray(table)))
-    toks, logps, emitted, self.cache = steps.decode_chunk(
+    toks, logps, gaps, emitted, self.cache = steps.decode_chunk(
       *self.graph,
       cache,
       ecfg.steps_per_sync,
       self.engine._filtered(rows),
       **self.engine._slot_arrays(rows),
     )
-    toks, logps, emitted = jax.device_get((toks, logps, emitted))
+    toks, logps, gaps, emitted = jax.device_get((toks, logps, gaps, emitted))
     for i, s in enumerate(running):
-      self.engine._accept(s, toks[emitted[:, i], i], logps[emitted[:, i], i])
+      self.engine._accept(s, *(x[emitted[:, i], i] for x in (toks, logps, gaps)))
     self.stats.decode_steps += ecfg.steps_per_sync
     self.stats.decode_s += time.perf_counter() - t
     self.retire()

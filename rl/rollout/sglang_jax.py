@@ -23,8 +23,9 @@ Differences from the `paged` / `dense` backends, by design of sglang-jax 0.1.0rc
   * sampling draws are sglang's (it is given a seed per sample from (seed, sample_index)), so sampled
     tokens differ from ours, and on CPU they also differ between two calls with the same requests and
     seeds (5 of 6 repeats, measured); greedy outputs match ours token for token (tested);
-  * the log-probs are under softmax(logits / temperature) without top-k / top-p renormalisation (equal
-    to ours when top_k = 0 and top_p = 1, and for greedy);
+  * the log-probs are under softmax(logits / temperature) without top-k / top-p / min-p
+    renormalisation (equal to ours when nothing filters, and for greedy), and there are no support
+    gaps: the trainer replays the filter on its old-policy logits to form them (rl.support);
   * stop strings are applied after generation (the engine runs without a tokenizer); prefill / decode
     time are not separated in the stats (only the total);
   * its scheduler thread polls for requests without sleeping (one CPU core busy while the engine is
@@ -174,6 +175,7 @@ class SglangJaxEngine(RolloutEngine):
   """
 
   _live: SglangJaxEngine | None = None
+  reports_support_gaps = False  # its log-probs are the full softmax's; the trainer replays the gaps
 
   def __init__(self, model, config, tokenizer=None, eos_ids=None, *, log_level: str = "error"):
     super().__init__(model, config, tokenizer, eos_ids)
@@ -313,6 +315,7 @@ class SglangJaxEngine(RolloutEngine):
       temperature=p.temperature,
       top_k=p.top_k if p.top_k > 0 else -1,
       top_p=p.top_p,
+      min_p=p.min_p,
       stop_token_ids=list(s.stop_ids),
       sampling_seed=(p.seed * 1_000_003 + s.sample_index) % (2**31 - 1),
       skip_special_tokens=False,
@@ -321,7 +324,8 @@ class SglangJaxEngine(RolloutEngine):
   def _finish(self, s: Seq, out: dict) -> None:
     tokens = [int(t) for t in out["output_ids"]]
     entries = completion_logprobs(out["meta_info"]["output_token_logprobs"], tokens)
-    self._accept(s, tokens, [float(x[0]) for x in entries])
+    # full-softmax log-probs and no support gap (the trainer replays the filter: rl.support)
+    self._accept(s, tokens, [float(x[0]) for x in entries], gaps=None)
     reason = out["meta_info"]["finish_reason"] or {}
     if s.finish is None:  # sglang stopped without our rules firing: trust its reason, but say which
       if reason.get("type") == "length" and len(tokens) < s.limit:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl.rollout.sampling import BLOCK, sample, sample_blocked, token_keys
+from rl.rollout.sampling import BLOCK, no_gaps, sample, sample_blocked, token_keys
 
 
 def precision_scope(precision: str | None):
@@ -53,23 +53,18 @@ def prefill(
   return model.logits(h_last), cache
 
 
-@functools.partial(jax.jit, static_argnums=5)
+@functools.partial(jax.jit, static_argnums=6)
 def sample_first(
   logits,  # [B, V] f32 (a group's rows repeat its prompt's logits)
   base_keys,
   temperature,
   top_k,
   top_p,
+  min_p,
   filtered: bool | None = None,
-):  # [B] each
-  return sample(
-    logits,
-    token_keys(base_keys, jnp.zeros(logits.shape[:1], jnp.int32)),
-    temperature,
-    top_k,
-    top_p,
-    filtered,
-  )
+):  # -> ([B] tokens, [B] log-probs, [B] support gaps)
+  keys = token_keys(base_keys, jnp.zeros(logits.shape[:1], jnp.int32))
+  return sample(logits, keys, temperature, top_k, top_p, min_p, filtered)
 
 
 def next_tokens(
@@ -78,9 +73,10 @@ def next_tokens(
   keys,  # [S] typed PRNG keys
   temperature,
   top_k,
-  top_p,  # [S] each
+  top_p,
+  min_p,  # [S] each
   filtered: bool | None,
-):  # -> ([S] int32 tokens, [S] f32 log-probs)
+):  # -> ([S] int32 tokens, [S] f32 log-probs, [S] f32 support gaps)
   """One decode step's draw. Unfiltered (the GRPO default), with a tied head and BLOCK dividing the
   vocabulary, from logits the LM head writes in blocks (`blocked_logits`); else from [S, V] logits.
   An untied head's [H, V] kernel cut into blocks would be relaid out in memory every step on TPU
@@ -88,8 +84,9 @@ def next_tokens(
   4 x S x V x 4 bytes: less below S = H / 4 slots."""
   cfg = model.cfg
   if filtered is False and cfg.tie_word_embeddings and cfg.vocab_size % BLOCK == 0:
-    return sample_blocked(model.blocked_logits(hidden, BLOCK), keys, temperature)
-  return sample(model.logits(hidden), keys, temperature, top_k, top_p, filtered)
+    tokens, logps = sample_blocked(model.blocked_logits(hidden, BLOCK), keys, temperature)
+    return tokens, logps, no_gaps(hidden.shape[0])
+  return sample(model.logits(hidden), keys, temperature, top_k, top_p, min_p, filtered)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
@@ -98,7 +95,7 @@ def decode_chunk(
   state,
   cache,
   steps: int,
-  filtered: bool | None,  # static: some row filters (top-k / top-p); None: decide on device
+  filtered: bool | None,  # static: some row filters (top-k / top-p / min-p); None: on device
   tokens,  # [S] int32: each slot's last sampled token (not yet in the cache)
   positions,  # [S] int32: where that token goes
   generated,  # [S] int32: tokens generated so far (the draw index of the next one)
@@ -108,28 +105,33 @@ def decode_chunk(
   temperature,
   top_k,
   top_p,  # [S] each
-):  # -> ([steps, S] tokens, [steps, S] logprobs, [steps, S] bool emitted, cache)
+  min_p=None,  # [S] f32, or None: off in every row
+):  # -> ([steps, S] tokens, [steps, S] logprobs, [steps, S] gaps, [steps, S] bool emitted, cache)
   """`steps` decode steps. A slot stops emitting after a stop id or when its budget is spent; it keeps
-  riding along (fixed shapes) without advancing, writing only at its own next, unused position."""
+  riding along (fixed shapes) without advancing, writing only at its own next, unused position.
+  Each token comes with its log-prob and support gap (rl.rollout.sampling.sample)."""
   model = nnx.merge(graphdef, state)
+  min_p = jnp.zeros_like(temperature) if min_p is None else min_p
 
   def step(carry, _):
     cache, tok, pos, gen, left = carry
     active = left > 0
     hidden, cache = model.forward_with_cache(tok[:, None], pos[:, None], cache)
     keys = token_keys(base_keys, gen)
-    new, logp = next_tokens(model, hidden[:, 0], keys, temperature, top_k, top_p, filtered)
+    new, logp, gap = next_tokens(
+      model, hidden[:, 0], keys, temperature, top_k, top_p, min_p, filtered
+    )
     stopped = jnp.any(new[:, None] == stop_ids, axis=-1)
     left = jnp.where(active, jnp.where(stopped, 0, left - 1), 0)
     tok = jnp.where(active, new, tok)
     pos = jnp.where(active, pos + 1, pos)
     gen = jnp.where(active, gen + 1, gen)
-    return (cache, tok, pos, gen, left), (new, logp, active)
+    return (cache, tok, pos, gen, left), (new, logp, gap, active)
 
-  (cache, *_), (toks, logps, emitted) = jax.lax.scan(
+  (cache, *_), (toks, logps, gaps, emitted) = jax.lax.scan(
     step, (cache, tokens, positions, generated, budget), None, length=steps
   )
-  return toks, logps, emitted, cache
+  return toks, logps, gaps, emitted, cache
 
 
 @functools.partial(jax.jit, donate_argnums=0)

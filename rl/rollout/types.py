@@ -14,7 +14,8 @@ FinishReason = Literal["eos", "stop", "length"]
 class SamplingParams:
   """How to sample one request's completions.
 
-  temperature 0 is greedy. top_k 0 and top_p 1.0 are off. `n` completions share the prompt's prefill
+  temperature 0 is greedy. top_k 0, top_p 1.0 and min_p 0.0 are off (rl.rollout.sampling: the kept
+  set is the intersection of the filters, a threshold set; min_p keeps p_v >= min_p * p_max). `n` completions share the prompt's prefill
   (the GRPO group). `seed` fixes the request's draws: token t of sample j uses key
   fold_in(fold_in(key(seed), j), t), so results do not depend on batching, slots or preemption.
   """
@@ -23,6 +24,7 @@ class SamplingParams:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
   n: int = 1
   seed: int = 0
   stop_token_ids: tuple[int, ...] | None = None  # None: the engine's EOS ids
@@ -35,6 +37,7 @@ class SamplingParams:
       temperature=self.temperature,
       top_k=self.top_k,
       top_p=self.top_p,
+      min_p=self.min_p,
       n=self.n,
       seed=self.seed,
     )
@@ -60,7 +63,7 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
 
 
 def check_sampling(
-  *, max_new_tokens, temperature, top_k, top_p, n=1, seed=0, prefix: str = ""
+  *, max_new_tokens, temperature, top_k, top_p, min_p=0.0, n=1, seed=0, prefix: str = ""
 ) -> None:
   """The one check of sampling settings (SamplingParams; a config section may call it with
   `prefix="sampling."` so the error names its key): ValueError / TypeError naming the field and its
@@ -69,13 +72,15 @@ def check_sampling(
   _check_int(f"{prefix}top_k", top_k, 0)  # 0 = off
   _check_int(f"{prefix}n", n, 1)
   _check_int(f"{prefix}seed", seed, *SEED_RANGE)
-  for name, value in (("temperature", temperature), ("top_p", top_p)):
+  for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
     if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
       raise TypeError(f"{prefix}{name} must be a number, got {type(value).__name__} {value!r}")
   if not (0.0 <= temperature < float("inf")):
     raise ValueError(f"{prefix}temperature must be finite and >= 0 (0 = greedy), got {temperature}")
   if not (0.0 < top_p <= 1.0):
     raise ValueError(f"{prefix}top_p must be in (0, 1] (1 = off), got {top_p}")
+  if not (0.0 <= min_p <= 1.0):
+    raise ValueError(f"{prefix}min_p must be in [0, 1] (0 = off), got {min_p}")
 
 
 @dataclasses.dataclass
@@ -83,7 +88,10 @@ class Completion:
   """One sampled completion.
 
   `logprobs[t]` is the log-probability of token t under the distribution it was drawn from (after
-  temperature, top-k and top-p; for greedy, under the model's plain softmax).
+  temperature, top-k, top-p and min-p; for greedy, under the model's plain softmax). `support_gaps[t]`
+  is its support gap (kernels.support: the threshold of the set it was drawn from, in scaled
+  logits, minus its own, <= 0; rl.rollout.sampling.gap_of; -inf where nothing was filtered or at temperature 0), or None for an engine that
+  cannot report it (sglang_jax: the trainer replays the filter on its own logits).
   """
 
   prompt_index: int
@@ -95,6 +103,7 @@ class Completion:
   queued_s: float = 0.0  # submission to first admission
   latency_s: float = 0.0  # submission to finish
   preemptions: int = 0
+  support_gaps: np.ndarray | None = None  # [C] f32, None: not reported
 
 
 @dataclasses.dataclass
@@ -136,3 +145,14 @@ class RolloutResult:
       k = len(c.token_ids)
       ids[i, :k], mask[i, :k], lps[i, :k] = c.token_ids, True, c.logprobs
     return ids, mask, lps
+
+  def padded_gaps(self, max_len: int | None = None) -> np.ndarray | None:
+    """[N, C] support gaps aligned with `padded`, -inf on padding; None when a completion has none
+    (the engine cannot report them)."""
+    if any(c.support_gaps is None for c in self.completions):
+      return None
+    longest = max((len(c.token_ids) for c in self.completions), default=0)
+    gaps = np.full((len(self.completions), longest if max_len is None else max_len), -np.inf)
+    for i, c in enumerate(self.completions):
+      gaps[i, : len(c.support_gaps)] = c.support_gaps
+    return gaps.astype(np.float32)

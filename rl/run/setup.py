@@ -216,12 +216,19 @@ class Setup:
     advantages: np.ndarray,  # [N_local]
     sampler_logps: np.ndarray | None = None,  # [N_local, C] the engine's, 0 on padding
     accum_steps: int | None = None,  # K; None: the GRPO step's grad_accum_steps
+    support_gaps: np.ndarray | None = None,  # [N_local, C] the engine's support gaps, or None
   ) -> Batch:
     """This process's rows -> the global [K, M, ...] batch."""
     k = accum_steps or self.cfg.grad_accum_steps
     put = lambda x: global_rows(self.mesh, k, x)
-    sampler = None if sampler_logps is None else put(sampler_logps.astype(np.float32))
-    return Batch(put(tokens), put(mask), put(advantages.astype(np.float32)), sampler_logps=sampler)
+    f32 = lambda x: None if x is None else put(x.astype(np.float32))
+    return Batch(
+      put(tokens),
+      put(mask),
+      f32(advantages),
+      sampler_logps=f32(sampler_logps),
+      support_gaps=f32(support_gaps),
+    )
 
   def close(self) -> None:
     self.clock.compiles.close()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.tolerances import assert_close
-from rl.mismatch import finish, mismatch_metrics, mismatch_sums, reduce_sums
+from rl.mismatch import finish, mismatch_metrics, mismatch_sums, reduce_sums, support_sums
 
 NAN, INF = float("nan"), float("inf")
 # Row 0: r = trainer - sampler = (-0.1, 0.5, 0); row 1: (0, -0.8) and a padded token holding garbage;
@@ -109,3 +109,30 @@ def test_bad_input_names_the_argument():
     mismatch_sums(SAMPLER, TRAINER, MASK, np.ones((3, 2)))
   with pytest.raises(ValueError, match="is_level must be one of"):
     mismatch_sums(SAMPLER, TRAINER, MASK, is_level="tokens")
+
+
+def test_raw_and_truncated_ratios_by_hand():
+  """mismatch/raw/* and mismatch/truncated/*: the ratio's mean, the tails outside the clip range
+  [1 - epsilon_low, 1 + epsilon_high] and k3 KL, over masked tokens only, by hand. The raw side
+  carries the kept mass (log 0.75 per token here), the truncated one none. Catches the two sides
+  swapped, a tail counted against the wrong epsilon, and padded garbage (inf, NaN) counted."""
+  s = np.array([[-1.0, -2.0, NAN], [-0.5, INF, 0.0]])
+  trunc = np.array([[-1.0, -2.3, 0.0], [-0.4, 0.0, NAN]])
+  raw = trunc + np.log(0.75)
+  m = np.array([[1, 1, 0], [1, 0, 0]], bool)
+  sums = mismatch_sums(s, trunc, m) | support_sums(s, raw, trunc, m, 0.2, 0.1)
+  got = finish(reduce_sums({k: jnp.asarray(v)[None] for k, v in sums.items()}))
+  r_t = np.array([0.0, -0.3, 0.1])
+  for side, r in (("truncated", r_t), ("raw", r_t + math.log(0.75))):
+    rho = np.exp(r)
+    want = {
+      "ratio_mean": rho.mean(),
+      "below_fraction": (rho < 0.8).mean(),
+      "above_fraction": (rho > 1.1).mean(),
+      "k3_kl": (rho - r - 1).mean(),
+    }
+    for k, v in want.items():
+      np.testing.assert_allclose(float(got[f"mismatch/{side}/{k}"]), v, rtol=1e-5, err_msg=k)
+  assert float(got["mismatch/raw/below_fraction"]) == pytest.approx(
+    2 / 3
+  )  # 0.75, 0.56 < 0.8 < 0.83

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kernels.grpo_loss.reference import token_logps_and_entropy
 from rl.config import GRPOConfig, SamplingSection
 from rl.data.tokenizer import ByteTokenizer
 from rl.model import init_model, preset, scale_weights
@@ -94,12 +95,26 @@ def test_page_exhaustion_preempts_and_recomputes_without_changing_outputs(model,
 
 @pytest.mark.parametrize(
   "params",
-  [dict(temperature=0.7), dict(temperature=1.3, top_k=20), dict(temperature=1.0, top_p=0.8)],
-  ids=["temp", "top_k", "top_p"],
+  [
+    dict(temperature=0.7),
+    dict(temperature=1.3, top_k=20),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, top_k=20, top_p=0.9),
+    dict(temperature=0.8, min_p=0.1),
+  ],
+  ids=["temp", "top_k", "top_p", "top_k+top_p", "min_p"],
 )
-def test_sampler_logprobs_equal_teacher_forced_forward(model, prompts, params):
+@pytest.mark.parametrize("backend", ["paged", "dense"])
+def test_sampler_logprobs_equal_teacher_forced_forward(model, prompts, params, backend):
+  """Each engine's log-prob and support gap of every token against a teacher-forced forward: the
+  processed log-prob, and the trainer's truncated log-prob (kernels.support, the gap scoring the
+  teacher-forced logits) within 1e-5 in f32. Catches an engine reporting full-softmax log-probs, a
+  gap that drops or adds tokens to the set it drew from (a top-k / top-p that is not a threshold set,
+  a gap formed before the temperature), a gap not reported by one backend, and a gap on an unfiltered
+  row (it must be -inf there)."""
   sp = SamplingParams(max_new_tokens=12, n=2, seed=3, **params)
-  res = _engine(model, "paged").generate(prompts[:3], sp)
+  res = _engine(model, backend).generate(prompts[:3], sp)
+  filtered = sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0
   for c in res.completions:
     seq = np.concatenate([c.prompt_ids, c.token_ids])
     hidden = model(jnp.asarray(seq[None, :-1]))
@@ -107,12 +122,22 @@ def test_sampler_logprobs_equal_teacher_forced_forward(model, prompts, params):
       hidden[0, len(c.prompt_ids) - 1 :]
     )  # the positions that predict the completion
     n = len(c.token_ids)
+    full = lambda x, n=n: jnp.full(n, x)
     logp = processed_logprobs(
-      logits, jnp.full(n, sp.temperature), jnp.full(n, sp.top_k, jnp.int32), jnp.full(n, sp.top_p)
+      logits, full(sp.temperature), full(sp.top_k).astype(jnp.int32), full(sp.top_p), full(sp.min_p)
     )
     expected = np.take_along_axis(np.asarray(logp), c.token_ids[:, None], axis=1)[:, 0]
-    assert np.isfinite(expected).all()  # every drawn token was inside the top-k / nucleus
+    assert np.isfinite(expected).all()  # every drawn token was inside its kept set
     np.testing.assert_allclose(c.logprobs, expected, atol=2e-4, rtol=1e-4)
+    assert c.support_gaps is not None and c.support_gaps.shape == (n,)
+    if not filtered:
+      assert (c.support_gaps == -np.inf).all()
+      continue
+    assert np.isfinite(c.support_gaps).all() and (c.support_gaps <= 0).all()
+    trainer, _ = token_logps_and_entropy(
+      logits, jnp.asarray(c.token_ids), sp.temperature, jnp.asarray(c.support_gaps)
+    )
+    np.testing.assert_allclose(np.asarray(trainer), expected, atol=1e-5, rtol=0)
   assert len({tuple(c.token_ids) for c in res.completions}) > 1  # sampling varies between samples
 
 
@@ -208,7 +233,11 @@ def test_processed_logprobs_by_hand():
   lp = np.exp(
     np.asarray(
       processed_logprobs(
-        logits, jnp.array([1.0, 1.0, 1.0]), jnp.array([0, 2, 0]), jnp.array([1.0, 1.0, 0.6])
+        logits,
+        jnp.array([1.0, 1.0, 1.0]),
+        jnp.array([0, 2, 0]),
+        jnp.array([1.0, 1.0, 0.6]),
+        jnp.zeros(3),
       )
     )
   )
@@ -277,6 +306,10 @@ def test_bad_engine_config(kwargs, match):
     (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
     (dict(top_p=2.0), ValueError, r"top_p must be in \(0, 1\]"),
     (dict(top_p=float("nan")), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(min_p=float("nan")), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(min_p="0.1"), TypeError, "min_p must be a number"),
     (dict(top_k=-3), ValueError, "top_k must be >= 0"),
     (dict(top_k=2.5), TypeError, "top_k must be an int"),
     (dict(n=0), ValueError, "n must be >= 1"),

@@ -116,7 +116,7 @@ def test_sampler_logprobs_equal_teacher_forced_forward(model, engine, prompts):
     logits = model.logits(model(jnp.asarray(seq[None, :-1]))[0, len(c.prompt_ids) - 1 :])
     n = len(c.token_ids)
     logp = processed_logprobs(
-      logits, jnp.full(n, sp.temperature), jnp.zeros(n, jnp.int32), jnp.ones(n)
+      logits, jnp.full(n, sp.temperature), jnp.zeros(n, jnp.int32), jnp.ones(n), jnp.zeros(n)
     )
     expected = np.take_along_axis(np.asarray(logp), c.token_ids[:, None], axis=1)[:, 0]
     np.testing.assert_allclose(c.logprobs, expected, atol=2e-4, rtol=1e-4)
