@@ -266,8 +266,15 @@ def tunix(session: nox.Session):
   )  # fmt: skip
 
 
-# pytest, xdist (two workers) and hypothesis, which tests/conftest.py imports
-TPU_COMPILE_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.4", "hypothesis>=6.100")
+# pytest, xdist (two workers) and hypothesis, which tests/conftest.py imports; matplotlib for the
+# compiled report's plots (python -m bench --target tpu-... in this environment)
+TPU_COMPILE_DEPS = (
+  "pytest>=8",
+  "pytest-xdist>=3.5",
+  "pytest-timeout>=2.4",
+  "hypothesis>=6.100",
+  "matplotlib",
+)
 
 
 TPU_COMPILE_TESTS = (
