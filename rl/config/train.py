@@ -31,7 +31,7 @@ class TrainSection:
   # rl.config.platform.LOSS_IMPLS maps each choice to the kernel impl of the platform (pallas: this
   # project's kernel there); a choice the platform lacks is an error at load.
   policy_loss_impl: PolicyLossImpl = "auto"
-  fused_lm_head: bool = False
+  fused_lm_head: bool = False  # the loss from hidden states and the LM head (no [B, T, V] logits)
   # Rematerialisation of the decoder layers in the update's backward (rl.model.qwen.REMAT): none
   # keeps every layer's intermediates; layer recomputes each layer keeping its weight matmuls'
   # outputs; full recomputes each layer from its input (the least memory: one more decoder forward
