@@ -11,8 +11,8 @@ ratio compares the same distribution on both sides.
 `support_pass` is that old-policy pass. It also gives the trainer's raw (full-softmax) and truncated
 log-probs for the `mismatch/raw/*` and `mismatch/truncated/*` metrics (rl.mismatch.support_sums).
 
-`grpo_loss` / `fused_linear_grpo_loss` call the public loss ops with `support_gap=` when gaps exist;
-the fused LM-head loss then runs its XLA impl (its fused kernels do not take a gap yet).
+Every impl of `kernels.grpo_loss` takes `support_gap=`; `fused_linear_grpo_loss` here calls the
+fused LM-head loss, whose XLA impl runs when gaps exist (its fused kernels do not take a gap yet).
 """
 
 from __future__ import annotations
@@ -30,22 +30,6 @@ from rl.rollout.sampling import support_gaps
 
 # fused_linear_grpo_loss's tiling and placement keywords, which its impl="xla" has no use for
 _FUSED_ONLY = ("impl", "platform", "interpret", "blocks", "chunk_size", "mesh", "vocab_axis", "sharding")  # fmt: skip
-
-
-def grpo_loss(
-  logits,  # [B, T, V]
-  ids,  # [B, T] int
-  mask,  # [B, T] bool
-  adv,  # [B] or [B, T] f32
-  *,
-  support_gap=None,  # [B, T] f32 or None
-  **kw,  # kernels.grpo_loss's keywords
-):
-  """kernels.grpo_loss, scoring each token over its sampled support when `support_gap` is given
-  (every impl of the op takes it)."""
-  if support_gap is None:
-    return kernels.grpo_loss(logits, ids, mask, adv, **kw)
-  return kernels.grpo_loss(logits, ids, mask, adv, support_gap=support_gap, **kw)
 
 
 def fused_linear_grpo_loss(

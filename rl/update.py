@@ -250,7 +250,7 @@ def policy_loss(
       mb.advantages,
       **kw,
     )
-  return support.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
+  return kernels.grpo_loss(model.logits(hidden), ids, mask, mb.advantages, **kw)
 
 
 def batch_loss_and_grads(

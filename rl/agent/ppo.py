@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import kernels
 from kernels.grpo_loss import DEFAULT_MAX_LOG_RATIO
 from rl import support
 
@@ -143,7 +144,7 @@ def policy_loss(
     return support.fused_linear_grpo_loss(
       logits.astype(lm_head.dtype), lm_head, ids, mask, advantages, support_gap=support_gap, **kw
     )
-  return support.grpo_loss(logits, ids, mask, advantages, support_gap=support_gap, **kw)
+  return kernels.grpo_loss(logits, ids, mask, advantages, support_gap=support_gap, **kw)
 
 
 def approx_kl_sum(logp, old_logp, mask):  # [B, T] x3 -> scalar: sum of k3 KL(old || new) terms

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kernels
 from bench.tolerances import assert_close
 from kernels.grpo_loss import grpo_loss_reference
 from rl import support, train
@@ -95,7 +96,7 @@ def test_loss_wrappers_score_over_the_gaps_and_minus_inf_is_the_plain_loss():
   gaps turning into NaN."""
   logits, ids, mask, adv, old, gaps = _loss_inputs()
   kw = dict(old_logps=old, loss_type="dapo", loss_scale=0.5, temperature=0.7)
-  f = lambda lg, g: support.grpo_loss(lg, ids, mask, adv, support_gap=g, **kw)[0]
+  f = lambda lg, g: kernels.grpo_loss(lg, ids, mask, adv, support_gap=g, **kw)[0]
   ref = lambda lg, g: (
     0.5
     * grpo_loss_reference(
