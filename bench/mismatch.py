@@ -28,14 +28,24 @@ Engines: "paged", "dense", "sglang_jax" (skipped, with the reason, where sglang-
 the model's head_dim is not 128: use --size h128), and "paged:<attn_impl>" for a paged decode attention
 other than the default. The random weights are scaled x10 as in bench.rollout.throughput, so distributions are
 peaked and the bf16 differences between kernels show.
+
+`--exact-bf16` runs with XLA's excess precision off (`--xla_allow_excess_precision=false`, set before
+the backend starts): by default XLA may keep a bf16 value in f32 where it fuses the producer with its
+consumer, and it fuses the engine's decode program and the trainer's teacher-forced forward
+differently, so the two round the same bf16 activations at different places. Under a top-k / top-p
+filter that difference moves tokens across the kept set's edge, which the truncated score amplifies
+(a flipped boundary token shifts log p~ by its probability); with the rounding the model asks for on
+both sides, the truncated rows fall to the engines' plain numerical mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -44,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench import provenance
 from kernels.grpo_loss import token_logps_and_entropy
 from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.mismatch import mismatch_metrics
@@ -247,6 +258,32 @@ def markdown(rows: list[MismatchRow]) -> str:
   return "\n".join(lines)
 
 
+EXACT_BF16_FLAG = "--xla_allow_excess_precision=false"
+
+
+def environment() -> dict:
+  """Where the table was measured (the provenance docs/ext/results.py prints above it)."""
+  return dict(
+    device_kind=jax.devices()[0].device_kind,
+    jax=jax.__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    git_commit=provenance.git_commit(),
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
+  )
+
+
+def exact_bf16() -> None:
+  """Turn XLA's excess precision off for this process (module docstring). XLA reads its flags when
+  the first backend starts, so this must run before any computation: refused after one."""
+  from jax._src import xla_bridge  # the only place jax says whether a backend has started
+
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError("--exact-bf16: a JAX backend already started; XLA reads its flags once")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if EXACT_BF16_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {EXACT_BF16_FLAG}".strip()
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m bench.mismatch", description=__doc__.split("\n")[0])
   p.add_argument("--size", choices=sorted(SIZES), default=None)
@@ -257,14 +294,24 @@ def main(argv=None) -> int:
   )
   p.add_argument("--dtype", action="append", choices=DTYPES)
   p.add_argument("--out", type=pathlib.Path, help="write mismatch.json and mismatch.md here")
+  p.add_argument(
+    "--exact-bf16",
+    action="store_true",
+    help="XLA's excess precision off: engine and trainer round bf16 where the model does (docstring)",
+  )
   a = p.parse_args(argv)
+  if a.exact_bf16:
+    exact_bf16()
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
   rows = run(size, tuple(a.engine or ENGINES), tuple(a.dtype or DTYPES))
   table = markdown(rows)
-  print(f"engine mismatch, size {size!r} on {jax.devices()[0].device_kind}\n{table}")
+  mode = ", XLA excess precision off" if a.exact_bf16 else ""
+  print(f"engine mismatch, size {size!r} on {jax.devices()[0].device_kind}{mode}\n{table}")
   if a.out:
     a.out.mkdir(parents=True, exist_ok=True)
-    payload = dict(size=size, config=SIZES[size], rows=[dataclasses.asdict(r) for r in rows])
+    rows_out = [dataclasses.asdict(r) for r in rows]
+    payload = dict(size=size, exact_bf16=a.exact_bf16, environment=environment(), rows=rows_out)
+    payload["workload"] = SIZES[size]
     (a.out / "mismatch.json").write_text(json.dumps(payload, indent=2))
     (a.out / "mismatch.md").write_text(table + "\n")
   return 0

@@ -1,14 +1,14 @@
 """Tables and figures of the committed results, rendered from their files at build time.
 
 Every directory under ``bench/results/`` holding a result file (``results.json``, ``learning.json``,
-``parity.json``; nested reports included) becomes ``docs/_generated/results/<path>.md``, which the
+``parity.json``, ``mismatch.json``; nested reports included) becomes ``docs/_generated/results/<path>.md``, which the
 manual's pages include. Each starts with its provenance (device, versions, the commit the file
 records, ``-dirty`` said in words, and the commit that added it to the repository), then:
 
 * a bench report (``results.json`` with an ``environment``): the tables ``bench.report`` renders from
   it, re-rendered here into a temporary copy (nothing is measured);
 * any other result file: the summary its tool wrote beside it (``summary.md``, ``learning.md``,
-  ``parity.md``), generated from the same run, never typed;
+  ``parity.md``, ``mismatch.md``), generated from the same run, never typed;
 * the figures in the directory (PNG files rendered from the same results).
 
 No number in these pages is typed by hand: a new or re-measured report changes them on the next build.
@@ -26,8 +26,8 @@ import tempfile
 from sphinx.util import logging
 
 LOG = logging.getLogger(__name__)
-RESULT_FILES = ("results.json", "learning.json", "parity.json")
-SUMMARIES = ("summary.md", "learning.md", "parity.md")
+RESULT_FILES = ("results.json", "learning.json", "parity.json", "mismatch.json")
+SUMMARIES = ("summary.md", "learning.md", "parity.md", "mismatch.md")
 
 
 def result_dirs(results: pathlib.Path) -> list[pathlib.Path]:

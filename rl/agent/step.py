@@ -34,6 +34,7 @@ from rl.agent.update import (
   compile_update,
   head_optimizer,
   old_logps_and_values,
+  pre_update_mismatch,
   update_settings,
 )
 from rl.configlib import ConfigError
@@ -111,11 +112,13 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
   v, params = s.model.cfg.vocab_size, a.policy.params
   gaps = support.batch_gaps(s.cfg, v, s.graphdef, params, reported, tokens, attn, cw, mask)
   stub = AgentBatch(tokens, attn, mask, *([None] * 4), support_gaps=gaps)
-  old_logps, old_values = old_logps_and_values(
+  old_logps, old_values, raw = old_logps_and_values(
     s.graphdef, a.head_graphdef, a.policy.params, a.head_params, stub, cw, temp
   )
+  eps = (tcfg.epsilon_low, tcfg.epsilon_high)  # mismatch/*: the engine's against the old pass
+  found = pre_update_mismatch(shape(packed.sampler_logps), old_logps, raw, mask, eps)
   values = sharding.local_rows(s.mesh, old_values).reshape(-1, cw)  # [N_local, C]
-  returns, critic = jnp.zeros_like(old_values), {}
+  returns, critic = jnp.zeros_like(old_values), {k: float(v) for k, v in found.items()}
   if tcfg.algorithm == "ppo":
     adv, ret = ppo.gae(packed.rewards, values, packed.model_mask, tcfg.gamma, tcfg.gae_lambda)
     all_mask = gathered(packed.model_mask)
@@ -161,7 +164,7 @@ def step_metrics(a: AgentStep, episodes, stats, epochs, critic) -> dict[str, flo
     out["critic/value_clip_fraction"] = mean("value_clip_fraction")
     out["critic/explained_variance"] = critic["critic/explained_variance"]
     out["critic/value_mean"] = critic["critic/value_mean"]
-  return out
+  return out | {k: v for k, v in critic.items() if k.startswith("mismatch/")}
 
 
 def episode_metrics(episodes) -> dict[str, float]:

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import kernel_sharding
+from rl import kernel_sharding, mismatch
 from rl.agent import ppo
 from rl.agent.critic import critic_values
 from rl.config import GRPOConfig
@@ -51,18 +51,39 @@ def _forward(graphdef, params, critic, tokens, attention_mask, completion_len, r
 @functools.partial(jax.jit, static_argnums=(0, 1, 5, 6))
 def old_logps_and_values(graphdef, head_graphdef, params, head_params, batch, completion_len, temp):
   """The pre-update policy's log-probs and the critic's values, micro-batch by micro-batch:
-  ([K, M, C], [K, M, C])."""
+  ([K, M, C], [K, M, C], [K, M, C] or None). With support gaps the log-probs are over each token's
+  sampled support and the third output is the full softmax's (for mismatch/raw/*); else None."""
   head = nnx.merge(head_graphdef, head_params)
 
   def one(_, mb):
     tokens, attn, mask, gap = mb
     model, hidden, values = _forward(graphdef, params, head, tokens, attn, completion_len)
-    ids = tokens[:, -completion_len:]
-    logp, _ = token_logps_and_entropy(model.logits(hidden), jnp.where(mask, ids, 0), temp, gap)
-    return None, (jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0))
+    ids, logits = jnp.where(mask, tokens[:, -completion_len:], 0), model.logits(hidden)
+    logp, _ = token_logps_and_entropy(logits, ids, temp, gap)
+    raw = None if gap is None else token_logps_and_entropy(logits, ids, temp)[0]
+    keep = lambda x: None if x is None else jnp.where(mask, x, 0.0)
+    return None, (keep(logp), keep(values), keep(raw))
 
   xs = (batch.tokens, batch.attention_mask, batch.model_mask, batch.support_gaps)
   return jax.lax.scan(one, None, xs)[1]
+
+
+@jax.jit
+def pre_update_mismatch(
+  sampler,  # [K, M, C] f32: the engine's log-probs on model tokens
+  old,  # [K, M, C] f32: the pre-update pass's (over the sampled support with gaps)
+  raw,  # [K, M, C] f32 or None: the full softmax's, with gaps
+  mask,  # [K, M, C] bool: model tokens
+  epsilons,  # (epsilon_low, epsilon_high): the tails of mismatch/{raw,truncated}/*
+) -> dict[str, jax.Array]:
+  """rl.mismatch's mismatch/* of the engine's log-probs against the pre-update pass, as rl.train
+  reports them (raw and truncated ratios with a filtering sampler); jitted so that the sharded
+  global arrays of a multi-process run reduce to replicated scalars."""
+  flat = lambda x: x.reshape(-1, x.shape[-1])
+  sums = mismatch.mismatch_sums(flat(sampler), flat(old), flat(mask))
+  if raw is not None:
+    sums |= mismatch.support_sums(flat(sampler), flat(raw), flat(old), flat(mask), *epsilons)
+  return mismatch.finish(sums)
 
 
 @dataclasses.dataclass(frozen=True)

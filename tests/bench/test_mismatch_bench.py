@@ -5,8 +5,12 @@ shows up."""
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,8 +61,9 @@ def test_truncated_rows_are_within_2x_of_the_unfiltered_row():
   filtered row's mean |dlogp| is within 2x of the same engine's unfiltered row (the full-softmax
   row is ~1e5x). Catches the trainer scoring filtered samples under the full softmax, and gaps that
   drop the boundary token when the trainer's logits round unlike the engine's (at the smallest kept
-  logit itself: a few 1e-3 nats on half the tokens). In bf16 the target is not met (boundary tokens
-  flip with the two sides' bf16 rounding: bench/results/example-cpu-mismatch)."""
+  logit itself: a few 1e-3 nats on half the tokens). In bf16 it holds with XLA's excess precision
+  off (bench/results/example-cpu-mismatch-exact-bf16, `--exact-bf16`: a process-wide XLA flag, so not
+  in this process), not with XLA's defaults (bench/results/example-cpu-mismatch, docs/rollout.md)."""
   f32 = mismatch.run("tiny", engines=("paged", "dense"), dtypes=("float32",))
   ran = {(r.engine, r.sampling): r for r in f32}
   truncated = [key for key in ran if key[1].endswith(mismatch.TRUNCATED)]
@@ -97,3 +102,20 @@ def test_the_bench_report_renders_the_mismatch_table(rows, tmp_path):
   summary = (tmp_path / "summary.md").read_text()
   assert "## Engine log-probs vs the trainer (tiny: model tiny" in summary
   assert mismatch.markdown(rows) in summary and "Rollout engines" in summary
+
+
+def test_exact_bf16_sets_the_flag_before_the_backend_starts():
+  """`--exact-bf16` turns XLA's excess precision off for a fresh process, and refuses once a backend
+  runs (XLA reads its flags once: a flag set later would be silently ignored)."""
+  code = (
+    "import os; from bench import mismatch; mismatch.exact_bf16(); import jax; jax.numpy.ones(1)"
+    "; print(os.environ['XLA_FLAGS'])"
+  )
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["--xla_cpu_enable_fast_math=false", mismatch.EXACT_BF16_FLAG]
+  jax.devices()  # this process's backend runs
+  with pytest.raises(RuntimeError, match="already started"):
+    mismatch.exact_bf16()

@@ -163,3 +163,26 @@ def test_filtered_run_reports_raw_and_truncated_mismatch(tmp_path, backend):
   assert row["mismatch/truncated/ratio_mean"] == pytest.approx(1.0, abs=2e-3)
   assert row["mismatch/raw/ratio_mean"] < row["mismatch/truncated/ratio_mean"] - 1e-3
   assert row["mismatch/truncated/k3_kl"] < row["mismatch/raw/k3_kl"]
+
+
+def test_agent_reports_raw_and_truncated_mismatch(tmp_path):
+  """rl.agent with a top-p 0.8 sampler reports rl.train's mismatch/* (the engine's log-probs against
+  the pre-update pass over model tokens): the truncated ratio's mean is 1, the raw one below it.
+  Catches an agent that reports no mismatch, drops the engine's gaps before its old pass, or counts
+  an environment's tokens (log-prob 0 on the sampler's side) in the ratios."""
+  from rl.agent import __main__ as agent
+  from tests.rl.agent.test_env_agent import _cfg
+
+  overrides = ("env.name=grid", "env.max_turns=2", "rollout.max_seq_len=256", "train.steps=1")
+  trainer = agent.make_run(_cfg(tmp_path, *overrides, "train.algorithm=grpo", "sampling.top_p=0.8"))
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  row = [m for m in read_metrics(str(tmp_path)) if "train/grad_norm" in m][-1]
+  assert row["mismatch/abs_log_ratio_mean"] >= 0 and np.isfinite(row["mismatch/k3_kl"])
+  for side in ("raw", "truncated"):
+    for name in ("ratio_mean", "below_fraction", "above_fraction", "k3_kl"):
+      assert np.isfinite(row[f"mismatch/{side}/{name}"]), (side, name)
+  assert row["mismatch/truncated/ratio_mean"] == pytest.approx(1.0, abs=2e-3)
+  assert row["mismatch/raw/ratio_mean"] < row["mismatch/truncated/ratio_mean"] - 1e-3
