@@ -284,6 +284,7 @@ TPU_COMPILE_TESTS = (
   "tests/kernels/test_tpu_targets.py",
   "tests/bench/tpu/test_schedule.py",
   "tests/bench/tpu/test_compiled_report.py",  # a compiled report's every row at or above its floors
+  "tests/bench/tpu/test_fused_linear_gap_cost.py",  # the fused head's support gap <= 1.10x (v6e)
 )
 
 

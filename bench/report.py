@@ -264,7 +264,8 @@ def compiled_table(results) -> str:
   for r in map(as_dict, results):
     c = r.get("compiled")
     if not c:
-      rows.append(f"| {r['name']} | failed: {r.get('error')} |" + " - |" * 10)
+      why = f"skipped: {r['skipped']}" if r.get("skipped") else f"failed: {r.get('error')}"
+      rows.append(f"| {r['name']} | {why} |" + " - |" * 10)
       continue
     k, ref, m = c["kernel"], c["reference"], c["model"]
     status = "yes" if k["status"] == "ok" else f"no: {k['error']}"

@@ -100,6 +100,9 @@ def run_case(
   )
   none = dict(kernel=None, reference=None, parity={}, speedup=None)
   limit = memory_limit if memory_limit is not None else harness.device_memory_limit()
+  why = case.unavailable() if case.unavailable else None
+  if why:  # an optional peer that cannot be installed here: skipped with its reason
+    return CaseResult(**base, **none, ok=True, skipped=why)
   try:
     result = _measure(case, base, peaks, seed, warmup, repeats, limit)
   except Exception as e:  # a broken case is reported as a failed row, not a crashed run

@@ -139,7 +139,10 @@ def _loss_cases() -> list[CompileCase]:
 
 
 # ---------------------------------------------------------------------------------- fused_linear
-def _linear_case(shape_name: str, impl: str, grad: bool, **options) -> Callable:
+def _linear_case(
+  shape_name: str, impl: str, grad: bool, gapped: bool = False, **options
+) -> Callable:
+  """``gapped``: each token scored over its sampled support (a [B, T] ``support_gap``, issue 48)."""
   s = LINEAR_LOSS_SHAPES[shape_name]
 
   def build(sh):
@@ -147,15 +150,14 @@ def _linear_case(shape_name: str, impl: str, grad: bool, **options) -> Callable:
     vocab = None if sh is None else P(None, sh.vocab_axis)
     args = [((b, t, hd), s.dtype, _rows(sh, None, None)), ((hd, v), s.dtype, vocab)]
     args += [((b, t), "int32", _rows(sh, None)), ((b, t), "bool", _rows(sh, None))]
-    args += [((b,), "float32", _rows(sh)), ((b, t), "float32", _rows(sh, None))] + [
-      ((b, t), "float32", _rows(sh, None))
-    ]
+    args += [((b,), "float32", _rows(sh))] + [((b, t), "float32", _rows(sh, None))] * (2 + gapped)
 
-    def loss(h, w, ids, mask, adv, old, sampler):
+    def loss(h, w, ids, mask, adv, old, sampler, *gap):
       s_ = sampler if options.get("is_mode") else None
       return kernels.fused_linear_grpo_loss(
-        h, w, ids, mask, adv, old_logps=old, sampler_logps=s_, impl=impl, sharding=sh, **options
-      )[0]
+        h, w, ids, mask, adv, old_logps=old, sampler_logps=s_, support_gap=gap[0] if gap else None,
+        impl=impl, sharding=sh, **options,
+      )[0]  # fmt: skip
 
     return (jax.grad(loss, argnums=(0, 1)) if grad else loss), args
 
@@ -182,6 +184,12 @@ def _linear_cases() -> list[CompileCase]:
         build = _linear_case(name, impl, grad, **opts)
         kernels_on = LINEAR_KERNELS_ON.get((impl, grad), ())
         out.append(CompileCase(f"{pre}/{mode}", "fused_linear", build, LINEAR_KERNELS[impl, grad], kernels_on=kernels_on, **LINEAR_MESH))  # fmt: skip
+  # the sampled support (issue 48): the same kernels with each row's threshold as an input
+  name = PRODUCTION_LINEAR_LOSS_SHAPES[0]
+  for mode, grad in (("fwd", False), ("fwd+bwd", True)):
+    build = _linear_case(name, "pallas", grad, gapped=True)
+    kernels_on = LINEAR_KERNELS_ON.get(("pallas", grad), ())
+    out.append(CompileCase(f"fused_linear/pallas/{name}/{mode}-gapped", "fused_linear", build, LINEAR_KERNELS["pallas", grad], kernels_on=kernels_on, **LINEAR_MESH))  # fmt: skip
   return out
 
 

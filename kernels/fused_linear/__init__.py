@@ -79,8 +79,9 @@ def fused_linear_grpo_loss(
       dlm_head over the B shards); the loss's reductions stay on the whole arrays, so results equal
       the unsharded call's. ``mesh`` / ``vocab_axis``: the older spelling of
       ``KernelSharding(mesh, vocab_axis=...)`` (not with ``sharding``).
-    support_gap: as in :func:`kernels.grpo_loss`, with ``impl="xla"`` only: the fused kernels refuse
-      it (a ValueError naming it) rather than score over the full softmax.
+    support_gap: as in :func:`kernels.grpo_loss` (:mod:`kernels.support`), in every impl: the fused
+      kernels gather each row's chosen logit z'_y first (an [N, H] gather of the head's columns)
+      and apply the threshold z'_y + gap to every logits tile of every sweep (:mod:`.gap`).
     loss_scale: multiplies the loss (a micro-batch's share), folded into each token's weight before
       the in-forward gradients, as in :func:`kernels.grpo_loss`. aux is not scaled.
 
@@ -109,22 +110,10 @@ def fused_linear_grpo_loss(
   shape = shape_key(n, hd, v // tp, hidden.dtype)
   resolve = lambda i, tiles: OP.resolve(i, tiles, target, shape)
   impl, blocks, chunk_size = _choose(impl, blocks, chunk_size, resolve)
-  _check_gap_impl(args, impl)
   # Masked rows' hidden states (maybe NaN / inf) never reach the matmul; their gradient is exactly 0.
   hidden = jnp.where(args.mask[..., None], hidden, jnp.zeros((), hidden.dtype))
   call = Call(hidden, lm_head, args, spec, num_items_in_batch, scale, target, blocks, chunk_size, sharding, shape)  # fmt: skip
   return OP[impl].run(call)
-
-
-def _check_gap_impl(args, impl: str) -> None:
-  """The fused kernels (``pallas``, ``mosaic_gpu``, ``chunked``; ``auto`` off CPU) do not take a
-  support gap yet: refused rather than scored over the full softmax. On an accelerator, score from
-  the logits with :func:`kernels.grpo_loss`, whose every impl takes it."""
-  if args.support_gap is not None and impl != "xla":
-    raise ValueError(
-      f"fused_linear_grpo_loss: support_gap is taken by impl='xla' only (this call runs {impl!r}); "
-      "score from the logits with kernels.grpo_loss(..., support_gap=), whose every impl takes it"
-    )
 
 
 def _choose(impl: str, blocks, chunk_size, resolve):

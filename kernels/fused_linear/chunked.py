@@ -17,18 +17,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels.fused_linear import gap as _gap
 from kernels.grpo_loss import pallas as loss_pallas
 from kernels.grpo_loss.pallas_blocks import LossConfig
 
 
-def chunk_pass(loss_cfg: LossConfig, h, w, ids, finish, with_grads: bool = True):
+def chunk_pass(loss_cfg: LossConfig, h, w, ids, finish, with_grads: bool = True, thr=None):
   """One chunk: statistics -> ``finish`` (combine across shards, loss terms) -> gradients (if asked).
 
-  h: [c, H]; w: [H, V] (one vocabulary shard); ids: [c] int32 shard-local.
-  finish(lse, chosen, found, ez) -> (global lse [c], g [c], outputs).
+  h: [c, H]; w: [H, V] (one vocabulary shard); ids: [c] int32 shard-local; thr: [c] f32 support
+  thresholds (:mod:`.gap`) or None. finish(lse, chosen, found, ez) -> (global lse [c], g [c], outputs).
   Returns (outputs, dh [c, H] f32 (this shard's part), dw [H, V] f32).
   """
-  logits = jnp.dot(h, w, preferred_element_type=jnp.float32)  # [c, V]
+  logits = _logits(loss_cfg, h, w, ids, thr)
   lse, logp, entropy = loss_pallas.row_stats(loss_cfg, logits, ids)
   # the ids this shard holds, from the ids themselves: a NaN test of logp (logp == logp) lost the
   # NaN under jit on XLA:CPU once row_stats' NaN came from a select outside the kernel (an id
@@ -39,6 +40,13 @@ def chunk_pass(loss_cfg: LossConfig, h, w, ids, finish, with_grads: bool = True)
   if not with_grads:
     return outputs, None, None
   return (outputs, *_grads(loss_cfg, logits, h, w, ids, lse_global, g))
+
+
+def _logits(loss_cfg: LossConfig, h, w, ids, thr):
+  """The chunk's f32 logits [c, V]; with thresholds, -inf outside each row's sampled support (the
+  softmax kernels then score over S: -inf columns are exact zeros of p, entropy and dl)."""
+  logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+  return logits if thr is None else _gap.keep_raw(logits, ids, thr, loss_cfg.temperature)
 
 
 def _grads(loss_cfg, logits, h, w, ids, lse_global, g):
@@ -59,10 +67,12 @@ def run(
   per_token,
   finish,
   with_grads: bool = True,
+  thr=None,
 ):
   """All tokens in chunks of ``chunk`` (zero-padded at the end; padded rows must get g = 0).
 
   per_token: a tuple of [N] arrays handed to ``finish`` chunk by chunk, as its fifth argument.
+  thr: [N] f32 support thresholds or None (:func:`chunk_pass`).
   Returns (outputs [N], dh [N, H] f32, dw [H, V] f32); without ``with_grads``, (outputs, None, None).
   """
   n, _hd = h.shape
@@ -70,14 +80,14 @@ def run(
   padded = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
     -1, chunk, *a.shape[1:]
   )
-  xs = (padded(h), padded(ids), tuple(padded(a) for a in per_token))
+  xs = (padded(h), padded(ids), tuple(padded(a) for a in per_token), _opt(padded, thr))
 
   unpad = lambda a: a.reshape(-1, *a.shape[2:])[:n]
 
   def body(dw_acc, x):
-    h_c, ids_c, tok_c = x
+    h_c, ids_c, tok_c, thr_c = x
     outputs, dh_c, dw_c = chunk_pass(
-      loss_cfg, h_c, w, ids_c, lambda *stats: finish(*stats, tok_c), with_grads
+      loss_cfg, h_c, w, ids_c, lambda *stats: finish(*stats, tok_c), with_grads, thr_c
     )
     if not with_grads:
       return dw_acc, outputs
@@ -90,9 +100,13 @@ def run(
   return jax.tree.map(unpad, outputs), unpad(dh), dw
 
 
-def run_grads(loss_cfg: LossConfig, chunk: int, h, w, ids, lse, g):
+def _opt(f, a):
+  return None if a is None else f(a)
+
+
+def run_grads(loss_cfg: LossConfig, chunk: int, h, w, ids, lse, g, thr=None):
   """The gradient pass alone: (dh [N, H] f32, dw [H, V] f32) for known global lse [N] and g [N]
-  (padded rows get g = 0). Recomputes each chunk's logits."""
+  (padded rows get g = 0; thr: [N] support thresholds or None). Recomputes each chunk's logits."""
   n, _hd = h.shape
   pad = -n % chunk
   padded = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
@@ -100,12 +114,11 @@ def run_grads(loss_cfg: LossConfig, chunk: int, h, w, ids, lse, g):
   )
 
   def body(dw_acc, x):
-    h_c, ids_c, lse_c, g_c = x
-    logits = jnp.dot(h_c, w, preferred_element_type=jnp.float32)  # [c, V]
+    h_c, ids_c, lse_c, g_c, thr_c = x
+    logits = _logits(loss_cfg, h_c, w, ids_c, thr_c)  # [c, V]
     dh_c, dw_c = _grads(loss_cfg, logits, h_c, w, ids_c, lse_c, g_c)
     return dw_acc + dw_c, dh_c
 
-  dw, dh = jax.lax.scan(
-    body, jnp.zeros(w.shape, jnp.float32), (padded(h), padded(ids), padded(lse), padded(g))
-  )
+  xs = (padded(h), padded(ids), padded(lse), padded(g), _opt(padded, thr))
+  dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
   return dh.reshape(-1, dh.shape[-1])[:n], dw

@@ -104,9 +104,11 @@ def _run_kernel(call: Call, *, fused):
   sh = call.sharding
   mesh, axis = (None, None) if sh is None else (sh.mesh, sh.vocab_axis)
   rows = () if sh is None else sh.batch_axes
-  static = vjp.Static(impl, cfg, softmax, chunk, mesh, axis, b, t, call.spec, present, rows)
+  gapped = a.support_gap is not None
+  static = vjp.Static(impl, cfg, softmax, chunk, mesh, axis, b, t, call.spec, present, rows, gapped)
   placeholder = jnp.zeros((b, t), jnp.float32)  # a None log-prob array, told apart by `present`
   logps = (getattr(a, name) for name in LOGPS)
+  gap = a.support_gap.reshape(b * t) if gapped else jnp.zeros((b * t,), jnp.float32)
   loss, aux = vjp.fused_loss(
     static,
     call.hidden.reshape(b * t, hd),
@@ -115,6 +117,7 @@ def _run_kernel(call: Call, *, fused):
     a.mask,
     a.advantages,
     *(placeholder if x is None else x for x in logps),
+    gap,
     call.num_items_in_batch,
     call.scale,
   )

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels import backend
+from kernels import backend, support
 from kernels.backend import Target
 from kernels.fused_linear.mosaic_gpu_blocks import (
   MosaicLinearBlocks,
@@ -120,9 +120,12 @@ def _store_exp(tile, p, m, rows, stored_refs, *, cfg):
     plgpu.copy_smem_to_gmem(mt_s, mt_gmem.at[tile, rows])
 
 
-def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool):
+def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool, gapped: bool):
   """One (row block, vocabulary split): partial (lse, chosen, found, E[z]) into out_gmem [4, S, Np];
-  with ``stored``, also exp(z - m) and m of the stored tiles (:func:`_store_exp`)."""
+  with ``stored``, also exp(z - m) and m of the stored tiles (:func:`_store_exp`); with ``gapped``
+  (a thr_gmem [Np] input and its thr_s scratch last), z is -inf outside each row's support."""
+  thr_gmem, thr_s = (refs[0], refs[-1]) if gapped else (None, None)
+  refs = refs[1:-1] if gapped else refs
   if stored:
     out_gmem, pt_gmem, mt_gmem, ids_s, out_s, bar, pt_s, mt_s = refs
     stored_refs = (pt_gmem, mt_gmem, pt_s, mt_s)
@@ -135,9 +138,12 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool)
   r, s = lax.axis_index("rows"), lax.axis_index("split")
   rows = pl.ds(r * bn, bn)
   plgpu.copy_gmem_to_smem(ids_gmem.at[rows], ids_s, bar)
+  if gapped:
+    plgpu.copy_gmem_to_smem(thr_gmem.at[rows], thr_s, bar)
   plgpu.barrier_wait(bar)
   bcast = lambda a: lax.broadcast_in_dim(a, (bn, bv), [0])
   ids = bcast(cast(ids_s[...], wg.reduce(1)))
+  thr = bcast(cast(thr_s[...], wg.reduce(1))) if gapped else None
   first = s * per_split
   count = jnp.minimum(per_split, w_gmem.shape[1] // bv - first)
 
@@ -146,6 +152,8 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool)
     z, col = _scaled_tile(h_gmem.at[rows], w_gmem, (first + t) * bv, cfg)
     valid = col < cfg.vocab
     z = jnp.where(valid, z, -jnp.inf)
+    if gapped:  # -inf outside S (an id is < V: y's column is valid)
+      z = support.gapped(z, thr, col == ids)
     m_new, l, acc_s, p = online_step(z, valid, m, l, acc_s, **row_reductions(bcast))
     if stored:
       _store_exp(first + t, p, m_new, rows, stored_refs, cfg=cfg)
@@ -166,24 +174,28 @@ def _stats_kernel(h_gmem, w_gmem, ids_gmem, *refs, cfg, per_split, stored: bool)
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dlogits_kernel(
-  h_gmem, w_gmem, ids_gmem, lse_gmem, g_gmem, c0_gmem, dl_gmem, row_s, dl_s, bar, *, cfg
-):
-  """One [bn, bv] tile of dl = g * (onehot(id) - softmax(z)) for columns c0 + [j * bv, (j + 1) bv)."""
+def _dlogits_kernel(h_gmem, w_gmem, ids_gmem, lse_gmem, g_gmem, c0_gmem, *refs, cfg, gapped: bool):
+  """One [bn, bv] tile of dl = g * (onehot(id) - softmax(z)) for columns c0 + [j * bv, (j + 1) bv);
+  with ``gapped``, refs start with thr_gmem [Np] (and row_s ends with its scratch): z is -inf
+  outside each row's support, so p = 0 there."""
+  thr_gmem, refs = (refs[0], refs[1:]) if gapped else (None, refs)
+  dl_gmem, row_s, dl_s, bar = refs
   plgpu = backend.mosaic_gpu_module()
   wg = plgpu.Layout.WGMMA
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   cast = lambda x, layout: backend.layout_cast(x, layout, cfg.target)
   r, j = lax.axis_index("rows"), lax.axis_index("cols")
   rows = pl.ds(r * bn, bn)
-  ids_s, lse_s, g_s = row_s
-  for src, dst in ((ids_gmem, ids_s), (lse_gmem, lse_s), (g_gmem, g_s)):
+  sources = (ids_gmem, lse_gmem, g_gmem) + ((thr_gmem,) if gapped else ())
+  for src, dst in zip(sources, row_s):
     plgpu.copy_gmem_to_smem(src.at[rows], dst, bar)
   plgpu.barrier_wait(bar)
   bcast = lambda a: lax.broadcast_in_dim(cast(a, wg.reduce(1)), (bn, bv), [0])
-  ids, lse, g = bcast(ids_s[...]), bcast(lse_s[...]), bcast(g_s[...])
+  ids, lse, g = bcast(row_s[0][...]), bcast(row_s[1][...]), bcast(row_s[2][...])
   col0 = pl.multiple_of(c0_gmem[0] + j * bv, bv)  # the wrapper's chunk starts are bv multiples
   z, col = _scaled_tile(h_gmem.at[rows], w_gmem, col0, cfg)
+  if gapped:
+    z = support.gapped(z, bcast(row_s[3][...]), col == ids)
   onehot = (col == ids).astype(jnp.float32)
   # g == 0 (masked / padded rows) or a padding column: exactly 0, whatever the logits
   d = jnp.where((g == 0) | (col >= cfg.vocab), 0.0, g * (onehot - jnp.exp(z - lse)))
@@ -193,19 +205,21 @@ def _dlogits_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def _stats_call(cfg: MosaicLinearConfig, h, w, ids, stored_cols: int = 0):
+def _stats_call(cfg: MosaicLinearConfig, h, w, ids, stored_cols: int = 0, thr=None):
   """h [Np, H], w [H, Vp] (tile multiples), ids [Np] int32 -> partials [4, splits, Np] f32; with
-  stored_cols, also (pt [Np, stored_cols] h's dtype, mt [stored_cols / bv, Np] f32)."""
+  stored_cols, also (pt [Np, stored_cols] h's dtype, mt [stored_cols / bv, Np] f32); thr [Np] f32
+  support thresholds or None."""
   plgpu = backend.mosaic_gpu_module()
   n, bn, bv = h.shape[0], cfg.blocks.block_n, cfg.blocks.block_v
   tiles = w.shape[1] // bv
   per_split = -(-tiles // cfg.blocks.splits)
   splits = -(-tiles // per_split)  # every split owns at least one tile
   out_type = jax.ShapeDtypeStruct((4, splits, n), jnp.float32)
+  gapped = thr is not None
   scratch = (
     plgpu.SMEM((bn,), jnp.int32),
     plgpu.SMEM((4, bn), jnp.float32),
-    plgpu.Barrier(num_arrivals=1),
+    plgpu.Barrier(num_arrivals=1 + gapped),
   )
   if stored_cols:
     out_type = (
@@ -215,38 +229,41 @@ def _stats_call(cfg: MosaicLinearConfig, h, w, ids, stored_cols: int = 0):
     )
     tile = backend.smem_transforms(h.dtype, cfg.target)
     scratch += (plgpu.SMEM((bn, bv), h.dtype, transforms=tile), plgpu.SMEM((bn,), jnp.float32))
+  scratch += (plgpu.SMEM((bn,), jnp.float32),) * gapped  # the rows' thresholds
+  kernel = functools.partial(
+    _stats_kernel, cfg=cfg, per_split=per_split, stored=bool(stored_cols), gapped=gapped
+  )
   return backend.mosaic_gpu_kernel(
-    functools.partial(_stats_kernel, cfg=cfg, per_split=per_split, stored=bool(stored_cols)),
+    kernel,
     target=cfg.target,
     out_type=out_type,
     scratch_types=scratch,
     # rows last = blockIdx.x, the fastest-varying: the CTAs resident together share w tiles in L2
     grid=(splits, n // bn),
     grid_names=("split", "rows"),
-  )(h, w, ids)
+  )(h, w, ids, *([thr] if gapped else []))
 
 
-def _dlogits_call(cfg: MosaicLinearConfig, h, w, ids, lse, g, c0, width: int):
-  """dl [Np, width] (h's dtype) for vocabulary columns [c0, c0 + width); c0 [1] int32 (traced)."""
+def _dlogits_call(cfg: MosaicLinearConfig, h, w, ids, lse, g, c0, width: int, thr=None):
+  """dl [Np, width] (h's dtype) for vocabulary columns [c0, c0 + width); c0 [1] int32 (traced);
+  thr [Np] f32 support thresholds or None."""
   plgpu = backend.mosaic_gpu_module()
   n = h.shape[0]
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
+  gapped = thr is not None
+  rows = (plgpu.SMEM((bn,), jnp.int32),) + (plgpu.SMEM((bn,), jnp.float32),) * (2 + gapped)
   return backend.mosaic_gpu_kernel(
-    functools.partial(_dlogits_kernel, cfg=cfg),
+    functools.partial(_dlogits_kernel, cfg=cfg, gapped=gapped),
     target=cfg.target,
     out_type=jax.ShapeDtypeStruct((n, width), h.dtype),
     scratch_types=(
-      (
-        plgpu.SMEM((bn,), jnp.int32),
-        plgpu.SMEM((bn,), jnp.float32),
-        plgpu.SMEM((bn,), jnp.float32),
-      ),
+      rows,
       plgpu.SMEM((bn, bv), h.dtype, transforms=backend.smem_transforms(h.dtype, cfg.target)),
-      plgpu.Barrier(num_arrivals=3),
+      plgpu.Barrier(num_arrivals=len(rows)),
     ),
     grid=(width // bv, n // bn),  # rows fastest, as in the statistics kernel
     grid_names=("cols", "rows"),
-  )(h, w, ids, lse, g, c0)
+  )(h, w, ids, lse, g, c0, *([thr] if gapped else []))
 
 
 # ------------------------------------------------------------------------------------------ wrappers
@@ -268,16 +285,18 @@ def combine_splits(partials):
   return lse, chosen_s.sum(axis=0), found_s.sum(axis=0), (jnp.exp(lse_s - lse) * ez_s).sum(axis=0)
 
 
-def stats(cfg: MosaicLinearConfig, h, w, ids, *, store: bool = False):
+def stats(cfg: MosaicLinearConfig, h, w, ids, thr=None, *, store: bool = False):
   """Per-row (lse, chosen z, found, E[z]) of z = (h @ w) / temperature over this shard's columns, as
   :func:`kernels.fused_linear.pallas_tpu.stats`. h: [N, H]; w: [H, V]; ids: [N] int32. All f32 [N].
 
   store (the training path, blocks.stored_cols > 0): returns (stats, stored), stored = (pt
-  [Np, cols], mt [cols / bv, Np]) for :func:`grads`: exp(z - m) of the first cols columns."""
+  [Np, cols], mt [cols / bv, Np]) for :func:`grads`: exp(z - m) of the first cols columns (0
+  outside the support: a gapped call's stored tiles are of the gapped z). thr: [N] f32 support
+  thresholds or None."""
   n = h.shape[0]
-  hp, wp, idsp = _padded(cfg, h, w, ids.astype(jnp.int32))
+  hp, wp, idsp, *thrp = _padded(cfg, h, w, ids.astype(jnp.int32), *_opt(thr))
   cols = stored_columns(cfg, wp.shape[1]) if store else 0
-  out = _stats_call(cfg, hp, wp, idsp, cols)
+  out = _stats_call(cfg, hp, wp, idsp, cols, *thrp)
   partials, stored = (out[0], out[1:]) if cols else (out, None)
   result = tuple(a[:n] for a in combine_splits(partials))
   return (result, stored) if store else result
@@ -301,17 +320,22 @@ def _stored_dl(cfg: MosaicLinearConfig, stored, ids, lse, g, dtype):
   return jnp.where((g[:, None] == 0) | (col >= cfg.vocab), 0.0, d).astype(dtype)
 
 
-def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored=None):
+def _opt(thr) -> tuple:
+  return () if thr is None else (thr.astype(jnp.float32),)
+
+
+def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored=None, thr=None):
   """(dh [N, H], dw [H, V]) of sum_n g[n] * (z[n, id_n] - lse[n]), z = (h @ w) / temperature, as
   :func:`kernels.fused_linear.pallas_tpu.grads` (g [N] f32 includes 1 / temperature).
 
   Vocabulary chunk by chunk: the dlogits kernel writes dl [Np, chunk] in h's dtype, then
   dw[:, chunk] = h^T dl (stored in dw_dtype) and dh += dl w[:, chunk]^T (f32 accumulator). With
   ``stored`` (:func:`stats`'s), the first columns' dl comes from the stored exp(z - m) instead of a
-  recomputed logits tile, and the chunks start after them."""
+  recomputed logits tile, and the chunks start after them. ``thr``: [N] f32 support thresholds or
+  None (the stored tiles already hold the gapped z's exp)."""
   n, hd = h.shape
   v = w.shape[1]
-  hp, wp, idsp, lsep, gp = _padded(cfg, h, w, ids.astype(jnp.int32), lse, g)
+  hp, wp, idsp, lsep, gp, *thrp = _padded(cfg, h, w, ids.astype(jnp.int32), lse, g, *_opt(thr))
   vp = wp.shape[1]
   start = 0 if stored is None else stored[0].shape[1]  # columns whose dl comes from `stored`
   chunk = max(1, min(cfg.blocks.vocab_chunk, vp - start))
@@ -323,7 +347,7 @@ def grads(cfg: MosaicLinearConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, stored
     return dh, jnp.dot(hp.T, dl, preferred_element_type=jnp.float32).astype(dw_dtype)
 
   def one(c0: jax.Array, width: int, dh):
-    return gemms(_dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width), c0, width, dh)
+    return gemms(_dlogits_call(cfg, hp, wp, idsp, lsep, gp, c0.reshape(1), width, *thrp), c0, width, dh)  # fmt: skip
 
   def body(c, carry):
     dh, dw = carry

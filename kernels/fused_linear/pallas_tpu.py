@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels import backend
+from kernels import backend, support
 from kernels.backend import Target
 from kernels.fused_linear.pallas_blocks import LinearBlocks, kernel_vmem_bytes
 from kernels.lse import NEG_BIG, merge, online_step
@@ -72,24 +72,30 @@ def lane_width(block_v: int) -> int:
 ROW_GROUP = 16  # rows the statistics fold at a time: a group's slabs and statistics stay in vregs
 
 
-def _stats_kernel(h_ref, w_ref, ids_ref, m_ref, l_ref, s_ref, c_ref, *acc, cfg: FusedConfig):
+def _stats_kernel(*refs, cfg: FusedConfig, gapped: bool):
   """Per-lane online statistics: each of the 128 lanes of a row is its own log-sum-exp stream over
   the vocabulary columns that land on it (column j*bv + k*128 + lane), folded slab by slab with
   elementwise max / add only; the lanes merge once, outside (:func:`stats`). The statistics are the
   resident output blocks themselves, started by a select at j == 0 (no branch the schedule issues
-  each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers."""
+  each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers.
+  refs: h, w, ids, [thr (gapped)], m, l, s, c, [acc (block_h < H)]."""
+  h_ref, w_ref, ids_ref = refs[:3]
+  thr_ref = refs[3] if gapped else None
+  m_ref, l_ref, s_ref, c_ref, *acc = refs[3 + gapped :]
   j, k = pl.program_id(1), pl.program_id(2)
   part = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+  stat_refs = (m_ref, l_ref, s_ref, c_ref)
   if acc:  # block_h < H: accumulate over k, fold at the last k
     (acc,) = acc
     acc[...] = jnp.where(k == 0, 0.0, acc[...]) + part
-    pl.when(k == pl.num_programs(2) - 1)(lambda: _fold(acc[...], ids_ref, (m_ref, l_ref, s_ref, c_ref), j, cfg))  # fmt: skip
+    pl.when(k == pl.num_programs(2) - 1)(lambda: _fold(acc[...], ids_ref, stat_refs, j, cfg, thr_ref))  # fmt: skip
   else:
-    _fold(part, ids_ref, (m_ref, l_ref, s_ref, c_ref), j, cfg)
+    _fold(part, ids_ref, stat_refs, j, cfg, thr_ref)
 
 
-def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig):
-  """Fold one [bn, bv] f32 logits tile into the per-lane statistics (m, l, s, c) [bn, 128]."""
+def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig, thr_ref=None):
+  """Fold one [bn, bv] f32 logits tile into the per-lane statistics (m, l, s, c) [bn, 128];
+  ``thr_ref`` [bn, 1]: the rows' support thresholds (gapped calls), applied to each scaled slab."""
   bn, bv = z_tile.shape
   width = lane_width(bv)
   slabs = bv // width
@@ -99,11 +105,14 @@ def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig):
     rows = slice(r, min(bn, r + ROW_GROUP))
     lane = jax.lax.broadcasted_iota(jnp.int32, (rows.stop - r, width), 1)
     idrel = ids_ref[rows, :] - j * bv  # [rg, 1]: the id's column within this block
+    thr = None if thr_ref is None else thr_ref[rows, :]  # [rg, 1]
     zs = []
     for kk in range(slabs):
       z = z_tile[rows, kk * width : (kk + 1) * width]
       if cfg.temperature != 1.0:
         z = z * (1.0 / cfg.temperature)
+      if thr is not None:  # -inf outside S: the online step's LOG_FLOOR makes them exact zeros
+        z = support.gapped(z, thr, lane + kk * width == idrel)
       if tail and (kk + 1) * width > tail:  # may hold columns past V (in the last block only)
         z = jnp.where(lane < cfg.vocab - j * bv - kk * width, z, -jnp.inf)
       zs.append(z)
@@ -123,10 +132,12 @@ def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig):
       ref[rows, :] = val
 
 
-def stats(cfg: FusedConfig, h, w, ids):
+def stats(cfg: FusedConfig, h, w, ids, thr=None):
   """Per-row (lse, chosen z, found, E[z]) of z = (h @ w) / temperature over this shard's columns.
 
-  h: [N, H]; w: [H, V]; ids: [N] int32 shard-local (outside [0, V): not in this shard). All f32 [N].
+  h: [N, H]; w: [H, V]; ids: [N] int32 shard-local (outside [0, V): not in this shard); thr: [N]
+  f32 support thresholds (:mod:`.gap`: z outside each row's sampled support is -inf) or None (the
+  kernel compiles without them). All f32 [N].
   """
   n, hd = h.shape
   v = w.shape[1]
@@ -136,21 +147,24 @@ def stats(cfg: FusedConfig, h, w, ids):
   nk = hd // bh
   # an id outside [0, V) matches no column (-1: not even a masked one past V in the last block)
   found = ((ids >= 0) & (ids < v)).astype(jnp.float32)
+  row = pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0))
+  gapped = thr is not None
   m, l, s, c = pl.pallas_call(
-    functools.partial(_stats_kernel, cfg=cfg),
+    functools.partial(_stats_kernel, cfg=cfg, gapped=gapped),
     grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), nk),
     in_specs=[
       pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)),
       pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
-      pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0)),
-    ],
+      row,
+    ]
+    + [row] * gapped,
     out_specs=[lanes] * 4,
     out_shape=[jax.ShapeDtypeStruct((n, width), jnp.float32)] * 4,
     scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)] * (nk > 1),
     compiler_params=_params(cfg, h, "stats", ("parallel", "arbitrary", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_stats",
-  )(h, w, jnp.where(found > 0, ids, -1).reshape(n, 1))
+  )(h, w, jnp.where(found > 0, ids, -1).reshape(n, 1), *_rows(n, thr))
   # the lanes' streams merged per row ([N, 128] -> [N]: XLA, once per call)
   top, l_all, s_all = merge(m, l, s, axis=1)
   return (
@@ -161,9 +175,17 @@ def stats(cfg: FusedConfig, h, w, ids):
   )
 
 
-def _dlogits(h, w, ids, lse, g, col, valid, cfg):
-  """dl = g * (onehot(id) - softmax(z)) for one recomputed tile; zero outside the vocabulary."""
+def _rows(n: int, thr) -> list:
+  """The optional thresholds as a kernel's [N, 1] input: [] when not gapped."""
+  return [] if thr is None else [thr.astype(jnp.float32).reshape(n, 1)]
+
+
+def _dlogits(h, w, ids, lse, g, col, valid, cfg, thr=None):
+  """dl = g * (onehot(id) - softmax(z)) for one recomputed tile; zero outside the vocabulary and,
+  with thresholds ``thr`` [bn, 1], outside each row's sampled support (p = exp(-inf) = 0 there)."""
   z = jnp.dot(h, w, preferred_element_type=jnp.float32) * (1.0 / cfg.temperature)
+  if thr is not None:
+    z = support.gapped(z, thr, col == ids)
   p = jnp.exp(z - lse)
   return jnp.where(valid, g * ((col == ids).astype(jnp.float32) - p), 0.0)
 
@@ -183,7 +205,10 @@ def _zero_tail_columns(w_ref, j, cfg: FusedConfig, axis: int = 1):
     w_ref[:, tail:] = jnp.zeros((w_ref.shape[0], bv - tail), w_ref.dtype)
 
 
-def _dh_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, acc, *, cfg: FusedConfig):
+def _dh_kernel(*refs, cfg: FusedConfig, gapped: bool):
+  h_ref, w_ref, ids_ref, lse_ref, g_ref = refs[:5]
+  thr = refs[5][...] if gapped else None
+  dh_ref, acc = refs[5 + gapped :]
   j = pl.program_id(1)
 
   @pl.when(j == 0)
@@ -193,7 +218,7 @@ def _dh_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, acc, *, cfg: Fused
   _zero_tail_columns(w_ref, j, cfg)
   h, w = h_ref[...], w_ref[...]
   col, valid = _cols(j, (h.shape[0], cfg.blocks.block_v), cfg)
-  dl = _dlogits(h, w, ids_ref[...], lse_ref[...], g_ref[...], col, valid, cfg)
+  dl = _dlogits(h, w, ids_ref[...], lse_ref[...], g_ref[...], col, valid, cfg, thr)
   acc[...] += jax.lax.dot_general(dl.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(1) - 1)
@@ -201,7 +226,10 @@ def _dh_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dh_ref, acc, *, cfg: Fused
     dh_ref[...] = acc[...].astype(dh_ref.dtype)
 
 
-def _dw_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, acc, *, cfg: FusedConfig, n: int):
+def _dw_kernel(*refs, cfg: FusedConfig, n: int, gapped: bool):
+  h_ref, w_ref, ids_ref, lse_ref, g_ref = refs[:5]
+  thr = refs[5][...] if gapped else None
+  dw_ref, acc = refs[5 + gapped :]
   j, i = pl.program_id(0), pl.program_id(1)
 
   @pl.when(i == 0)
@@ -212,7 +240,7 @@ def _dw_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, acc, *, cfg: Fused
   rows = i * bn + jax.lax.broadcasted_iota(jnp.int32, (bn, 1), 0)
   h = jnp.where(rows < n, h_ref[...], 0)  # the tail tile's rows past N hold garbage
   col, valid = _cols(j, (bn, cfg.blocks.block_v), cfg)
-  dl = _dlogits(h, w_ref[...], ids_ref[...], lse_ref[...], g_ref[...], col, valid & (rows < n), cfg)
+  dl = _dlogits(h, w_ref[...], ids_ref[...], lse_ref[...], g_ref[...], col, valid & (rows < n), cfg, thr)  # fmt: skip
   acc[...] += jax.lax.dot_general(h, dl.astype(h.dtype), _TN, preferred_element_type=jnp.float32)
 
   @pl.when(i == pl.num_programs(1) - 1)
@@ -220,26 +248,28 @@ def _dw_kernel(h_ref, w_ref, ids_ref, lse_ref, g_ref, dw_ref, acc, *, cfg: Fused
     dw_ref[...] = acc[...].astype(dw_ref.dtype)
 
 
-def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
+def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, thr=None):
   """(dh [N, H], dw [H, V]) of sum_n g[n] * (z[n, id_n] - lse[n]) with z = (h @ w) / temperature.
 
   ``lse`` is the log-sum-exp over the whole vocabulary (all shards); ``g`` [N] f32 already includes
-  the 1 / temperature factor. Gradients contract in the input dtype with f32 accumulation.
+  the 1 / temperature factor; ``thr`` [N] f32 support thresholds or None (:func:`stats`).
+  Gradients contract in the input dtype with f32 accumulation.
   """
   n, hd = h.shape
   v = w.shape[1]
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   col1 = lambda a: a.reshape(n, 1)
-  per_token = [col1(ids), col1(lse), col1(g)]
+  gapped = thr is not None
+  per_token = [col1(ids), col1(lse), col1(g), *_rows(n, thr)]
   row = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
   dh = pl.pallas_call(
-    functools.partial(_dh_kernel, cfg=cfg),
+    functools.partial(_dh_kernel, cfg=cfg, gapped=gapped),
     grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
     in_specs=[
       pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
       pl.BlockSpec((hd, bv), lambda i, j: (0, j)),
     ]
-    + [row] * 3,
+    + [row] * len(per_token),
     out_specs=pl.BlockSpec((bn, hd), lambda i, j: (i, 0)),
     out_shape=jax.ShapeDtypeStruct((n, hd), dh_dtype),
     scratch_shapes=[backend.scratch_vmem((bn, hd), jnp.float32)],
@@ -249,13 +279,13 @@ def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype):
   )(h, w, *per_token)
   row_t = pl.BlockSpec((bn, 1), lambda j, i: (i, 0))
   dw = pl.pallas_call(
-    functools.partial(_dw_kernel, cfg=cfg, n=n),
+    functools.partial(_dw_kernel, cfg=cfg, n=n, gapped=gapped),
     grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
     in_specs=[
       pl.BlockSpec((bn, hd), lambda j, i: (i, 0)),
       pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
     ]
-    + [row_t] * 3,
+    + [row_t] * len(per_token),
     out_specs=pl.BlockSpec((hd, bv), lambda j, i: (0, j)),
     out_shape=jax.ShapeDtypeStruct((hd, v), dw_dtype),
     scratch_shapes=[backend.scratch_vmem((hd, bv), jnp.float32)],

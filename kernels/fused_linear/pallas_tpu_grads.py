@@ -28,17 +28,19 @@ from jax.experimental import pallas as pl
 from kernels import backend
 from kernels.fused_linear import pallas_tpu as _pallas
 from kernels.fused_linear.pallas_blocks import fused_rows, fused_vmem_bytes
-from kernels.fused_linear.pallas_tpu import FusedConfig, _cols, _dlogits, _zero_tail_columns
+from kernels.fused_linear.pallas_tpu import FusedConfig, _cols, _dlogits, _rows, _zero_tail_columns
 from kernels.tpu_vmem import vmem_limit
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def _kernel(*refs, cfg: FusedConfig, rows: int, carry: bool):
+def _kernel(*refs, cfg: FusedConfig, rows: int, carry: bool, gapped: bool):
+  """refs: h, w, ids, lse, g, [dw_in (carry)], [thr (gapped)], dw, dh (HBM), dw_acc, dh_acc, sem."""
   h_ref, w_ref, ids_ref, lse_ref, g_ref = refs[:5]
   dw_in = refs[5] if carry else None
-  dw_ref, dh_hbm, dw_acc, dh_acc, sem = refs[5 + carry :]
+  thr = refs[5 + carry][...] if gapped else None  # [bn, 1] support thresholds
+  dw_ref, dh_hbm, dw_acc, dh_acc, sem = refs[5 + carry + gapped :]
   j, i = pl.program_id(0), pl.program_id(1)
   bn = cfg.blocks.block_n
 
@@ -48,7 +50,7 @@ def _kernel(*refs, cfg: FusedConfig, rows: int, carry: bool):
   if rows % bn:  # the tail row block's rows past R hold garbage (maybe NaN): zero h and dl there
     live = i * bn + jax.lax.broadcasted_iota(jnp.int32, (bn, 1), 0) < rows
     h, valid = jnp.where(live, h, 0), valid & live
-  dl = _dlogits(h, w, ids_ref[...], lse_ref[...], g_ref[...], col, valid, cfg).astype(h.dtype)
+  dl = _dlogits(h, w, ids_ref[...], lse_ref[...], g_ref[...], col, valid, cfg, thr).astype(h.dtype)
   # Accumulators start by a select, not in a pl.when branch: a branch over the whole [R, H] or
   # [H, bv] buffer is code every grid step issues (or skips) and the static schedule counts.
   # (A select, not a multiply: the first visit reads uninitialised VMEM, maybe NaN.)
@@ -68,16 +70,16 @@ def _kernel(*refs, cfg: FusedConfig, rows: int, carry: bool):
     copy.wait()
 
 
-def _call(cfg: FusedConfig, h, w, ids, lse, g, dw_in, dw_dtype):
+def _call(cfg: FusedConfig, h, w, ids, lse, g, dw_in, dw_dtype, thr=None):
   """One kernel over rows h [R, H] (R <= fused_rows): (dh [R, H] f32, dw [H, V] in dw_dtype, plus
-  dw_in [H, V] f32 when given)."""
+  dw_in [H, V] f32 when given; thr [R] f32 support thresholds or None)."""
   rows, hd = h.shape
   v = w.shape[1]
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   grid_rows = pl.cdiv(rows, bn)
   row = pl.BlockSpec((bn, 1), lambda j, i: (i, 0))
   vocab = pl.BlockSpec((hd, bv), lambda j, i: (0, j))
-  carry = dw_in is not None
+  carry, gapped = dw_in is not None, thr is not None
   tpu = backend._tpu_module()
   need = fused_vmem_bytes(cfg.blocks, grid_rows * bn, hd, h.dtype.itemsize, carry)
   params = backend.compiler_params(
@@ -87,9 +89,11 @@ def _call(cfg: FusedConfig, h, w, ids, lse, g, dw_in, dw_dtype):
   )
   col1 = lambda a: a.reshape(rows, 1)
   dw, dh = pl.pallas_call(
-    functools.partial(_kernel, cfg=cfg, rows=rows, carry=carry),
+    functools.partial(_kernel, cfg=cfg, rows=rows, carry=carry, gapped=gapped),
     grid=(pl.cdiv(v, bv), grid_rows),
-    in_specs=[pl.BlockSpec((bn, hd), lambda j, i: (i, 0)), vocab, row, row, row] + [vocab] * carry,
+    in_specs=[pl.BlockSpec((bn, hd), lambda j, i: (i, 0)), vocab, row, row, row]
+    + [vocab] * carry
+    + [row] * gapped,
     out_specs=[vocab, pl.BlockSpec(memory_space=tpu.HBM)],
     out_shape=[
       jax.ShapeDtypeStruct((hd, v), dw_dtype),
@@ -104,27 +108,30 @@ def _call(cfg: FusedConfig, h, w, ids, lse, g, dw_in, dw_dtype):
     compiler_params=params,
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_grads",
-  )(h, w, col1(ids), col1(lse), col1(g), *([dw_in] if carry else []))
+  )(h, w, col1(ids), col1(lse), col1(g), *([dw_in] if carry else []), *_rows(rows, thr))
   return dh, dw
 
 
-def grads(cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, rows: int | None = None):
+def grads(
+  cfg: FusedConfig, h, w, ids, lse, g, dh_dtype, dw_dtype, rows: int | None = None, thr=None
+):
   """(dh [N, H], dw [H, V]) as :func:`.pallas_tpu.grads`, in one kernel per row superblock of
   :func:`.pallas_blocks.fused_rows` rows (``rows``: a smaller superblock, for tests); where none
-  fits, the two kernels of :func:`.pallas_tpu.grads`."""
+  fits, the two kernels of :func:`.pallas_tpu.grads`. ``thr``: [N] f32 support thresholds or None."""
   n, hd = h.shape
   r = rows or fused_rows(
     cfg.blocks, n, hd, h.dtype.itemsize, cfg.target
   )  # rows: tests' superblocks
   if r == 0:
-    return _pallas.grads(cfg, h, w, ids, lse, g, dh_dtype, dw_dtype)
+    return _pallas.grads(cfg, h, w, ids, lse, g, dh_dtype, dw_dtype, thr)
   if n <= r:
-    dh, dw = _call(cfg, h, w, ids, lse, g, None, dw_dtype)
+    dh, dw = _call(cfg, h, w, ids, lse, g, None, dw_dtype, thr)
     return dh.astype(dh_dtype), dw
   dhs, dw = [], None
   for start in range(0, n, r):  # superblocks: dw carried in f32 from one call to the next
     part = slice(start, min(n, start + r))
     last = start + r >= n
-    dh, dw = _call(cfg, h[part], w, ids[part], lse[part], g[part], dw, dw_dtype if last else jnp.float32)  # fmt: skip
+    part_thr = None if thr is None else thr[part]
+    dh, dw = _call(cfg, h[part], w, ids[part], lse[part], g[part], dw, dw_dtype if last else jnp.float32, part_thr)  # fmt: skip
     dhs.append(dh)
   return jnp.concatenate(dhs).astype(dh_dtype), dw

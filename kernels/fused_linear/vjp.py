@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kernels.fused_linear import chunked as _chunked
+from kernels.fused_linear import gap as _gap
 from kernels.fused_linear import mosaic_gpu as _mosaic
 from kernels.fused_linear import pallas_tpu as _pallas
 from kernels.fused_linear import pallas_tpu_grads as _pallas_grads
@@ -38,16 +39,17 @@ class Static:
   loss: LossSpec
   present: tuple  # (old_logps, ref_logps, sampler_logps) given; absent ones are zero placeholders
   rows: tuple[str, ...] = ()  # mesh axes splitting the tokens (with mesh): shard-local rows
+  gapped: bool = False  # a support gap was given: every sweep takes each row's threshold
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_loss(static, h, w, ids, mask, adv, old, ref, sampler, num_items, scale):
-  args = (h, w, ids, mask, adv, old, ref, sampler, num_items, scale)
+def fused_loss(static, h, w, ids, mask, adv, old, ref, sampler, gap, num_items, scale):
+  args = (h, w, ids, mask, adv, old, ref, sampler, gap, num_items, scale)
   return _compute(static, *args, with_grads=False)[0]
 
 
-def _loss_fwd(static, h, w, ids, mask, adv, old, ref, sampler, num_items, scale):
-  args = (h, w, ids, mask, adv, old, ref, sampler, num_items, scale)
+def _loss_fwd(static, h, w, ids, mask, adv, old, ref, sampler, gap, num_items, scale):
+  args = (h, w, ids, mask, adv, old, ref, sampler, gap, num_items, scale)
   return _compute(static, *args, with_grads=True)
 
 
@@ -57,7 +59,7 @@ def _loss_bwd(static, res, cts):
   # ct is the constant 1 under jax.grad of the loss (loss_scale already rode in the weights): XLA
   # folds the multiply and the converts away, so there is no pass over dh / dw
   apply = lambda d: (ct * d.astype(jnp.float32)).astype(d.dtype)
-  return apply(dh), apply(dw), None, None, None, None, None, None, None, None
+  return apply(dh), apply(dw), *(None,) * 9
 
 
 fused_loss.defvjp(_loss_fwd, _loss_bwd)
@@ -69,10 +71,12 @@ def _given(static: Static, old, ref, sampler) -> dict:
 
 
 def _compute(
-  static: Static, h, w, ids, mask, adv, old, ref, sampler, num_items, scale, *, with_grads
+  static: Static, h, w, ids, mask, adv, old, ref, sampler, gap, num_items, scale, *, with_grads
 ):
   spec = static.loss
   b, t = static.batch, static.seq
+  # gap [N] (a placeholder when not gapped): each row's threshold, formed once before every sweep
+  thr = (_gap.thresholds(h, w, ids, gap, spec.temperature),) if static.gapped else ()
 
   def reduce(per_token):  # [B, T] -> the scaled loss; linear in per_token
     loss = reduce_loss(
@@ -95,13 +99,13 @@ def _compute(
     # The reduction is linear in the per-token loss: its gradient is each token's weight in the loss.
     weights = jax.grad(reduce)(jnp.zeros((b, t), jnp.float32))
     tok = (flat(mask), flat(adv), flat(old), flat(ref), flat(sampler), flat(weights))
-    (lse, logp, entropy), dh, dw = _sharded(static, _local_one_pass, True, h, w, ids, tok)
+    (lse, logp, entropy), dh, dw = _sharded(static, _local_one_pass, True, h, w, ids, thr + tok)
   else:
     # the training path's Mosaic statistics pass may store exp(z - m) of the first columns for grads
     store = with_grads and static.impl == "mosaic_gpu" and static.mesh is None
     store = store and static.fused.blocks.stored_cols > 0
     local = functools.partial(_local_stats, store=store)
-    (lse, logp, entropy), *stored = _sharded(static, local, False, h, w, ids, ())
+    (lse, logp, entropy), *stored = _sharded(static, local, False, h, w, ids, thr)
   logp = logp.reshape(b, t)
   if with_grads and not one_pass:
     # a token's weight depends on its whole sequence: g = d loss / d logp from the [B, T] objective,
@@ -109,7 +113,7 @@ def _compute(
     (loss, obj), dlogp = jax.value_and_grad(objective, has_aux=True)(logp)
     g = dlogp.reshape(-1) * (1.0 / spec.temperature)
     extra = (lse, g, *stored) if store else (lse, g)
-    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, extra)
+    _, dh, dw = _sharded(static, _local_grads, True, h, w, ids, thr + extra)
   else:
     loss, obj = objective(logp)
   aux = make_aux(mask, logp, entropy.reshape(b, t), obj)
@@ -164,9 +168,16 @@ def _combine(static: Static, lse_s, chosen_s, found_s, ez_s):
   return lse, logp, lse - ez
 
 
-def _local_stats(static: Static, h, w, ids, store: bool = False):
+def _split_thr(static: Static, extra: tuple):
+  """(thr [n] or None, the rest): a gapped call's per-token extras start with the thresholds."""
+  return (extra[0], extra[1:]) if static.gapped else (None, extra)
+
+
+def _local_stats(static: Static, h, w, ids, *thr, store: bool = False):
   """The statistics pass: ((lse, logp, entropy), -, -), no gradients; with ``store`` (mosaic_gpu,
-  one shard) ((lse, logp, entropy), pt, mt): the stored exp(z - m) for :func:`_local_grads`."""
+  one shard) ((lse, logp, entropy), pt, mt): the stored exp(z - m) for :func:`_local_grads`.
+  ``thr``: (thresholds [n],) of a gapped call, else ()."""
+  thr, _ = _split_thr(static, thr)
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
     finish = lambda lse, chosen, found, ez, tok: (
@@ -174,37 +185,41 @@ def _local_stats(static: Static, h, w, ids, store: bool = False):
       None,
       _combine(static, lse, chosen, found, ez),
     )
-    stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False)
+    stats, _, _ = _chunked.run(static.softmax, static.chunk, h, w, ids, (), finish, False, thr)
   elif store:
-    partials, (pt, mt) = _mosaic.stats(static.fused, h, w, ids, store=True)
+    partials, (pt, mt) = _mosaic.stats(static.fused, h, w, ids, thr, store=True)
     return _combine(static, *partials), pt, mt
   else:
     kernel = _mosaic.stats if static.impl == "mosaic_gpu" else _pallas.stats
-    stats = _combine(static, *kernel(static.fused, h, w, ids))
+    stats = _combine(static, *kernel(static.fused, h, w, ids, thr))
   empty = jnp.zeros((0,), jnp.float32)  # per call: a module-level array would start the backend
   return stats, empty, empty
 
 
-def _local_grads(static: Static, h, w, ids, lse, g, *stored):
+def _local_grads(static: Static, h, w, ids, *extra):
   """The gradient pass for known global lse [n] and g = d loss / d z_chosen [n]: ((), dh, dw);
-  ``stored``: :func:`_local_stats`'s (pt, mt), whose columns' dl needs no recomputed logits."""
+  extra = ([thr,] lse, g, *stored), ``stored``: :func:`_local_stats`'s (pt, mt), whose columns'
+  dl needs no recomputed logits."""
+  thr, (lse, g, *stored) = _split_thr(static, extra)
   ids = _shard_ids(static, w, ids)
   if static.impl == "chunked":
-    dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g)
+    dh, dw = _chunked.run_grads(static.softmax, static.chunk, h, w, ids, lse, g, thr)
   else:
     # Whole gradients are final: stored in the input dtypes; shards' parts sum in f32.
     dtype = jnp.float32 if static.axis else h.dtype
     dw_dtype = jnp.float32 if static.rows else w.dtype
     if static.impl == "mosaic_gpu":
-      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype, stored or None)
+      dh, dw = _mosaic.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype, stored or None, thr)
     else:
-      dh, dw = _pallas_grads.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype)
+      dh, dw = _pallas_grads.grads(static.fused, h, w, ids, lse, g, dtype, dw_dtype, thr=thr)
   return (), *_sum_shards(static, dh, dw)
 
 
-def _local_one_pass(static: Static, h, w, ids, mask, adv, old, ref, sampler, weights):
-  """Chunked, token-level options: statistics, each token's g and the gradients in one pass."""
+def _local_one_pass(static: Static, h, w, ids, *extra):
+  """Chunked, token-level options: statistics, each token's g and the gradients in one pass;
+  extra = ([thr,] mask, adv, old, ref, sampler, weights)."""
   spec = static.loss
+  thr, tok = _split_thr(static, extra)
 
   def finish(lse_s, chosen_s, found_s, ez_s, tok):
     mask_c, adv_c, old_c, ref_c, s_c, w_c = (a[None] for a in tok)  # a [1, c] "batch"
@@ -217,7 +232,6 @@ def _local_one_pass(static: Static, h, w, ids, mask, adv, old, ref, sampler, wei
     g = vjp(w_c)[0][0] * (1.0 / spec.temperature)
     return lse, g, (lse, logp, entropy)
 
-  tok = (mask, adv, old, ref, sampler, weights)
   ids = _shard_ids(static, w, ids)
-  stats, dh, dw = _chunked.run(static.softmax, static.chunk, h, w, ids, tok, finish, True)
+  stats, dh, dw = _chunked.run(static.softmax, static.chunk, h, w, ids, tok, finish, True, thr)
   return stats, *_sum_shards(static, dh, dw)

@@ -43,6 +43,9 @@ class Case:
   # consumed by the call, so each timed call gets fresh inputs from make_inputs (made outside the timer)
   # and parity compares kernel and reference on two fresh copies of the same seed's inputs.
   donate_argnums: tuple[int, ...] = ()
+  # () -> why the case cannot run beside this install (an optional peer that does not install with
+  # our jax), or None: such a case is a skipped row with that reason, never a failure
+  unavailable: Callable[[], str | None] | None = None
 
   @property
   def name(self) -> str:

@@ -101,3 +101,52 @@ def test_fused_rows_by_generation():
   r = fused_rows(b, 16384, 2048, 2, v6e)
   assert 2048 <= r < 16384 and r % 512 == 0
   assert fused_rows(LinearBlocks(256, 256, 2048), 8192, 2048, 2, v4) == 0
+
+
+def _gapped(h, w, temperature: float, seed: int):
+  """(ids [N], thr [N] f32, keep [N, V] bool): ids among each row's top 3, thresholds of a top-k
+  set cut at the midpoint of two logits (-inf for every fourth row and where the two are within
+  0.02: the set there is the rounding's choice), keep: the set S (y always in it)."""
+  rng = np.random.default_rng(seed)
+  z = np.asarray(linear_logits(h, w), np.float32) / temperature
+  n, v = z.shape
+  ar, order, zs = np.arange(n), np.argsort(-z, 1), -np.sort(-z, 1)
+  rank = rng.integers(0, 3, n)
+  k = np.minimum(rank + rng.integers(1, 10, n), v - 1)
+  thr = (zs[ar, k - 1] + zs[ar, k]) / 2
+  thr[(ar % 4 == 0) | (zs[ar, k - 1] - zs[ar, k] < 0.02)] = -np.inf
+  ids = order[ar, rank]
+  keep = (z >= thr[:, None]) | (np.arange(v) == ids[:, None])
+  return jnp.asarray(ids, jnp.int32), jnp.asarray(thr, jnp.float32), jnp.asarray(keep)
+
+
+def test_gapped_stats_and_grads_equal_definition(dtype="bfloat16"):
+  """The support thresholds in the statistics kernel, the one gradient kernel over row superblocks
+  and the dhidden / dweight kernels (the megacore path), against the definition over S. Catches: a
+  kernel that ignores the thresholds (the other two still pass the loss tests' parity only if
+  every sweep applies them), y's column matched without the block offset (y dropped from S), the
+  thresholds' row block offset wrong in a superblock after the first."""
+  n, hd, v, temp = 45, 64, 300, 0.8
+  dt = jnp.dtype(dtype)
+  h, w, _, g = _problem(n, hd, v, dt, seed=2)
+  ids, thr, keep = _gapped(h, w, temp, seed=2)
+  cfg = _cfg(LinearBlocks(8, 128, 64), v, temp)
+  z = jnp.where(keep, linear_logits(h, w) / temp, -jnp.inf)
+  lse = jax.nn.logsumexp(z, axis=1)
+  p = jnp.exp(z - lse[:, None])
+  want = (lse, jnp.take_along_axis(z, ids[:, None], 1)[:, 0], jnp.ones(n), jnp.sum(jnp.where(keep, p * z, 0.0), 1))  # fmt: skip
+  got = pallas_tpu.stats(cfg, h, w, ids, thr)
+  for name, a, b in zip(("lse", "chosen", "found", "E[z]"), got, want):
+    assert_close(a, b, "value", jnp.float32, 64 + v, err_msg=f"gapped {name}")
+
+  def f(h, w):  # sum_n g[n] T (z_y - lse over S), S fixed (a step function of the logits)
+    zz = jnp.where(keep, linear_logits(h, w) / temp, -jnp.inf)
+    chosen = jnp.take_along_axis(zz, ids[:, None], 1)[:, 0]
+    return jnp.sum(g * (chosen - jax.nn.logsumexp(zz, axis=1)))
+
+  ref_dh, ref_dw = jax.grad(f, argnums=(0, 1))(h.astype(jnp.float32), w.astype(jnp.float32))
+  one = pallas_tpu_grads.grads(cfg, h, w, ids, lse, g / temp, dt, dt, rows=16, thr=thr)
+  two = pallas_tpu.grads(cfg, h, w, ids, lse, g / temp, dt, dt, thr)
+  for name, (dh, dw) in (("one kernel", one), ("two kernels", two)):
+    assert_close(dh, ref_dh, "grad", dt, v, err_msg=f"gapped dhidden, {name}")
+    assert_close(dw, ref_dw, "grad", dt, n, err_msg=f"gapped dweight, {name}")

@@ -146,9 +146,10 @@ def test_bad_gaps_are_refused_naming_the_argument(gap, match):
     kernels.grpo_loss(args[0], args[1], mask, args[3], support_gap=jnp.zeros((2, 4)), impl="xla")
 
 
-def test_fused_linear_xla_scores_over_the_support_and_the_kernels_refuse():
+def test_fused_linear_scores_over_the_support_in_every_impl():
   """Catches: the fused loss's reference dropping the gap (it must equal grpo_loss on hidden @
-  head), and a fused kernel impl silently scoring a gapped call over the full softmax."""
+  head), and a fused kernel impl scoring a gapped call over the full softmax (the kernels' own
+  parity with gaps: tests/kernels/fused_linear/test_support_gap.py)."""
   rng = np.random.default_rng(5)
   hidden = jnp.asarray(rng.normal(size=(2, 4, 16)) * 0.3, jnp.float32)
   head = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
@@ -166,5 +167,5 @@ def test_fused_linear_xla_scores_over_the_support_and_the_kernels_refuse():
   # on-policy the loss value is -A whatever log p is: the log-probs show the support
   assert np.abs(plain[1].per_token_logps - ungapped[1].per_token_logps).max() > 1e-3
   for impl in ("pallas", "chunked"):
-    with pytest.raises(ValueError, match="support_gap"):
-      kernels.fused_linear_grpo_loss(hidden, head, ids, mask, adv, support_gap=gap, impl=impl)
+    ours = kernels.fused_linear_grpo_loss(hidden, head, ids, mask, adv, support_gap=gap, impl=impl, interpret=True)  # fmt: skip
+    np.testing.assert_allclose(ours[1].per_token_logps, plain[1].per_token_logps, rtol=1e-5, atol=1e-5, err_msg=impl)  # fmt: skip
