@@ -11,8 +11,8 @@ ratio compares the same distribution on both sides.
 `support_pass` is that old-policy pass. It also gives the trainer's raw (full-softmax) and truncated
 log-probs for the `mismatch/raw/*` and `mismatch/truncated/*` metrics (rl.mismatch.support_sums).
 
-Every impl of `kernels.grpo_loss` takes `support_gap=`; `fused_linear_grpo_loss` here calls the
-fused LM-head loss, whose XLA impl runs when gaps exist (its fused kernels do not take a gap yet).
+Every impl of `kernels.grpo_loss` and `kernels.fused_linear_grpo_loss` takes `support_gap=`: the loss
+is called directly (rl.update, rl.agent.ppo).
 """
 
 from __future__ import annotations
@@ -24,34 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels
 from kernels.grpo_loss import token_logps_and_entropy
 from rl.rollout.sampling import support_gaps
-
-# fused_linear_grpo_loss's tiling and placement keywords, which its impl="xla" has no use for
-_FUSED_ONLY = ("impl", "platform", "interpret", "blocks", "chunk_size", "mesh", "vocab_axis", "sharding")  # fmt: skip
-
-
-def fused_linear_grpo_loss(
-  hidden,  # [B, T, H]
-  weight,  # [H, V]
-  ids,  # [B, T] int
-  mask,  # [B, T] bool
-  adv,  # [B] or [B, T] f32
-  *,
-  support_gap=None,  # [B, T] f32 or None
-  **kw,  # kernels.fused_linear_grpo_loss's keywords
-):
-  """kernels.fused_linear_grpo_loss; with `support_gap`, its ``impl="xla"`` (the fused kernels do
-  not take a gap yet: this forms the [B, T, V] logits, said once in the log)."""
-  if support_gap is None:
-    return kernels.fused_linear_grpo_loss(hidden, weight, ids, mask, adv, **kw)
-  say_fused_unfused()
-  kw = {k: v for k, v in kw.items() if k not in _FUSED_ONLY}
-  return kernels.fused_linear_grpo_loss(
-    hidden, weight, ids, mask, adv, support_gap=support_gap, impl="xla", **kw
-  )
-
 
 LOG = logging.getLogger(__name__)
 
@@ -62,14 +36,6 @@ def say_replayed(engine: str) -> None:
     "rl.support: the %s engine reports no support gaps; the trainer replays the sampler's "
     "top-k / top-p / min-p on the old policy's logits to form them (train.score_sampled_support)",
     engine,
-  )
-
-
-@functools.cache  # once per process
-def say_fused_unfused() -> None:
-  LOG.warning(
-    "rl.support: train.fused_lm_head with sampled-support scoring runs the loss's XLA impl (the "
-    "fused kernels do not take support_gap yet): the [B, T, V] logits are formed"
   )
 
 

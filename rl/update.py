@@ -36,7 +36,7 @@ from flax import nnx
 
 import kernels
 from kernels.grpo_loss import token_logps_and_entropy
-from rl import mismatch, support
+from rl import mismatch
 from rl.optimizer import Optimizer, _global_norm, guarded_step
 
 Objective = Literal["grpo", "sft"]
@@ -242,7 +242,7 @@ def policy_loss(
   )
   if settings.fused_lm_head:
     weight = model.lm_head_weight()
-    return support.fused_linear_grpo_loss(
+    return kernels.fused_linear_grpo_loss(
       hidden.astype(weight.dtype),
       weight,
       ids,

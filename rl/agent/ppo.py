@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 import kernels
 from kernels.grpo_loss import DEFAULT_MAX_LOG_RATIO
-from rl import support
 
 
 def _check_same_shape(**arrays) -> None:
@@ -141,7 +140,7 @@ def policy_loss(
     sharding=sharding,
   )
   if lm_head is not None:
-    return support.fused_linear_grpo_loss(
+    return kernels.fused_linear_grpo_loss(
       logits.astype(lm_head.dtype), lm_head, ids, mask, advantages, support_gap=support_gap, **kw
     )
   return kernels.grpo_loss(logits, ids, mask, advantages, support_gap=support_gap, **kw)

@@ -116,7 +116,7 @@ def test_loss_wrappers_score_over_the_gaps_and_minus_inf_is_the_plain_loss():
   rng = np.random.default_rng(1)
   hidden = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
   weight = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
-  fused = support.fused_linear_grpo_loss(hidden, weight, ids, mask, adv, support_gap=gaps, **kw)
+  fused = kernels.fused_linear_grpo_loss(hidden, weight, ids, mask, adv, support_gap=gaps, **kw)
   assert_close(fused[0], f(hidden @ weight, gaps), "value", jnp.float32, 40)
 
 
