@@ -35,7 +35,6 @@ __all__ = [
   "chosen_logit",
   "gapped",
   "gapped_shift",
-  "mask_logits",
   "sweep_threshold",
   "threshold",
 ]
@@ -111,20 +110,3 @@ def apply_gap(
     return z
   hit = jnp.arange(z.shape[-1]) == ids[..., None]
   return gapped(z, threshold(chosen_logit(z, ids), gap)[..., None], hit)
-
-
-def mask_logits(
-  logits,  # [..., V] bf16/f32 raw logits (not divided by the temperature)
-  ids,  # [...] int: the scored tokens
-  gap,  # [...] f32 support gaps
-  temperature: float,
-):  # -> [..., V] in logits' dtype
-  """The logits with -inf outside each row's sampled support, in their own dtype: a kernel that
-  scores them with the plain softmax scores each id over S (``-inf`` columns are exact zeros of the
-  softmax, the entropy and the gradient). The set is decided on the scaled logits in f32 (the rule
-  of :func:`apply_gap`); differentiable w.r.t. ``logits`` (0 outside S). This is one extra pass over
-  the logits in XLA before the kernels; the kernels' own sweeps take the gap without it once they
-  form their tiles with :func:`gapped`."""
-  z = logits.astype(jnp.float32) / temperature
-  keep = ~jnp.isneginf(apply_gap(z, ids, gap))
-  return jnp.where(keep, logits, jnp.array(-jnp.inf, logits.dtype))
