@@ -20,8 +20,8 @@ applies to the reference model's logits. y is always in S (also when z'_y + g ro
 value); outside S a logit is -inf, so softmax, entropy, gradient (1[v = y] - p~_v on S, 0 outside)
 and the KL terms all follow from the plain formulas on the gapped logits. Every impl (the XLA
 reference, the chunked path, the Pallas / Mosaic kernels' forward and backward sweeps) forms its
-gapped logits with :func:`gapped` from a per-row :func:`threshold`, so the rule lives here only.
-"""
+gapped logits with :func:`gapped` from a per-row :func:`threshold`, so the rule lives here only;
+the TPU sweeps, VALU-bound, use its one-select form on z - m (:func:`gapped_shift`)."""
 
 from __future__ import annotations
 
