@@ -20,15 +20,24 @@ applies to the reference model's logits. y is always in S (also when z'_y + g ro
 value); outside S a logit is -inf, so softmax, entropy, gradient (1[v = y] - p~_v on S, 0 outside)
 and the KL terms all follow from the plain formulas on the gapped logits. Every impl (the XLA
 reference, the chunked path, the Pallas / Mosaic kernels' forward and backward sweeps) forms its
-gapped logits with :func:`gapped` from a per-row :func:`threshold`, so the rule lives here only.
-"""
+gapped logits with :func:`gapped` from a per-row :func:`threshold`, so the rule lives here only;
+the TPU sweeps, VALU-bound, use its one-select form on z - m (:func:`gapped_shift`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["apply_gap", "chosen_logit", "gapped", "mask_logits", "threshold"]
+from kernels.lse import LOG_FLOOR, NEG_BIG
+
+__all__ = [
+  "apply_gap",
+  "chosen_logit",
+  "gapped",
+  "gapped_shift",
+  "sweep_threshold",
+  "threshold",
+]
 
 
 def threshold(
@@ -54,6 +63,33 @@ def gapped(
   return jnp.where(keep, z, -jnp.inf)
 
 
+def sweep_threshold(
+  thr,  # [...] f32 thresholds z'_y + g (-inf: no filter; NaN: an empty row)
+  m,  # [...] f32 the max the sweep's exponentials are taken against (>= z'_y)
+):  # -> [...] f32
+  """thr - m, as :func:`gapped_shift` compares z - m with it: never below the most negative finite
+  f32, so a -inf (or NaN) column falls outside S while every finite one stays in when nothing was
+  filtered (:func:`gapped`'s -inf threshold keeps -inf columns too: they add exactly 0 either way)."""
+  return jnp.maximum(thr - m, NEG_BIG)
+
+
+def gapped_shift(
+  d,  # [..., V] f32 z - m of a tile's scaled logits against the sweep's max
+  thr_rel,  # [..., 1] f32 :func:`sweep_threshold` (or broadcast to d)
+):  # -> [..., V] f32
+  """d over S, ``lse.LOG_FLOOR`` outside it: the input of a sweep's exponentials that needs no
+  clamp of its own (exp of it is 0 and p * it is 0, never 0 * -inf). One compare and one select
+  per element, in place of :func:`gapped`'s compare and select plus the sweep's -inf clamp: what a
+  VALU-bound TPU sweep pays for the gap (its z - m is computed anyway; comparing z itself keeps two
+  values live per element and spilled in libtpu's schedule).
+
+  The rule of :func:`gapped` on z - m and thr - m, each rounded once: ties are kept and y stays in
+  S (rounding is monotone and thr <= z_y when thr is formed from the kernel's own z_y, as
+  :func:`threshold` of the same f32 product is); a column within one rounding of thr - m below it
+  may be kept, where the engines' midpoint thresholds never put one. A NaN thr_rel empties the row."""
+  return jnp.where(d >= thr_rel, d, LOG_FLOOR)
+
+
 def chosen_logit(
   z,  # [..., V] f32 scaled logits
   ids,  # [...] int: the scored token; outside [0, V) gives NaN
@@ -74,20 +110,3 @@ def apply_gap(
     return z
   hit = jnp.arange(z.shape[-1]) == ids[..., None]
   return gapped(z, threshold(chosen_logit(z, ids), gap)[..., None], hit)
-
-
-def mask_logits(
-  logits,  # [..., V] bf16/f32 raw logits (not divided by the temperature)
-  ids,  # [...] int: the scored tokens
-  gap,  # [...] f32 support gaps
-  temperature: float,
-):  # -> [..., V] in logits' dtype
-  """The logits with -inf outside each row's sampled support, in their own dtype: a kernel that
-  scores them with the plain softmax scores each id over S (``-inf`` columns are exact zeros of the
-  softmax, the entropy and the gradient). The set is decided on the scaled logits in f32 (the rule
-  of :func:`apply_gap`); differentiable w.r.t. ``logits`` (0 outside S). This is one extra pass over
-  the logits in XLA before the kernels; the kernels' own sweeps take the gap without it once they
-  form their tiles with :func:`gapped`."""
-  z = logits.astype(jnp.float32) / temperature
-  keep = ~jnp.isneginf(apply_gap(z, ids, gap))
-  return jnp.where(keep, logits, jnp.array(-jnp.inf, logits.dtype))

@@ -84,22 +84,24 @@ def _rows(sh: KernelSharding | None, *rest) -> P | None:
 
 
 def _loss_case(shape_name: str, mode: str, **options) -> Callable:
-  """fwd | fwd+bwd | aux (the gradient also through aux.per_token_kl: the three-pass backward)."""
+  """fwd | fwd+bwd | aux (the gradient also through aux.per_token_kl: the three-pass backward);
+  ``support_gap=True``: a [B, T] f32 support gap argument too (the kernels gap their sweeps)."""
   s = LOSS_SHAPES[shape_name]
   on_policy = options.pop("on_policy", False)
   beta = options.pop("beta", 0.04)
+  gapped = options.pop("support_gap", False)
 
   def build(sh):
     b, t, v = s.batch, s.seq, s.vocab
     args = [((b, t, v), s.dtype, _rows(sh, None, None)), ((b, t), "int32", _rows(sh, None))]
     args += [((b, t), "bool", _rows(sh, None)), ((b,), "float32", _rows(sh))]
-    args += [((b, t), "float32", _rows(sh, None))] * 3
+    args += [((b, t), "float32", _rows(sh, None))] * (4 if gapped else 3)
 
-    def loss(logits, ids, mask, adv, old, ref, sampler):
+    def loss(logits, ids, mask, adv, old, ref, sampler, gap=None):
       loss, aux = kernels.grpo_loss(
         logits, ids, mask, adv, impl="pallas", sharding=sh, beta=beta,
         old_logps=None if on_policy else old, ref_logps=ref,
-        sampler_logps=sampler if options.get("is_mode") else None, **options,
+        sampler_logps=sampler if options.get("is_mode") else None, support_gap=gap, **options,
       )  # fmt: skip
       return loss + jnp.sum(aux.per_token_kl) if mode == "aux" else loss
 
@@ -127,6 +129,9 @@ def _loss_cases() -> list[CompileCase]:
       CompileCase(f"{pre}/token-options", "grpo_loss", _loss_case(name, "fwd+bwd", **TOKEN_OPTIONS), 1),
       CompileCase(f"{pre}/aux-grad", "grpo_loss", _loss_case(name, "aux"), 2),
     ]  # fmt: skip
+  for mode in ("fwd", "fwd+bwd"):  # issue 48: the support gap in the kernels' own sweeps
+    gapped = _loss_case(PRODUCTION_LOSS_SHAPES[0], mode, support_gap=True)
+    out.append(CompileCase(f"grpo_loss/{PRODUCTION_LOSS_SHAPES[0]}/{mode}-gapped", "grpo_loss", gapped, 1))  # fmt: skip
   on_policy = _loss_case(PRODUCTION_LOSS_SHAPES[0], "fwd+bwd", on_policy=True, beta=0.0)
   out.append(CompileCase(f"grpo_loss/{PRODUCTION_LOSS_SHAPES[0]}/on-policy", "grpo_loss", on_policy, 1))  # fmt: skip
   # f32 logits at Qwen's vocabulary: whole rows outgrow v4's VMEM, where the heuristic tiles the

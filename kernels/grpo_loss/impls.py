@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from kernels import ops, support
+from kernels import ops
 from kernels.backend import Target
 from kernels.grpo_loss import (
   mosaic_gpu,
@@ -55,14 +55,15 @@ class Call:
   rows: int  # a kernel's rows: one shard's B x T
 
 
-def _gapped(call: Call) -> Call:
-  """A call whose logits are -inf outside each token's sampled support (``support_gap``; none: the
-  call unchanged): the kernel impls score them with their plain softmax (:func:`support.mask_logits`)."""
+def _threshold(call: Call):  # -> [N] f32 or None
+  """Each flat token's support threshold for the kernels' sweeps (:func:`pallas.threshold`: one
+  gather of N chosen logits in XLA); None without a gap (the kernels as without one)."""
   a = call.args
   if a.support_gap is None:
-    return call
-  logits = support.mask_logits(a.logits, a.ids, a.support_gap, call.spec.temperature)
-  return dataclasses.replace(call, args=a._replace(logits=logits, support_gap=None))
+    return None
+  b, t, v = a.logits.shape
+  x, ids = a.logits.reshape(b * t, v), a.ids.reshape(b * t)
+  return pallas.threshold(x, ids, a.support_gap.reshape(b * t), call.spec.temperature)
 
 
 def _logps(args: LossArgs) -> dict:
@@ -100,16 +101,16 @@ def _mosaic_config(call: Call) -> mosaic_gpu_blocks.MosaicLossConfig:
 def _run_kernel(call: Call, *, config, token_logps):
   """A kernel impl: ``config(call)`` is its static config, ``token_logps(cfg, x, ids)`` its
   three-pass (logp, entropy); the training path is :mod:`.vjp`'s for every kernel impl. With a
-  support gap the kernels see the logits masked to each token's sampled support (:func:`_gapped`)."""
-  call = _gapped(call)
+  support gap every kernel gaps its own sweeps by the rows' thresholds (:func:`_threshold`)."""
   cfg = config(call)
+  thr = _threshold(call)
   if call.spec.sequence_level:
-    loss, aux = _sequence_level(call, cfg, token_logps)
+    loss, aux = _sequence_level(call, cfg, token_logps, thr)
     return (loss if call.scale is None else loss * call.scale), aux
-  return _token_level(call, cfg)
+  return _token_level(call, cfg, thr)
 
 
-def _token_level(call: Call, kernel_cfg):
+def _token_level(call: Call, kernel_cfg, thr):
   """The two-pass training path (:mod:`kernels.grpo_loss.vjp`): a token's loss weight is a function
   of its own log p, so the forward writes dlogits in the same pass."""
   args, spec = call.args, call.spec
@@ -120,6 +121,7 @@ def _token_level(call: Call, kernel_cfg):
     **_logps(args),
     num_items_in_batch=call.num_items_in_batch,
     scale=call.scale,
+    thr=thr,
   )
   present = tuple(k for k in train.TOKEN_FIELDS[3:] if data[k] is not None)
   cfg = train.TrainConfig(kernel_cfg, spec, train.TOKEN_FIELDS[:3] + present)
@@ -129,13 +131,13 @@ def _token_level(call: Call, kernel_cfg):
   return loss, reference.make_aux(args.mask, logp.reshape(b, t), entropy.reshape(b, t), obj)
 
 
-def _sequence_level(call: Call, kernel_cfg, token_logps):
+def _sequence_level(call: Call, kernel_cfg, token_logps, thr):
   """GSPO / sequence IS modes: the statistics forward, the [B, T] objective, the backward kernel
   (three passes: a token's weight is known only once its whole sequence's log-probs are)."""
   args = call.args
   b, t, v = args.logits.shape
   x, ids = args.logits.reshape(b * t, v), args.ids.reshape(b * t)
-  logp, entropy = shard_rows(call.sharding, functools.partial(token_logps, kernel_cfg))(x, ids)
+  logp, entropy = shard_rows(call.sharding, functools.partial(token_logps, kernel_cfg))(x, ids, thr)
   return reference.objective_and_loss(
     logp.reshape(b, t),
     entropy.reshape(b, t),

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels import backend
+from kernels import backend, support
 from kernels.grpo_loss import train as _train
 from kernels.grpo_loss.mosaic_gpu_blocks import (
   LANES,
@@ -42,6 +42,8 @@ from kernels.grpo_loss.mosaic_gpu_blocks import (
 )
 from kernels.grpo_loss.pallas_blocks import Hopper, _budget
 from kernels.lse import NEG_BIG, online_step
+
+THR = RECORD - 1  # the info record's column of a row's support threshold (gapped calls)
 
 
 def cluster_budget(
@@ -80,8 +82,14 @@ def _chunk_iota(cfg, dtype):
   return chunk, backend.layout_cast(iota, layout, cfg.target)
 
 
-def _slice_stats(cfg, x_row, c, vc, cid):
-  """(max, sum-exp, entropy sum, chosen z) of this CTA's slice of one row; x_row: [Vs] smem."""
+def _gap(z, thr, hit):
+  """The chunk over S (:func:`kernels.support.gapped`), or z itself without a gap (thr None)."""
+  return z if thr is None else support.gapped(z, thr, hit)
+
+
+def _slice_stats(cfg, x_row, c, vc, cid, thr=None):
+  """(max, sum-exp, entropy sum, chosen z) of this CTA's slice of one row; x_row: [Vs] smem; thr:
+  the row's support threshold (a scalar) or None."""
   chunk, iota = _chunk_iota(cfg, x_row.dtype)
 
   def body(k, carry):
@@ -89,9 +97,10 @@ def _slice_stats(cfg, x_row, c, vc, cid):
     col = k * chunk + iota  # local column
     valid = (col < vc) & (c * vc + col < cfg.vocab)
     z = x_row[pl.ds(k * chunk, chunk)].astype(jnp.float32) * (1.0 / cfg.temperature)
-    z = jnp.where(valid, z, -jnp.inf)
+    hit = (col == cid) & valid
+    z = _gap(jnp.where(valid, z, -jnp.inf), thr, hit)
     m_new, l, s, _ = online_step(z, valid, m, l, s, rmax=jnp.max, rsum=jnp.sum)
-    chosen = chosen + jnp.where((col == cid) & valid, z, 0.0).sum()
+    chosen = chosen + jnp.where(hit, z, 0.0).sum()
     return m_new, l, s, chosen
 
   init = (jnp.float32(NEG_BIG), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0))
@@ -112,9 +121,10 @@ def _combine(parts):
   return m, l, s, chosen
 
 
-def _grad_slice(cfg, x_row, c, vc, cid, lse, g):
+def _grad_slice(cfg, x_row, c, vc, cid, lse, g, thr=None):
   """Overwrite the slice with dlogits = g (onehot - softmax); the same thread reads and writes each
-  element, so in place is safe. g == 0 (a masked token) gives exact zeros, even over NaN logits."""
+  element, so in place is safe. g == 0 (a masked token) gives exact zeros, even over NaN logits.
+  thr: the row's support threshold (softmax 0 outside S) or None."""
   chunk, iota = _chunk_iota(cfg, x_row.dtype)
 
   def body(k, _):
@@ -122,7 +132,9 @@ def _grad_slice(cfg, x_row, c, vc, cid, lse, g):
     sl = pl.ds(k * chunk, chunk)
     z = x_row[sl].astype(jnp.float32) * (1.0 / cfg.temperature)
     gv = lax.broadcast_in_dim(g, (chunk,), ())  # a vector predicate: jax 0.11 selects on no scalar
-    d = jnp.where(gv == 0, 0.0, gv * ((col == cid).astype(jnp.float32) - jnp.exp(z - lse)))
+    hit = col == cid
+    z = _gap(z, None if thr is None else lax.broadcast_in_dim(thr, (chunk,), ()), hit)
+    d = jnp.where(gv == 0, 0.0, gv * (hit.astype(jnp.float32) - jnp.exp(z - lse)))
     x_row[sl] = d.astype(x_row.dtype)
     return 0
 
@@ -171,8 +183,9 @@ def _exchange(cfg, refs, c, stats_rows):
   return [tuple(comb_s[k, i] for k in range(4)) for i in range(r)]
 
 
-def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, names):
-  """One CTA of a cluster: rows [g r, (g + 1) r), columns [c Vc, c Vc + its width)."""
+def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, names, gapped: bool):
+  """One CTA of a cluster: rows [g r, (g + 1) r), columns [c Vc, c Vc + its width); ``gapped``:
+  each row's support threshold is its info record's last column (:data:`THR`)."""
   plgpu = backend.mosaic_gpu_module()
   refs = dict(zip(names, refs))
   x_gmem, info_gmem, out_gmem, x_s, info_s, bars = (
@@ -192,10 +205,11 @@ def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, name
   plgpu.copy_gmem_to_smem(info_gmem.at[pl.ds(row0, r)], info_s, bars.at[r], **in_bounds)
   plgpu.barrier_wait(bars.at[r])
   ids = [info_s[i, 0].astype(jnp.int32) for i in range(r)]
+  thrs = [info_s[i, THR] if gapped else None for i in range(r)]
   stats_rows = []
   for i in range(r):
     plgpu.barrier_wait(bars.at[i])
-    stats_rows.append(_slice_stats(cfg, x_s.at[i], c, vc, ids[i] - c * vc))
+    stats_rows.append(_slice_stats(cfg, x_s.at[i], c, vc, ids[i] - c * vc, thrs[i]))
   parts = _exchange(cfg, refs, c, stats_rows)
   out_s = refs["out_s"]
   for i in range(r):
@@ -207,7 +221,7 @@ def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, name
     if train is not None:
       tok = {f: info_s[i, 1 + k] for k, f in enumerate(train.fields)}
       g = _train.coefficient(train, logp, tok)  # includes 1 / temperature
-      _grad_slice(cfg, x_s.at[i], c, vc, ids[i] - c * vc, lse, g)
+      _grad_slice(cfg, x_s.at[i], c, vc, ids[i] - c * vc, lse, g, thrs[i])
   plgpu.commit_smem()
 
   def store(width):
@@ -227,9 +241,10 @@ def _kernel(*refs, cfg: MosaicLossConfig, train: _train.TrainConfig | None, name
   plgpu.wait_smem_to_gmem(0)
 
 
-def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | None = None):
-  """x [Np, Vp] (Np % rows == 0, Vp split in whole units), info [Np, RECORD] f32 ->
-  out [Np, RECORD] f32 (lse, logp, entropy, unwritten) and, with ``train``, dlogits [Np, Vp]."""
+def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | None = None, gapped: bool = False):  # fmt: skip
+  """x [Np, Vp] (Np % rows == 0, Vp split in whole units), info [Np, RECORD] f32 (``gapped``: the
+  support thresholds in column :data:`THR`) -> out [Np, RECORD] f32 (lse, logp, entropy,
+  unwritten) and, with ``train``, dlogits [Np, Vp]."""
   plgpu = backend.mosaic_gpu_module()
   n, vp = x.shape
   r, cl, chunk = cfg.blocks.rows, cfg.blocks.cluster, cfg.blocks.chunk
@@ -250,7 +265,7 @@ def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | Non
     scratch["cbar"] = plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=1)
   names = ("x", "info", *outs, *scratch)
   res = plgpu.kernel(
-    functools.partial(_kernel, cfg=cfg, train=train, names=names),
+    functools.partial(_kernel, cfg=cfg, train=train, names=names, gapped=gapped),
     out_type=tuple(outs.values()),
     scratch_types=tuple(scratch.values()),
     grid=(n // r,),
@@ -263,26 +278,31 @@ def cluster_call(cfg: MosaicLossConfig, x, info, train: _train.TrainConfig | Non
 
 
 # ------------------------------------------------------------------------------------ the wrappers
-def _padded(cfg: MosaicLossConfig, x, ids, tok=None):
-  """(x, info) padded to the kernel's shapes; info's padded rows have weight 0 (so g = 0)."""
+def _padded(cfg: MosaicLossConfig, x, ids, tok=None, thr=None):
+  """(x, info) padded to the kernel's shapes; info's padded rows have weight 0 (so g = 0); a
+  support threshold, if any, in column :data:`THR`."""
   n, v = x.shape
   vp, _, _ = slice_cols(cfg.blocks, x.dtype, v)
   np_ = -(-n // cfg.blocks.rows) * cfg.blocks.rows
   cols = [ids.astype(jnp.float32)[:, None]] + ([] if tok is None else [tok])
   info = jnp.concatenate(cols, axis=1)
   info = jnp.pad(info, ((0, np_ - n), (0, RECORD - info.shape[1])))
+  if thr is not None:
+    info = info.at[:n, THR].set(thr)
   return pad_to(x, np_, vp), info
 
 
-def stats(cfg: MosaicLossConfig, x, ids):
-  """x [N, V], ids [N] -> (lse, logp, entropy) [N] f32: one read of the logits."""
+def stats(cfg: MosaicLossConfig, x, ids, thr=None):
+  """x [N, V], ids [N], thr [N] support thresholds or None -> (lse, logp, entropy) [N] f32: one
+  read of the logits."""
   n = x.shape[0]
-  (out,) = cluster_call(cfg, *_padded(cfg, x, ids))
+  (out,) = cluster_call(cfg, *_padded(cfg, x, ids, thr=thr), gapped=thr is not None)
   return out[:n, 0], out[:n, 1], out[:n, 2]
 
 
-def train_fwd(train: _train.TrainConfig, x, ids, tok):
-  """x [N, V], ids [N], tok [N, k] -> (lse, logp, entropy [N] f32, dlogits [N, V])."""
+def train_fwd(train: _train.TrainConfig, x, ids, tok, thr=None):
+  """x [N, V], ids [N], tok [N, k], thr [N] or None -> (lse, logp, entropy [N] f32, dlogits [N, V])."""
   n, v = x.shape
-  out, dx = cluster_call(train.loss, *_padded(train.loss, x, ids, tok), train=train)
+  info = _padded(train.loss, x, ids, tok, thr)
+  out, dx = cluster_call(train.loss, *info, train=train, gapped=thr is not None)
   return out[:n, 0], out[:n, 1], out[:n, 2], dx[:n, :v]

@@ -26,8 +26,11 @@ from kernels.grpo_loss import train as _train
 from kernels.grpo_loss.mosaic_gpu_blocks import ClusterLossBlocks, pad_to
 
 
-def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig):
-  lse_gmem, logp_gmem, ent_gmem, dx_gmem, ids_s, tok_s, out_s, ring, bar = refs
+def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig, gapped: bool):
+  """refs: ([thr_gmem,] the outputs, the scratch ([thr_s,] ...)): with ``gapped`` the rows'
+  support thresholds ride beside the ids and both sweeps gap their tiles."""
+  thr_gmem, refs = (refs[0], refs[1:]) if gapped else (None, refs)
+  lse_gmem, logp_gmem, ent_gmem, dx_gmem, ids_s, tok_s, *thr_s, out_s, ring, bar = refs
   plgpu = backend.mosaic_gpu_module()
   kc = cfg.loss
   wg = plgpu.Layout.WGMMA
@@ -37,43 +40,50 @@ def _train_kernel(x_gmem, ids_gmem, tok_gmem, *refs, cfg: _train.TrainConfig):
   rows = pl.ds(lax.axis_index("rows") * bn, bn)
   plgpu.copy_gmem_to_smem(ids_gmem.at[rows], ids_s, bar)
   plgpu.copy_gmem_to_smem(tok_gmem.at[:, rows], tok_s, bar)
+  if gapped:
+    plgpu.copy_gmem_to_smem(thr_gmem.at[rows], thr_s[0], bar)
   plgpu.barrier_wait(bar)
   ids = cast(ids_s[...], wg.reduce(1))  # [bn]
-  step = lambda j, x_smem, carry: mg.stats_fold(kc, ids, j, x_smem, carry)
+  thr = cast(thr_s[0][...], wg.reduce(1)) if gapped else None
+  step = lambda j, x_smem, carry: mg.stats_fold(kc, ids, j, x_smem, carry, thr)
   carry = mg.tile_pipeline(kc, x_gmem, rows, step, mg.stats_init(kc))
   lse, logp, ent = mg.stats_finish(kc, ids, carry)
   tok = {k: cast(tok_s.at[i][...], wg.reduce(1)) for i, k in enumerate(cfg.fields)}
   g = _train.coefficient(cfg, logp, tok)  # [bn], includes 1 / temperature
   args = (bcast(ids), bcast(lse), bcast(g))
-  grad = lambda j, x_smem: mg.grad_store(kc, *args, j, x_smem, ring, dx_gmem.at[rows])
+  thr_b = None if thr is None else bcast(thr)
+  grad = lambda j, x_smem: mg.grad_store(kc, *args, j, x_smem, ring, dx_gmem.at[rows], thr_b)
   mg.tile_pipeline(kc, x_gmem, rows, grad)
   plgpu.wait_smem_to_gmem(0)
   mg.store_rows(out_s, (lse, logp, ent), (lse_gmem, logp_gmem, ent_gmem), rows)
 
 
-def _train_call(cfg: _train.TrainConfig, x, ids, tok):
-  """x [Np, Vp], ids [Np], tok [k, Np] -> (lse, logp, entropy [Np] f32, dlogits [Np, Vp])."""
+def _train_call(cfg: _train.TrainConfig, x, ids, tok, thr):
+  """x [Np, Vp], ids [Np], tok [k, Np], thr [Np] or None -> (lse, logp, entropy [Np] f32,
+  dlogits [Np, Vp])."""
   plgpu = backend.mosaic_gpu_module()
   kc = cfg.loss
   n = x.shape[0]
   bn, bv = kc.blocks.block_n, kc.blocks.block_v
   vec = jax.ShapeDtypeStruct((n,), jnp.float32)
+  rows = () if thr is None else (thr,)
   return backend.mosaic_gpu_kernel(
-    functools.partial(_train_kernel, cfg=cfg),
+    functools.partial(_train_kernel, cfg=cfg, gapped=thr is not None),
     target=kc.target,
     out_type=(vec, vec, vec, jax.ShapeDtypeStruct(x.shape, x.dtype)),
     scratch_types=(
       plgpu.SMEM((bn,), jnp.int32),
       plgpu.SMEM((tok.shape[0], bn), jnp.float32),
+      *(plgpu.SMEM((bn,), jnp.float32) for _ in rows),
       plgpu.SMEM((3, bn), jnp.float32),
       plgpu.SMEM(
         (kc.blocks.stages, bn, bv), x.dtype, transforms=backend.smem_transforms(x.dtype, kc.target)
       ),
-      plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_arrivals=2 + len(rows)),
     ),
     grid=(n // bn,),
     grid_names=("rows",),
-  )(x, ids, tok)
+  )(x, ids, tok, *rows)
 
 
 def train_kernels(cfg: _train.TrainConfig):
@@ -81,22 +91,22 @@ def train_kernels(cfg: _train.TrainConfig):
   ``ClusterLossBlocks`` the training kernel is the cluster-split one (one read + one write)."""
   kc = cfg.loss
 
-  def stats(x, ids):
-    lse, logp, ent = mg.stats_call(kc, x, ids)
+  def stats(x, ids, thr):
+    lse, logp, ent = mg.stats_call(kc, x, ids, thr)
     return logp, ent, (lse,)
 
-  def train(x, ids, tok):  # tok: [N, k]
+  def train(x, ids, tok, thr):  # tok: [N, k]; thr: [N] support thresholds or None
     if isinstance(kc.blocks, ClusterLossBlocks):
-      lse, logp, ent, dx = mosaic_gpu_cluster.train_fwd(cfg, x, ids, tok)
+      lse, logp, ent, dx = mosaic_gpu_cluster.train_fwd(cfg, x, ids, tok, thr)
       return logp, ent, (lse,), dx
     n, v = x.shape
     np_, vp = mg.padded_shape(kc, n, v)
-    pad = lambda a: pad_to(a, np_, vp)
+    pad = lambda a: None if a is None else pad_to(a, np_, vp)
     tok_t = jnp.pad(tok.T, ((0, 0), (0, np_ - n)))  # padded rows: weight 0, so g = 0
-    lse, logp, ent, dx = _train_call(cfg, pad(x), pad(ids), tok_t)
+    lse, logp, ent, dx = _train_call(cfg, pad(x), pad(ids), tok_t, pad(thr))
     return logp[:n], ent[:n], (lse[:n],), dx[:n, :v]
 
-  def grad(x, ids, res, g):
-    return mg.grad_call(kc, x, ids, res[0], g)
+  def grad(x, ids, res, g, thr):
+    return mg.grad_call(kc, x, ids, res[0], g, thr)
 
   return stats, train, grad

@@ -11,7 +11,9 @@ whose width is the tile's: the last tile's is the vocabulary's remainder, static
 V are never read as logits), its lane partials merged per row, and folded into the rows' running
 (max, sum exp, sum exp * z) kept in VMEM scratch across the vocabulary axis; the last tile finishes
 them into (log p, entropy, lse_rel, shift). The chosen logits are gathered outside (N elements), as
-the whole-row forward does. The training path is this pass, the in-XLA coefficient on [N] and the
+the whole-row forward does; with a support gap the rows' thresholds ride in one more [N, 1] input
+and every tile's exponentials are gapped (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`).
+The training path is this pass, the in-XLA coefficient on [N] and the
 (rows, V)-tiled backward kernel: two reads of the logits and one write of dlogits.
 """
 
@@ -39,9 +41,12 @@ def _combine(a, b):
   return top, w1 * l1 + w2 * l2, part(w1, m1, l1, s1) + part(w2, m2, l2, s2)
 
 
-def _stats_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *scratch, cfg, steps, rem):  # fmt: skip
+def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool):
   """One [bn, bv] tile folded into the rows' running statistics (scratch: m, l, s [bn, 1] f32);
-  ``steps`` tiles per row, the last ``rem`` columns wide (static)."""
+  ``steps`` tiles per row, the last ``rem`` columns wide (static); ``gapped``: refs starts with the
+  rows' [bn, 1] support thresholds, applied to every tile's exponentials."""
+  thr_ref, refs = (refs[0], refs[1:]) if gapped else (None, refs)
+  (logp_ref, ent_ref, lse_ref, shift_ref), scratch = refs[:4], refs[4:]
   j = pl.program_id(1)  # at the kernel's top level: the interpreter has no rule for it in loops
   bn, bv = x_ref.shape
   group = sweeps.row_group(bn, x_ref.dtype)
@@ -53,10 +58,11 @@ def _stats_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *scr
     scratch[2][...] = jnp.zeros((bn, 1), jnp.float32)
 
   def fold(width):
-    sw = sweeps.sweep_of(width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret)
+    sw = sweeps.sweep_of(width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped)
 
     def rows_body(rows, size):
-      tile = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size), axis=1)
+      thr = thr_ref[rows, :] if gapped else None
+      tile = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size, thr), axis=1)
       new = _combine(tuple(r[rows, :] for r in scratch), tile)
       for r, val in zip(scratch, new):
         r[rows, :] = val
@@ -80,17 +86,22 @@ def _stats_kernel(x_ref, chosen_ref, logp_ref, ent_ref, lse_ref, shift_ref, *scr
     sweeps.for_row_groups(bn, group, rows_body)
 
 
-def fwd(cfg: LossConfig, x, ids):
-  """(logp, entropy, lse_rel, shift) [N] f32 of logits x [N, V] and ids [N]."""
+def fwd(cfg: LossConfig, x, ids, thr=None):
+  """(logp, entropy, lse_rel, shift) [N] f32 of logits x [N, V] and ids [N]; thr: [N] f32 support
+  thresholds or None."""
   n, v = x.shape
   bn, bv = min(cfg.blocks.block_n, n), min(cfg.blocks.block_v, v)
   steps = pl.cdiv(v, bv)
   chosen = lse.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
+  rows = [] if thr is None else [thr.reshape(n, 1)]
   row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
+  kernel = functools.partial(
+    _stats_kernel, cfg=cfg, steps=steps, rem=v - (steps - 1) * bv, gapped=thr is not None
+  )
   outs = pl.pallas_call(
-    functools.partial(_stats_kernel, cfg=cfg, steps=steps, rem=v - (steps - 1) * bv),
+    kernel,
     grid=(pl.cdiv(n, bn), steps),
-    in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j)), row_spec],
+    in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j))] + [row_spec] * (1 + len(rows)),
     out_specs=[row_spec] * 4,
     out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
     scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * 3,
@@ -99,5 +110,5 @@ def fwd(cfg: LossConfig, x, ids):
     ),
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd_vocab",
-  )(x, chosen)
+  )(x, chosen, *rows)
   return tuple(o.reshape(n) for o in outs)

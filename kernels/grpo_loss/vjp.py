@@ -88,17 +88,18 @@ def token_inputs(static: Static, data: dict):
 
 
 def _kernels(static: Static):
-  """(stats, train, grad) of the impl: stats(x, ids) -> (logp, ent, res); train(x, ids, tok) ->
-  (logp, ent, res, dlogits); grad(x, ids, res, g) -> dlogits. Every argument and result is per row;
-  with a sharding each runs shard-local over its batch axes (a Mosaic call cannot be partitioned)."""
+  """(stats, train, grad) of the impl: stats(x, ids, thr) -> (logp, ent, res); train(x, ids, tok,
+  thr) -> (logp, ent, res, dlogits); grad(x, ids, res, g, thr) -> dlogits; thr: [N] support
+  thresholds or None (no gap). Every argument and result is per row; with a sharding each runs
+  shard-local over its batch axes (a Mosaic call cannot be partitioned)."""
   cfg = static.kernel
   if isinstance(cfg.loss, LossConfig):
     loss = cfg.loss
-    stats = lambda x, ids: (lambda o: (o[0], o[1], o[2:]))(_pallas.fwd_call(loss, x, ids))
-    train = lambda x, ids, tok: (lambda o: (o[0], o[1], o[2:4], o[4]))(
-      _pallas.train_fwd(cfg, x, ids, tok)
+    stats = lambda x, ids, thr: (lambda o: (o[0], o[1], o[2:]))(_pallas.fwd_call(loss, x, ids, thr))
+    train = lambda x, ids, tok, thr: (lambda o: (o[0], o[1], o[2:4], o[4]))(
+      _pallas.train_fwd(cfg, x, ids, tok, thr)
     )
-    grad = lambda x, ids, res, g: _pallas.bwd_call(loss, x, ids, *res, g)
+    grad = lambda x, ids, res, g, thr: _pallas.bwd_call(loss, x, ids, *res, g, thr)
   else:
     stats, train, grad = _mosaic_train.train_kernels(cfg)
   return tuple(shard_rows(static.sharding, f) for f in (stats, train, grad))
@@ -107,9 +108,10 @@ def _kernels(static: Static):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def loss_logps(static: Static, logits, ids, data):
   """(loss, logp [N], entropy [N]) of logits [N, V] and ids [N] int32; data: the validated [B, T]
-  inputs (mask, advantages, old / ref / sampler log-probs or None), num_items_in_batch and the loss
-  scale (or None). Differentiable w.r.t. logits through loss and logp."""
-  logp, ent, _ = _kernels(static)[0](logits, ids)
+  inputs (mask, advantages, old / ref / sampler log-probs or None), num_items_in_batch, the loss
+  scale (or None) and ``thr``, the [N] support thresholds (or None: no gap). Differentiable w.r.t.
+  logits through loss and logp."""
+  logp, ent, _ = _kernels(static)[0](logits, ids, data["thr"])
   return loss_value(static, logp, data), logp, ent
 
 
@@ -117,7 +119,7 @@ def _fwd(static: Static, logits, ids, data):
   logits, ids = logits.value, ids.value
   data = jax.tree.map(lambda p: p.value, data)
   _, train, _ = _kernels(static)
-  logp, ent, res, dlogits = train(logits, ids, token_inputs(static, data))
+  logp, ent, res, dlogits = train(logits, ids, token_inputs(static, data), data["thr"])
   return (loss_value(static, logp, data), logp, ent), (logits, ids, data, logp, res, dlogits)
 
 
@@ -133,7 +135,7 @@ def _bwd(static: Static, residuals, cts):
   if not no_loss:
     g = g + ct_loss * jax.grad(loss_value, argnums=1)(static, logp, data)
   g = g * (1.0 / static.kernel.loss.temperature)
-  return _kernels(static)[2](logits, ids, res, g), None, None
+  return _kernels(static)[2](logits, ids, res, g, data["thr"]), None, None
 
 
 loss_logps.defvjp(_fwd, _bwd, symbolic_zeros=True)

@@ -326,3 +326,40 @@ def test_fused_head_kernels_with_support_gaps(capsys):
   assert np.mean(np.asarray(ref_aux.per_token_logps[0])[cut] - full[cut]) > 0.5  # S: 4 columns
   assert_close(dh, ref_dh, "grad", jnp.bfloat16, v, "dhidden")
   assert_close(dw, ref_dw, "grad", jnp.bfloat16, n, "dweight")
+
+
+def _gapped_loss_case(gen, capsys, b, t, v, dtype, level):
+  """:func:`_loss_case` with support gaps (issue 48: the kernels gap their own sweeps): the
+  engines' midpoint gaps of a top-k filter, a third unfiltered. Returns the parallel steps."""
+  from tests.kernels.grpo_loss.test_support_gap import top_k_gaps
+
+  logits, ids, mask, adv, old = _loss_inputs(b, t, v, dtype, seed=b * t + 1)
+  gap = top_k_gaps(logits, ids, 1.0, seed=b * t)
+  opts = dict(old_logps=old, importance_sampling_level=level, support_gap=gap)
+  loss = lambda impl: lambda x: kernels.grpo_loss(x, ids, mask, adv, impl=impl, **opts)[0]
+  n = b * t
+  with production(gen) as target:
+    blocks = loss_blocks(target, n, v, dtype)
+    steps = -(-n // blocks.block_n) * -(-v // blocks.block_v)
+    if level == "token" and not blocks.vocab_tiled:
+      steps = -(-n // sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2))
+    value, grad = run_checked(lambda: jax.value_and_grad(loss("pallas"))(logits), capsys, steps)
+  ref_value, ref_grad = jax.value_and_grad(loss("xla"))(logits)
+  assert_close(value, ref_value, "value", jnp.float32, n * v, "loss")
+  assert_close(grad, ref_grad, "grad", dtype, v, "dlogits")
+  return steps
+
+
+def test_grpo_loss_gapped_training_kernel(capsys):
+  """The training kernel with gaps at v6e's production target (the slab form: 128-lane slabs, the
+  gapped 2x unrolled loop, a ragged 1100-column vocabulary's tail). Catches: a slab or the tail
+  gapped with another row group's thresholds, the gap dropped from the dlogits sweep."""
+  assert _gapped_loss_case("v6e", capsys, 2, 9, 1100, jnp.bfloat16, "token") >= 2
+
+
+@pytest.mark.slow  # ~20 s of CPU; the CPU interpreter's vocab_tiled family runs its gapped tiles
+def test_grpo_loss_gapped_vocab_tiled(capsys):
+  """v4's vocab-tiled statistics and the backward kernel with gaps (f32 at Qwen's V: 10 tiles of 9 rows, the
+  last ragged). Catches: a tile's exponentials not gapped, the backward's tiles gapped with the
+  wrong rows' thresholds."""
+  assert _gapped_loss_case("v4", capsys, 1, 9, QWEN_V, jnp.float32, "sequence") >= 2

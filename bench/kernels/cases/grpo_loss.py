@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,14 +30,24 @@ def make_inputs(shape: LossShape, seed: int):
   return logits, ids, mask, adv
 
 
-def _fwd(impl, platform, logits, ids, mask, adv, *, blocks=None):
-  call = dict(impl=impl, platform=platform, blocks=blocks)
+def gapped_inputs(shape: LossShape, seed: int):
+  """:func:`make_inputs` plus support gaps [B, T] f32: -|N(0, 2)| (a top-p-like spread of sampled
+  supports), a third -inf (unfiltered tokens)."""
+  k = jax.random.split(jax.random.key(seed + 1), 2)
+  b, t = shape.batch, shape.seq
+  gap = -jnp.abs(jax.random.normal(k[0], (b, t), jnp.float32) * 2.0)
+  gap = jnp.where(jax.random.bernoulli(k[1], 1 / 3, (b, t)), -jnp.inf, gap)
+  return (*make_inputs(shape, seed), gap)
+
+
+def _fwd(impl, platform, logits, ids, mask, adv, gap=None, *, blocks=None):
+  call = dict(impl=impl, platform=platform, blocks=blocks, support_gap=gap)
   loss, aux = kernels.grpo_loss(logits, ids, mask, adv, **call)
   return loss, aux.per_token_logps
 
 
-def _fwd_bwd(impl, platform, logits, ids, mask, adv, *, blocks=None):
-  call = dict(impl=impl, platform=platform, blocks=blocks)
+def _fwd_bwd(impl, platform, logits, ids, mask, adv, gap=None, *, blocks=None):
+  call = dict(impl=impl, platform=platform, blocks=blocks, support_gap=gap)
   f = lambda x: kernels.grpo_loss(x, ids, mask, adv, **call)[0]
   return jax.value_and_grad(f)(logits)
 
@@ -81,6 +92,28 @@ def cases(size: str, platform: str) -> list[Case]:
         None,
         (value, grad),
         params,
+      )
+    )
+  if platform == "tpu" and size == "large":
+    out += _gapped_cases(out, platform)
+  return out
+
+
+def _gapped_cases(plain: list[Case], platform: str) -> list[Case]:
+  """qwen2.5-8k's fwd and fwd+bwd with support gaps (issue 48: the kernels gap their own sweeps),
+  beside the same rows without: the compiled report's ratio of the two is the gaps' cost."""
+  out = []
+  for case in plain:
+    if case.shape_name != PRODUCTION_LOSS_SHAPES[0]:
+      continue
+    run = _fwd if case.mode == "fwd" else _fwd_bwd
+    out.append(
+      dataclasses.replace(
+        case,
+        mode=f"{case.mode}-gapped",
+        make_inputs=functools.partial(gapped_inputs, LOSS_SHAPES[case.shape_name]),
+        kernel=functools.partial(run, "pallas", platform),
+        reference=functools.partial(run, "xla", platform),
       )
     )
   return out
