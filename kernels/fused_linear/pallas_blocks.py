@@ -93,9 +93,10 @@ def fused_rows(blocks: LinearBlocks, n: int, h: int, itemsize: int, target: Targ
 # The TPU heuristic's tiles, best first: the first whose kernels fit the generation's VMEM is taken.
 TPU_TILES = ((256, 512), (256, 256), (128, 256), (128, 128))
 # Where the one-kernel gradients run (one TensorCore per device): 512 x 512 first. Compiled for v6e
-# at qwen2.5-3b-8k (libtpu 0.0.42.1): statistics 2940 bundles per step over 16 x 297 steps (7.98 ms
-# modelled; 256 x 512: 1639 over 32 x 297, 8.90 ms), gradients 6704 over 297 x 16 (18.19 ms; 256 x
-# 512: 3959 over 297 x 32, 21.49 ms): a bigger tile pushes each MXU weight tile for more rows.
+# at qwen2.5-3b-8k (libtpu 0.0.42.1), each kernel alone: statistics (the lagged fold) 2599 bundles
+# per step over 16 x 298 steps (7.08 ms modelled; 256 x 512: 1379 over 32 x 298, 7.51 ms; 512 x 256:
+# 1540 over 16 x 595, 8.37 ms), gradients 6704 over 297 x 16 (18.19 ms; 256 x 512: 3959 over
+# 297 x 32, 21.49 ms): a bigger tile pushes each MXU weight tile for more rows.
 ONE_CORE_TPU_TILES = ((512, 512), *TPU_TILES)
 
 

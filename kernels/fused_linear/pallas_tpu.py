@@ -5,7 +5,8 @@ Over flat tokens (h [N, H], w [H, V] one vocabulary shard, ids [N] shard-local):
   stats   grid (N/bn, V/bv, H/bh): each f32 logits tile folds into per-lane online statistics (every
           one of a row's 128 lanes its own max / sum-exp / E[z] / chosen-logit stream, elementwise
           over the tile's 128-column slabs, ROW_GROUP rows at a time so a group stays in vregs);
-          the lanes merge per row in XLA.
+          the lanes merge per row in XLA. With block_h = H each step folds the previous step's
+          tile from VMEM while the MXU computes its own (one more vocabulary step per row block).
   grads   the one gradient kernel of :mod:`.pallas_tpu_grads` (each logits tile recomputed once for
           dh and dw: 8 N·H·V flops with the statistics) where a device is one TensorCore and dh's
           rows fit VMEM; else the two kernels here:
@@ -72,50 +73,66 @@ def lane_width(block_v: int) -> int:
 ROW_GROUP = 16  # rows the statistics fold at a time: a group's slabs and statistics stay in vregs
 
 
-def _stats_kernel(*refs, cfg: FusedConfig, gapped: bool):
+def _stats_kernel(*refs, cfg: FusedConfig, gapped: bool, lagged: bool):
   """Per-lane online statistics: each of the 128 lanes of a row is its own log-sum-exp stream over
   the vocabulary columns that land on it (column j*bv + k*128 + lane), folded slab by slab with
   elementwise max / add only; the lanes merge once, outside (:func:`stats`). The statistics are the
-  resident output blocks themselves, started by a select at j == 0 (no branch the schedule issues
-  each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers.
-  refs: h, w, ids, [thr (gapped)], m, l, s, c, [acc (block_h < H)]."""
+  resident output blocks themselves, started by a select at the first fold (no branch the schedule
+  issues each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers.
+
+  ``lagged`` (block_h = H): step j folds the previous step's tile, kept in VMEM scratch, and then
+  stores its own: the fold depends on nothing the step's matmul produces, so the static schedule
+  issues its vector work in the bundles where the MXU results drain (the fold after the matmul, in
+  one step, was a third of the step's bundles). The grid has one more vocabulary step than blocks:
+  step 0 folds nothing real (its statistics are dropped by the next step's start select), the last
+  step recomputes the last block's product (1 / (V / bv + 1) more MXU work) and folds the last tile.
+  refs: h, w, ids, [thr (gapped)], m, l, s, c, [acc (block_h < H) | tile (lagged)]."""
   h_ref, w_ref, ids_ref = refs[:3]
   thr_ref = refs[3] if gapped else None
   m_ref, l_ref, s_ref, c_ref, *acc = refs[3 + gapped :]
   j, k = pl.program_id(1), pl.program_id(2)
-  part = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
   stat_refs = (m_ref, l_ref, s_ref, c_ref)
+  if lagged:
+    (tile,) = acc
+    _fold(tile, ids_ref, stat_refs, j - 1, cfg, thr_ref, first=j == 1)
+    tile[...] = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+    return
+  part = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
   if acc:  # block_h < H: accumulate over k, fold at the last k
     (acc,) = acc
     acc[...] = jnp.where(k == 0, 0.0, acc[...]) + part
-    pl.when(k == pl.num_programs(2) - 1)(lambda: _fold(acc[...], ids_ref, stat_refs, j, cfg, thr_ref))  # fmt: skip
+    pl.when(k == pl.num_programs(2) - 1)(lambda: _fold(acc, ids_ref, stat_refs, j, cfg, thr_ref))  # fmt: skip
   else:
     _fold(part, ids_ref, stat_refs, j, cfg, thr_ref)
 
 
-def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig, thr_ref=None):
-  """Fold one [bn, bv] f32 logits tile into the per-lane statistics (m, l, s, c) [bn, 128];
-  ``thr_ref`` [bn, 1]: the rows' support thresholds (gapped calls), applied to each scaled slab."""
+def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig, thr_ref=None, first=None):
+  """Fold the [bn, bv] f32 logits tile of vocabulary block ``j`` (a value, or a VMEM ref read a row
+  group at a time) into the per-lane statistics (m, l, s, c) [bn, 128]; ``thr_ref`` [bn, 1]: the
+  rows' support thresholds (gapped calls), applied to each scaled slab; ``first``: the statistics
+  start here (default: block 0)."""
   bn, bv = z_tile.shape
   width = lane_width(bv)
   slabs = bv // width
   tail = cfg.vocab % bv  # columns of the last vocabulary block; 0: every block is whole
-  first = j == 0
+  first = j == 0 if first is None else first
   for r in range(0, bn, ROW_GROUP):
     rows = slice(r, min(bn, r + ROW_GROUP))
     lane = jax.lax.broadcasted_iota(jnp.int32, (rows.stop - r, width), 1)
     idrel = ids_ref[rows, :] - j * bv  # [rg, 1]: the id's column within this block
     thr = None if thr_ref is None else thr_ref[rows, :]  # [rg, 1]
-    zs = []
+    zs, hits = [], []
     for kk in range(slabs):
       z = z_tile[rows, kk * width : (kk + 1) * width]
+      hit = lane == idrel - kk * width  # the id's column: one lane-compare with a [rg, 1] operand
       if cfg.temperature != 1.0:
         z = z * (1.0 / cfg.temperature)
       if thr is not None:  # -inf outside S: the online step's LOG_FLOOR makes them exact zeros
-        z = support.gapped(z, thr, lane + kk * width == idrel)
+        z = support.gapped(z, thr, hit)
       if tail and (kk + 1) * width > tail:  # may hold columns past V (in the last block only)
         z = jnp.where(lane < cfg.vocab - j * bv - kk * width, z, -jnp.inf)
       zs.append(z)
+      hits.append(hit)
     m_old, l_old, s_old, c_old = (
       jnp.where(first, init, ref[rows, :]) for ref, init in zip(stat_refs, (NEG_BIG, 0.0, 0.0, 0.0))
     )
@@ -125,9 +142,11 @@ def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig, thr_ref=None):
       rmax=lambda x: jnp.max(x, axis=0), rsum=lambda x: jnp.sum(x, axis=0),
       expand=lambda x: x[None],
     )  # fmt: skip
+    # a lane's stream meets the id's column at most once over the whole vocabulary (ids outside
+    # [0, V) are -1: never), so a select keeps it (no add)
     c = c_old
-    for kk, z in enumerate(zs):
-      c = c + jnp.where(lane + kk * width == idrel, z, 0.0)
+    for z, hit in zip(zs, hits):
+      c = jnp.where(hit, z, c)
     for ref, val in zip(stat_refs, (m, l, s, c)):
       ref[rows, :] = val
 
@@ -145,22 +164,25 @@ def stats(cfg: FusedConfig, h, w, ids, thr=None):
   width = lane_width(bv)
   lanes = pl.BlockSpec((bn, width), lambda i, j, k: (i, 0))
   nk = hd // bh
+  nv = pl.cdiv(v, bv)
+  lagged = nk == 1  # the fold one step behind the matmul (:func:`_stats_kernel`)
   # an id outside [0, V) matches no column (-1: not even a masked one past V in the last block)
   found = ((ids >= 0) & (ids < v)).astype(jnp.float32)
   row = pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0))
   gapped = thr is not None
   m, l, s, c = pl.pallas_call(
-    functools.partial(_stats_kernel, cfg=cfg, gapped=gapped),
-    grid=(pl.cdiv(n, bn), pl.cdiv(v, bv), nk),
+    functools.partial(_stats_kernel, cfg=cfg, gapped=gapped, lagged=lagged),
+    grid=(pl.cdiv(n, bn), nv + lagged, nk),
     in_specs=[
       pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)),
-      pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
+      # lagged: the extra last step maps to the last block again (no new DMA)
+      pl.BlockSpec((bh, bv), lambda i, j, k: (k, jnp.minimum(j, nv - 1))),
       row,
     ]
     + [row] * gapped,
     out_specs=[lanes] * 4,
     out_shape=[jax.ShapeDtypeStruct((n, width), jnp.float32)] * 4,
-    scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)] * (nk > 1),
+    scratch_shapes=[backend.scratch_vmem((bn, bv), jnp.float32)],  # the k-sum or the lagged tile
     compiler_params=_params(cfg, h, "stats", ("parallel", "arbitrary", "arbitrary")),
     interpret=cfg.target.interpret,
     name="fused_linear_grpo_stats",
