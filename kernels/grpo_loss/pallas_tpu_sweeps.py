@@ -47,6 +47,8 @@ class Sweep:
   # the interpreter's form (:func:`sweep_of`): one slab as wide as the row, and each row's chosen
   # column read / written by one whole-group select instead of a window per row
   whole_rows: bool = False
+  # no bf16 VPU (v4): windows converted to f32 before splitting, the max in f32 (:func:`_raw`)
+  unpack: bool = False
 
   @property
   def full(self) -> int:
@@ -65,7 +67,12 @@ GAPPED_UNROLL = 2
 
 
 def sweep_of(
-  width: int, temperature: float, block_v: int = 4096, interpret: bool = False, gapped=False
+  width: int,
+  temperature: float,
+  block_v: int = 4096,
+  interpret: bool = False,
+  gapped=False,
+  unpack=False,
 ) -> Sweep:
   """The sweep of [rows, width] blocks: ``block_v`` columns per loop iteration (whole folds of
   SLABS_PER_FOLD slabs, unrolled: independent steps the scheduler interleaves); ``gapped`` (a
@@ -75,13 +82,13 @@ def sweep_of(
   slabs and their unrolling are the TPU scheduler's need; the interpreter executes every written-out
   step one by one (a 16-row group at V = 32000 is 250 slabs: the cpu-medium training call took
   ~42 s per call swept in slabs, ~2 s as whole rows on 2 cores). The TPU-interpreter tests
-  (tests/kernels/test_tpu_interpret.py) run the slab form."""
+  (tests/kernels/test_tpu_interpret.py) run the slab form. ``unpack``: :attr:`Sweep.unpack`."""
   if interpret:
     return Sweep(width, width, 1.0 / temperature, 1, 1, whole_rows=True)
   lanes = min(LANES, width)
   per_fold = min(SLABS_PER_FOLD, max(1, width // lanes))
   unroll = max(1, block_v // (per_fold * lanes)) * (GAPPED_UNROLL if gapped else 1)
-  return Sweep(width, lanes, 1.0 / temperature, per_fold, unroll)
+  return Sweep(width, lanes, 1.0 / temperature, per_fold, unroll, unpack=unpack)
 
 
 def row_group(block_n: int, dtype) -> int:
@@ -127,8 +134,10 @@ def load_z(x_ref, rows, start, sw: Sweep, floor=None):
 def _raw(x_ref, rows, first, count, sw: Sweep):
   """[count, G, lanes] logits in their own dtype from column ``first``: one wide load (one base
   address, immediate offsets: separate slab loads each cost a chain of scalar address arithmetic),
-  split into slabs in registers."""
+  split into slabs in registers. ``sw.unpack``: converted to f32 first, one native unpack a vreg
+  (v4 has no bf16 VPU: a stack of bf16 slabs costs it four sublane rotations a vreg more)."""
   x = x_ref[rows, pl.ds(first, count * sw.lanes)]
+  x = x.astype(jnp.float32) if sw.unpack else x
   return jnp.stack([x[:, i * sw.lanes : (i + 1) * sw.lanes] for i in range(count)])
 
 
@@ -190,8 +199,8 @@ def sweep_slabs(x_ref, rows, sw: Sweep, each, carry, per_step: int, unroll: int,
 def lane_max(x_ref, rows, sw: Sweep, size: int):
   """[size, lanes] f32: each lane's max of the scaled logits. Full steps reduce in the logits' own
   dtype (bf16 on a chip with a bf16 VPU: no unpack; the max of bf16 values is one of them, and
-  scaling by 1 / T > 0 keeps the order), scaled once at the end; the tail in f32."""
-  low = jnp.full((size, sw.lanes), -jnp.inf, x_ref.dtype)
+  scaling by 1 / T > 0 keeps the order; in f32 with ``sw.unpack``), scaled once at the end."""
+  low = jnp.full((size, sw.lanes), -jnp.inf, jnp.float32 if sw.unpack else x_ref.dtype)
   top = jnp.full((size, sw.lanes), lse.NEG_BIG, jnp.float32)
 
   def each(z, carry, scaled=False):

@@ -10,8 +10,10 @@ the whole-row kernels' register-sized sweeps (:func:`kernels.grpo_loss.pallas_tp
 whose width is the tile's: the last tile's is the vocabulary's remainder, static, so its columns past
 V are never read as logits), its lane partials merged per row, and folded into the rows' running
 (max, sum exp, sum exp * z) kept in VMEM scratch across the vocabulary axis; the last tile finishes
-them into (log p, entropy, lse_rel, shift). The chosen logits are gathered outside (N elements), as
-the whole-row forward does; with a support gap the rows' thresholds ride in one more [N, 1] input
+them into (log p, entropy, lse_rel, shift). The sweeps' windows are unpacked to f32 before they
+are split into slabs (``Sweep.unpack``): this kernel's chips (v4, an unnamed generation) have no
+bf16 VPU, and libtpu compiles a bf16 slab stack on v4 into four sublane rotations a vreg. The
+chosen logits are gathered outside (N elements), as the whole-row forward does; with a support gap the rows' thresholds ride in one more [N, 1] input
 and every tile's exponentials are gapped (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`).
 The training path is this pass, the in-XLA coefficient on [N] and the
 (rows, V)-tiled backward kernel: two reads of the logits and one write of dlogits.
@@ -58,7 +60,9 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool):
     scratch[2][...] = jnp.zeros((bn, 1), jnp.float32)
 
   def fold(width):
-    sw = sweeps.sweep_of(width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped)
+    sw = sweeps.sweep_of(
+      width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped, unpack=True
+    )
 
     def rows_body(rows, size):
       thr = thr_ref[rows, :] if gapped else None

@@ -175,6 +175,16 @@ def test_grpo_loss_vocab_tiled_on_v4(level, capsys):
   assert steps >= 2
 
 
+def test_grpo_loss_vocab_tiled_bf16_on_v4(capsys):
+  """bf16 logits at Gemma's V = 262144 on v4 (9 tokens: one ragged row block, 16 vocabulary
+  tiles), the statistics' sweeps in their unpacked form (each window converted to f32 before it is
+  split into slabs: v4 has no bf16 VPU). Catches: a slab of the converted window taken from the
+  wrong columns (one counted twice, another dropped), the lane max of the converted slabs wrong."""
+  with production("v4") as target:
+    assert loss_blocks(target, 9, 262144, jnp.bfloat16).vocab_tiled
+  assert _loss_case("v4", capsys, 1, 9, 262144, jnp.bfloat16, "sequence") >= 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("level", ["token", "sequence"])
