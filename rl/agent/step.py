@@ -86,17 +86,18 @@ def agent_step(a: AgentStep, step: int) -> dict[str, float]:
     )
   packed = pack_episodes(episodes, *a.widths, s.tokenizer.pad_id)
   with timer("update"):
-    batch, critic = advantages_batch(a, packed, episodes)
+    batch, figures = advantages_batch(a, packed, episodes)
     epochs = a.update(batch)
   step_s = time.perf_counter() - t_step
   out = step_time_metrics(timer.reset(), step_s, s.clock.compiles, s.clock.step_avg)
-  return out | step_metrics(a, episodes, stats, epochs, critic)
+  return out | step_metrics(a, episodes, stats, epochs, figures)
 
 
 def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[str, float]]:
   """The update's global batch: the packed rows, the pre-update policy's log-probs and the critic's
   values, the advantages and value targets, the reference's log-probs (train.beta > 0); and the
-  critic's figures (ppo: explained variance, value mean over every process's model tokens)."""
+  pass's figures: mismatch/* (the engine's log-probs against the old pass) and, for ppo, the
+  critic's explained variance and value mean over every process's model tokens."""
   s, tcfg, temp = a.setup, a.setup.cfg.train, a.setup.cfg.sampling.temperature
   k, cw = s.cfg.grad_accum_steps, a.widths[1]
   shape = lambda x: sharding.global_batch(s.mesh, x.reshape(k, x.shape[0] // k, *x.shape[1:]))
@@ -118,7 +119,7 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
   eps = (tcfg.epsilon_low, tcfg.epsilon_high)  # mismatch/*: the engine's against the old pass
   found = pre_update_mismatch(shape(packed.sampler_logps), old_logps, raw, mask, eps)
   values = sharding.local_rows(s.mesh, old_values).reshape(-1, cw)  # [N_local, C]
-  returns, critic = jnp.zeros_like(old_values), {k: float(v) for k, v in found.items()}
+  returns, figures = jnp.zeros_like(old_values), {k: float(v) for k, v in found.items()}
   if tcfg.algorithm == "ppo":
     adv, ret = ppo.gae(packed.rewards, values, packed.model_mask, tcfg.gamma, tcfg.gae_lambda)
     all_mask = gathered(packed.model_mask)
@@ -126,10 +127,10 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
       adv = np.asarray(ppo.whiten(gathered(adv), all_mask))[mine]
     returns = shape(np.asarray(ret))
     all_values = gathered(values)
-    critic["critic/explained_variance"] = float(
+    figures["critic/explained_variance"] = float(
       ppo.explained_variance(all_values, gathered(ret), all_mask)
     )
-    critic["critic/value_mean"] = float(all_values[all_mask].mean())
+    figures["critic/value_mean"] = float(all_values[all_mask].mean())
   else:
     totals = np.array([ep.reward for ep in episodes], np.float32)
     per_episode = np.asarray(group_advantages(totals, s.cfg.sampling.group_size))
@@ -141,12 +142,12 @@ def advantages_batch(a: AgentStep, packed, episodes) -> tuple[AgentBatch, dict[s
   batch = AgentBatch(
     tokens, attn, mask, shape(np.asarray(adv)), old_logps, old_values, returns, ref, gaps
   )
-  return batch, critic
+  return batch, figures
 
 
-def step_metrics(a: AgentStep, episodes, stats, epochs, critic) -> dict[str, float]:
-  """The episodes' metrics over every process, the rollout's counts and the update's means over the
-  PPO epochs (critic/* for ppo)."""
+def step_metrics(a: AgentStep, episodes, stats, epochs, figures) -> dict[str, float]:
+  """The episodes' metrics over every process, the rollout's counts, the update's means over the
+  PPO epochs (critic/* for ppo) and the pre-update pass's `figures` (advantages_batch)."""
   out = episode_metrics(episodes)
   out["reward/total/mean"] = out["env/reward_mean"]
   counts = sharding.allgather(
@@ -162,9 +163,7 @@ def step_metrics(a: AgentStep, episodes, stats, epochs, critic) -> dict[str, flo
   if a.setup.cfg.train.algorithm == "ppo":
     out["critic/value_loss"] = mean("value_loss")
     out["critic/value_clip_fraction"] = mean("value_clip_fraction")
-    out["critic/explained_variance"] = critic["critic/explained_variance"]
-    out["critic/value_mean"] = critic["critic/value_mean"]
-  return out | {k: v for k, v in critic.items() if k.startswith("mismatch/")}
+  return out | figures
 
 
 def episode_metrics(episodes) -> dict[str, float]:
