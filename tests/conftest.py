@@ -31,3 +31,39 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile("thorough", max_examples=60, deadline=None, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+import gc  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402  (after XLA_FLAGS above: jax reads them when its backend starts)
+import pytest  # noqa: E402
+
+# XLA CPU maps each compiled program's code as memory mappings (about 3 for a small program, hundreds
+# for a model's update step, one per kernel) and keeps them while a jit cache holds the program. An
+# xdist worker runs hundreds of test files in one process; past the kernel's vm.max_map_count (65530
+# by default) LLVM's next mmap fails and the worker dies ("LLVM compilation error: Cannot allocate
+# memory", then a segfault or abort): CI run 54's crash in tests/rl/test_train.py after 23 minutes.
+# tests/rl/test_update.py alone maps 15000 within a minute and a half. So after any test that leaves
+# the process above MAX_MAPPINGS, every compiled program is released (jit caches cleared).
+MAX_MAPPINGS = 16384
+
+
+def mappings() -> int:
+  """This process's memory mappings (0 where /proc is not there)."""
+  if not sys.platform.startswith("linux"):
+    return 0
+  with open("/proc/self/maps", "rb") as maps:
+    return sum(1 for _ in maps)
+
+
+def release_compiled_programs() -> None:
+  """Drop every jit / pjit cache and collect: the compiled programs of finished tests go."""
+  jax.clear_caches()
+  gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_past_the_mapping_budget():
+  yield
+  if mappings() > MAX_MAPPINGS:
+    release_compiled_programs()
