@@ -21,4 +21,3 @@ def test_releasing_compiled_programs_unmaps_their_code():
   assert mappings() - before >= 200  # each program maps its code (about 3 mappings each)
   release_compiled_programs()
   assert mappings() - before < 100, "compiled programs kept their code mapped"
-
