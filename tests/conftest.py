@@ -1,4 +1,6 @@
+import gc
 import os
+import sys
 
 # 8 simulated CPU devices for the sharded tests; must be set before jax initialises its backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -7,6 +9,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   ).strip()
 
 import hypothesis
+import jax  # after XLA_FLAGS above: jax reads them when its backend starts
+import pytest
 
 # Interpret-mode kernels compile per shape: keep hypothesis runs few and deadline-free.
 hypothesis.settings.register_profile(
@@ -32,14 +36,8 @@ hypothesis.settings.register_profile(
 hypothesis.settings.register_profile("thorough", max_examples=60, deadline=None, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-import gc  # noqa: E402
-import sys  # noqa: E402
-
-import jax  # noqa: E402  (after XLA_FLAGS above: jax reads them when its backend starts)
-import pytest  # noqa: E402
-
-# XLA CPU maps each compiled program's code as memory mappings (about 3 for a small program, hundreds
-# for a model's update step, one per kernel) and keeps them while a jit cache holds the program. An
+# XLA CPU maps each compiled program's code as memory mappings (about 3 for a small program, more for
+# a larger one) and keeps them while a jit cache holds the program. An
 # xdist worker runs hundreds of test files in one process; past the kernel's vm.max_map_count (65530
 # by default) LLVM's next mmap fails and the worker dies ("LLVM compilation error: Cannot allocate
 # memory", then a segfault or abort): CI run 54's crash in tests/rl/test_train.py after 23 minutes.

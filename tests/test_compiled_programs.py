@@ -11,8 +11,9 @@ from tests.conftest import mappings, release_compiled_programs
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_releasing_compiled_programs_unmaps_their_code():
-  """Catches a jax whose clear_caches no longer frees executables (or a guard that stops calling
-  it): a worker's mappings would then grow with every test until vm.max_map_count kills it."""
+  """Catches a jax whose clear_caches no longer frees executables, or a release_compiled_programs that
+  no longer clears them: the guard would then run and free nothing, and a worker's mappings would grow
+  with every test until vm.max_map_count kills it."""
   release_compiled_programs()
   before = mappings()
   programs = [jax.jit(lambda x, k=k: jnp.sin(x) * k) for k in range(200)]
