@@ -329,6 +329,9 @@ def _tpu_compile(session: nox.Session, pins: tuple[str, ...], tests: tuple[str, 
   # file would otherwise let one process on the machine load libtpu (xdist runs two)
   session.env["JAX_PLATFORMS"] = "cpu"
   session.env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+  # no persistent compilation cache (tests/conftest.py's): these programs are compiled for abstract TPU
+  # devices, which jax's cache was not built to serialise
+  session.env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   args = session.posargs or [
     *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "worksteal", "--max-worker-restart", "0"),
     "--durations=10",
