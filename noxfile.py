@@ -49,11 +49,27 @@ def dev(session: nox.Session):
   )
 
 
-def in_dev(session: nox.Session, *args: str, **kwargs):
-  """Run `python <args>` in the shared environment (from a session with `requires=["dev"]`)."""
+def in_dev(session: nox.Session, *args: str, env: dict | None = None, **kwargs):
+  """Run `python <args>` in the shared environment (from a session with `requires=["dev"]`), with
+  ``env`` added to its variables."""
   if not DEV:
     session.error("the dev session did not run (every session using .nox/dev requires it)")
-  return session.run(DEV["python"], *args, env=DEV["env"], external=True, **kwargs)
+  return session.run(
+    DEV["python"], *args, env={**DEV["env"], **(env or {})}, external=True, **kwargs
+  )
+
+
+def cpu_tests_env() -> dict:
+  """The variables of the CPU test sessions (tests, docs' examples, tunix, sglang, tests_jax011): XLA
+  CPU's LLVM at -O0. These runs compile thousands of small programs that then run for milliseconds,
+  so code generation is most of their time: measured here, tests/rl/test_update.py with
+  tests/kernels/grpo_loss/test_options.py (-n 2) took 143 s instead of 215 s. The option is the CPU
+  backend's code optimisation, not its float semantics (fast math stays off), and each test compares
+  programs built under the same flags. Not for tpu_compile, whose libtpu reads the same option."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" not in flags:
+    flags = f"{flags} --xla_backend_optimization_level=0".strip()
+  return {"XLA_FLAGS": flags}
 
 
 TEST_WORKERS = min(os.cpu_count() or 1, 4)
@@ -79,7 +95,10 @@ def tests(session: nox.Session):
     *("-n", str(TEST_WORKERS), "--dist", "loadfile"),
     *NO_WORKER_RESTART,
   ]
-  in_dev(session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
+  in_dev(
+    session, "-m", "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args,
+    env=cpu_tests_env(),
+  )  # fmt: skip
 
 
 @nox.session(**SHARED)
@@ -107,7 +126,7 @@ def docs(session: nox.Session):
   to .nox/dev. Sphinx arguments after --, e.g. -- -b linkcheck."""
   in_dev(session, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e", ".[docs]")
   args = session.posargs or ["-b", "html", "docs", "docs/_build/html"]
-  in_dev(session, "-m", "sphinx", "-W", "--keep-going", *args)
+  in_dev(session, "-m", "sphinx", "-W", "--keep-going", *args, env=cpu_tests_env())
 
 
 @nox.session(**SHARED)
@@ -206,11 +225,14 @@ def sglang(session: nox.Session):
     *(a for a in session.posargs if a != "--no-bench"),
   )
   for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
-    session.run(*pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection)
+    session.run(
+      *pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection, env=cpu_tests_env()
+    )
   session.run(
     *pytest,
     "tests/rl/rollout/test_sglang_jax_logprobs.py",
     "tests/rl/rollout/test_sglang_jax_loop.py",
+    env=cpu_tests_env(),
   )
   if not bench:
     return
@@ -245,7 +267,9 @@ def tests_jax011(session: nox.Session):
     "python", "-c", "import jax; assert jax.__version__.startswith('0.11'), jax.__version__"
   )
   args = session.posargs or ["-m", "not slow and not gpu and not tpu"]
-  session.run("pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args)
+  session.run(
+    "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args, env=cpu_tests_env()
+  )  # fmt: skip
 
 
 TUNIX_PINS = ("jax==0.10.2",)  # tunix 0.1.7 is tested here against jax 0.10.2
@@ -262,7 +286,7 @@ def tunix(session: nox.Session):
   args = session.posargs or ["-n", "2", "--dist", "loadfile", "tests/integrations"]
   session.run(
     "pytest", "-q", "--benchmark-disable", "-p", "no:cacheprovider", *args,
-    env={"JAX_PLATFORMS": "cpu"},
+    env={"JAX_PLATFORMS": "cpu", **cpu_tests_env()},
   )  # fmt: skip
 
 
@@ -329,9 +353,6 @@ def _tpu_compile(session: nox.Session, pins: tuple[str, ...], tests: tuple[str, 
   # file would otherwise let one process on the machine load libtpu (xdist runs two)
   session.env["JAX_PLATFORMS"] = "cpu"
   session.env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-  # no persistent compilation cache (tests/conftest.py's): these programs are compiled for abstract TPU
-  # devices, which jax's cache was not built to serialise
-  session.env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   args = session.posargs or [
     *("-n", str(min(os.cpu_count() or 1, 2)), "--dist", "worksteal", "--max-worker-restart", "0"),
     "--durations=10",

@@ -1,31 +1,12 @@
-import atexit
 import gc
-import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 
 # 8 simulated CPU devices for the sharded tests; must be set before jax initialises its backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
-
-# One jax compilation cache per test run, shared by the xdist workers and the processes the tests start
-# (they inherit the variables): a program compiled again in the run (a jit rebuilt per call, one config
-# run by several tests, a parity run's second seed, a resumed run, a test after the mapping release
-# below) is read back instead of compiled. It starts empty, so a run still compiles each program once,
-# and goes with the run. With a size limit jax's cache takes a file lock around every read and write:
-# without one, a worker could read an entry the other is still writing. `nox -s tpu_compile` turns it
-# off (JAX_ENABLE_COMPILATION_CACHE=false): its programs are compiled for abstract TPU devices.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache = tempfile.mkdtemp(prefix="jax-compile-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-  if importlib.util.find_spec("filelock") is not None:
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import hypothesis
 import jax  # after XLA_FLAGS above: jax reads them when its backend starts
@@ -61,8 +42,16 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default")
 # by default) LLVM's next mmap fails and the worker dies ("LLVM compilation error: Cannot allocate
 # memory", then a segfault or abort): CI run 54's crash in tests/rl/test_train.py after 23 minutes.
 # tests/rl/test_update.py alone maps 15000 within a minute and a half. So after any test that leaves
-# the process above MAX_MAPPINGS, every compiled program is released (jit caches cleared).
+# the process above MAX_MAPPINGS, every compiled program is released (jit caches cleared). 24576
+# leaves 40000 below the default limit, more than any file here has added (16384 cost CI about 3.5
+# minutes of recompiling).
 MAX_MAPPINGS = 24576
+
+# No persistent compilation cache (jax_compilation_cache_dir) for test runs. With one shared by a run's
+# processes (jax 0.10.2, CPU), tunix's agentic GRPO learner trained with our loss logged a loss of 0.0
+# at its third step instead of 0.060 (tests/integrations/test_tunix_agentic_learner.py, in a
+# fresh-clone .ci/run and again alone; it passes without the cache), and the rl tests took as long
+# with it (tests/rl/test_train.py, test_update.py and agent/test_env_agent.py, -n 2: 353 s either way).
 
 
 def mappings() -> int:
