@@ -5,6 +5,7 @@ function's C++ cache size is not (it read 0 after other modules had run in the s
 entry per backend compile), for tests that allow some compiles and forbid others."""
 
 import contextlib
+import os
 
 import jax
 
@@ -35,3 +36,10 @@ def compiled_functions():
     yield names
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def one_device_xla_flags() -> str:
+  """This process's XLA_FLAGS without the forced host device count (tests/conftest.py's 8), for a
+  test's subprocess that runs as one CPU device: the session's other flags (nox's -O0) stay."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))

@@ -19,7 +19,7 @@ from rl.rollout import paged
 from rl.rollout.engine import bucket
 from rl.run.setup import WIDTH_ALIGN, round_up
 from rl.step import step_examples
-from tests.compiles import compile_events, compiled_functions
+from tests.compiles import compile_events, compiled_functions, one_device_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -241,7 +241,7 @@ def test_two_processes_match_one(tmp_path):
     "run.host_devices=1",
     "eval.full_at_end=true",
   ]
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=one_device_xla_flags())
   port = _free_port()
   procs = [
     subprocess.Popen(

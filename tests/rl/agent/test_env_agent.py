@@ -18,7 +18,7 @@ from rl.configlib import ConfigError
 from rl.env.base import StepResult
 from rl.logging.metrics import read_metrics
 from rl.optimizer import init_optimizer_state
-from tests.compiles import compiled_functions
+from tests.compiles import compiled_functions, one_device_xla_flags
 from tests.rl.test_train import _free_port
 
 
@@ -383,7 +383,7 @@ def test_two_processes_match_one(tmp_path):
     "mesh.fsdp=2",
   ]
   port = _free_port()
-  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="")
+  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS=one_device_xla_flags())
   run = lambda *args: subprocess.Popen(
     [sys.executable, "-c", _RUN_ASCII, *common, *args],
     cwd=root,
