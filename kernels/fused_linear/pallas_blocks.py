@@ -97,6 +97,9 @@ TPU_TILES = ((256, 512), (256, 256), (128, 256), (128, 128))
 # per step over 16 x 298 steps (7.08 ms modelled; 256 x 512: 1379 over 32 x 298, 7.51 ms; 512 x 256:
 # 1540 over 16 x 595, 8.37 ms), gradients 6704 over 297 x 16 (18.19 ms; 256 x 512: 3959 over
 # 297 x 32, 21.49 ms): a bigger tile pushes each MXU weight tile for more rows.
+# Not better there (statistics kernel, same compile): 1024 x 512 (5199 bundles over 8 x 298 steps,
+# 7.08 ms: the step's matmul drain grows with the tile), 256 x 1024 (7.85 ms). Each step pops 8
+# K-passes of the f32 tile from the MXU and spills the partial sums (~1500 loads / stores a step).
 ONE_CORE_TPU_TILES = ((512, 512), *TPU_TILES)
 
 
