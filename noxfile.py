@@ -227,15 +227,14 @@ def sglang(session: nox.Session):
     "ignore::DeprecationWarning",
     *(a for a in session.posargs if a != "--no-bench"),
   )
+  env = cpu_tests_env()
   for selection in ("qwen2-tied", "qwen3-untied", "not qwen2-tied and not qwen3-untied"):
-    session.run(
-      *pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection, env=cpu_tests_env()
-    )
+    session.run(*pytest, "tests/rl/rollout/test_sglang_jax.py", "-k", selection, env=env)
   session.run(
     *pytest,
     "tests/rl/rollout/test_sglang_jax_logprobs.py",
     "tests/rl/rollout/test_sglang_jax_loop.py",
-    env=cpu_tests_env(),
+    env=env,
   )
   if not bench:
     return

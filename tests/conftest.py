@@ -43,8 +43,8 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default")
 # memory", then a segfault or abort): CI run 54's crash in tests/rl/test_train.py after 23 minutes.
 # tests/rl/test_update.py alone maps 15000 within a minute and a half. So after any test that leaves
 # the process above MAX_MAPPINGS, every compiled program is released (jit caches cleared). 24576
-# leaves 40000 below the default limit, more than any file here has added (16384 cost CI about 3.5
-# minutes of recompiling).
+# leaves 40000 below the default limit, over twice what test_update.py adds; at 16384 the releases
+# cost a local full run about 3.5 minutes of recompiling.
 MAX_MAPPINGS = 24576
 
 # No persistent compilation cache (jax_compilation_cache_dir) for test runs. With one shared by a run's
