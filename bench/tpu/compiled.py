@@ -112,13 +112,17 @@ def model(case: dict, kernel: dict, gen) -> dict:
   loops = kernel.get("loops")
   if loops is None:
     loops = {"kernels": {}, "uncounted_dot_flops": 0.0, "unknown": ["(HLO not read)"]}
+  charged = set()
   for k in kernel.get("kernels", []):
     sched = tpu_schedule.KernelSchedule(**{f: k[f] for f in _SCHEDULE_FIELDS if f in k})
     t = sched.modelled_seconds(gen.clock_hz)
     if t is None:
       out["why"] = f"{k['name']}: schedule not readable ({'; '.join(k['problems'])})"
       return out
-    runs = loops["kernels"].get(k["name"])
+    program, runs = _runs(loops, k["name"])
+    if program in charged:  # the same program dumped under a second name: its calls are counted
+      continue
+    charged.add(program)
     if runs is None:  # not found in the program's HLO: once, and the compute a lower bound
       out["notes"].append(f"{k['name']}: runs per program not read, counted once")
       out["lower_bound"], runs = True, 1
@@ -140,6 +144,17 @@ def model(case: dict, kernel: dict, gen) -> dict:
   if out["lower_bound"]:
     out["bound"] += "; compute a lower bound: loops of unknown trip counted once"
   return out
+
+
+def _runs(loops: dict, name: str) -> tuple[str, int | None]:
+  """(program, runs) of the dumped kernel ``name``: the runs of every call whose kernel is the same
+  program (libtpu compiles and dumps it once, under one call's name); runs None where the HLO has no
+  such call."""
+  same = loops.get("same_program", {})
+  program = same.get(name, name)
+  if name not in loops["kernels"]:
+    return program, None
+  return program, sum(r for call, r in loops["kernels"].items() if same.get(call, call) == program)
 
 
 def usable_seconds(value, notes: list) -> float:

@@ -12,7 +12,10 @@ module reads the compiled HLO text (``compiled.as_text()``) of a program:
 * each computation's multiplicity: how many times one run of the program runs it (the product of
   the trip counts of the loops around it, summed over its call sites);
 * each Mosaic kernel's (``tpu_custom_call``) multiplicity, by its instruction name: the name
-  libtpu's dump gives the kernel's schedule;
+  libtpu's dump gives the kernel's schedule. Calls whose kernels are the same program (the same
+  serialized Mosaic module in ``backend_config``: the fused head's middle row superblocks) are
+  compiled once and dumped under one of their names, so :attr:`Loops.same_program` maps each call
+  to the first call of its program and the model charges that schedule for every call;
 * the matmul flops (dots) that a count-once model leaves out: ``(multiplicity - 1) x flops`` of each
   dot in a loop body.
 
@@ -49,6 +52,8 @@ class Loops:
 
   trips: list[int | None] = dataclasses.field(default_factory=list)  # per while, in text order
   kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # Mosaic call -> runs
+  # Mosaic call -> the first call (text order) whose kernel is the same program
+  same_program: dict[str, str] = dataclasses.field(default_factory=dict)
   uncounted_dot_flops: float = 0.0  # dot flops in loop bodies beyond their first trip
   unknown: list[str] = dataclasses.field(default_factory=list)  # loops whose trip was not read
 
@@ -193,11 +198,14 @@ def read(hlo: str) -> Loops:
         if callee in mult:
           times = (trip if trip is not None else 1) if kind in ("body", "condition") else 1
           mult[callee] += mult[name] * times
+  first: dict[str, str] = {}  # a kernel's program (its backend_config) -> its first call
   for name, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}
     for instr in instrs:
       if instr.op == "custom-call" and "tpu_custom_call" in instr.attrs:
         out.kernels[instr.name] = out.kernels.get(instr.name, 0) + mult[name]
+        program = instr.attrs.partition("backend_config=")[2]
+        out.same_program[instr.name] = first.setdefault(program, instr.name) if program else instr.name  # fmt: skip
       extra = max(mult[name] - 1, 0)
       if extra:
         out.uncounted_dot_flops += extra * _dot_flops(instr, shapes)

@@ -92,23 +92,37 @@ def fused_rows(blocks: LinearBlocks, n: int, h: int, itemsize: int, target: Targ
 
 # The TPU heuristic's tiles, best first: the first whose kernels fit the generation's VMEM is taken.
 TPU_TILES = ((256, 512), (256, 256), (128, 256), (128, 128))
-# Where the one-kernel gradients run (one TensorCore per device): 512 x 512 first. Compiled for v6e
-# at qwen2.5-3b-8k (libtpu 0.0.42.1), each kernel alone: statistics (the lagged fold) 2599 bundles
-# per step over 16 x 298 steps (7.08 ms modelled; 256 x 512: 1379 over 32 x 298, 7.51 ms; 512 x 256:
-# 1540 over 16 x 595, 8.37 ms), gradients 6704 over 297 x 16 (18.19 ms; 256 x 512: 3959 over
-# 297 x 32, 21.49 ms): a bigger tile pushes each MXU weight tile for more rows.
-# Not better there (statistics kernel, same compile): 1024 x 512 (5199 bundles over 8 x 298 steps,
-# 7.08 ms: the step's matmul drain grows with the tile), 256 x 1024 (7.85 ms). Each step pops 8
-# K-passes of the f32 tile from the MXU and spills the partial sums (~1500 loads / stores a step).
-ONE_CORE_TPU_TILES = ((512, 512), *TPU_TILES)
+# Where the one-kernel gradients run (one TensorCore per device), best first; the first whose
+# kernels fit VMEM *and* whose one-kernel gradients hold min(N, MIN_FUSED_ROWS) rows (:func:`fused_rows`)
+# is taken. Compiled at qwen2.5-3b-8k (libtpu 0.0.42.1), each kernel alone, bundles per grid step and
+# modelled time:
+#   v6e  512 x 1536: statistics 7443 x [16, 100] (6.80 ms; row groups of 8: pallas_tpu.row_group),
+#        gradients 4 row superblocks of 2048, 19044-19082 x [99, 4] each (17.25 ms in all).
+#        512 x 768: 3847 x [16, 199] (7.00 ms), 9802 x [198, 16] (17.74 ms, one superblock).
+#        512 x 512: 2604 x [16, 298] (7.09 ms), 6704 x [297, 16] (18.19 ms).
+#   v5e  512 x 1536: 20831 (22.18 ms), 4 superblocks of 63396-63541 (66.9 ms in all); 512 x 768:
+#        9654 (20.45 ms), 31174 (65.71 ms); 512 x 512: 7401 (23.48 ms), 22631 (71.55 ms). Its
+#        forward schedules under its flop floor (25.9 ms) at each; 512 x 768 would save 3 % of the
+#        gradients' 89 ms, a per-generation table's gain, not taken.
+#   v7x  512 x 768 / 1536 leave too few dh rows in its 64 MiB for the one kernel (dhidden + dweight:
+#        20.7 ms of gradients at 512 x 768, against 8.6 ms over one-kernel superblocks at 512 x 512),
+#        and its statistics are slower there (4.33 ms at 512 x 768 against 4.11): 512 x 512.
+# Not better for v6e's statistics (16-row groups unless said): 512 x 1792 / 2048 (6.85 / 7.24 ms,
+# 8-row groups), 512 x 1280 (7.00), 512 x 1024 (7.26), 1024 x 512 (7.08), 768 x 512 (7.61), 256 x
+# 1024 (7.85), 256 x 512 (7.60), 512 x 384 (8.86), 512 x 256 (8.31); the product issued as smaller
+# dots (row / column chunks of 64-256, K whole: fewer spills, more bundles, 7.33-12.1 ms); the ids
+# broadcast across lanes once a row group, or passed lane-dense (7.59-7.95 ms). Each step pops 8
+# K-passes of the f32 tile from the MXU and spills the partial sums.
+ONE_CORE_TPU_TILES = ((512, 1536), (512, 768), (512, 512), *TPU_TILES)
 
 
 def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) -> LinearBlocks:
   """The heuristic. Why these numbers (TPU; not yet tuned on hardware, none was available):
 
-  * block_n = 512 rows and block_v = 512 vocabulary columns where a device is one TensorCore (v5e,
-    v6e, v7x: :data:`ONE_CORE_TPU_TILES`, compiled figures there), else 256 x 512: MXU-shaped on
-    every generation (128 / 256 wide), each weight tile pushed for more rows the bigger block_n.
+  * Where a device is one TensorCore (v5e, v6e, v7x): the first of :data:`ONE_CORE_TPU_TILES`
+    (compiled figures there) whose one-kernel gradients hold their rows: 512 x 1536 on v5e / v6e,
+    512 x 512 on v7x (64 MiB of VMEM); else 256 x 512: MXU-shaped on every generation (128 / 256
+    wide), each weight tile pushed for more rows the bigger block_n.
   * block_h: the largest of 2048 / 1024 / 512 / 256 / 128 dividing H, so at H = 2048 the forward streams
     a bf16 [256, 2048] hidden tile (1 MiB) and a [2048, 512] weight tile (2 MiB), double-buffered.
   * The gradient kernels hold [bn, H] and [H, bv] f32 accumulators: at H = 2048 the dweight step
@@ -121,13 +135,16 @@ def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) ->
   if target.platform == "tpu" and not target.interpret:
     gen = target.tpu
     one_core = gen is not None and gen.cores_per_chip == gen.devices_per_chip
+    fits = []
     for bn, bv in ONE_CORE_TPU_TILES if one_core else TPU_TILES:
       blocks = LinearBlocks(
         block_n=n if n <= bn else bn, block_v=v if v <= bv else bv, block_h=block_h
       )
       if max(kernel_vmem_bytes(blocks, h, itemsize).values()) <= target.vmem_bytes:
-        break
-    return blocks
+        if not one_core or fused_rows(blocks, n, h, itemsize, target) > 0:
+          return blocks
+        fits.append(blocks)
+    return fits[0] if fits else blocks
   return LinearBlocks(block_n=min(n, 256), block_v=min(v, 2048), block_h=h)
 
 

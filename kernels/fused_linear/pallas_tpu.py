@@ -4,7 +4,7 @@ Over flat tokens (h [N, H], w [H, V] one vocabulary shard, ids [N] shard-local):
 
   stats   grid (N/bn, V/bv, H/bh): each f32 logits tile folds into per-lane online statistics (every
           one of a row's 128 lanes its own max / sum-exp / E[z] / chosen-logit stream, elementwise
-          over the tile's 128-column slabs, ROW_GROUP rows at a time so a group stays in vregs);
+          over the tile's 128-column slabs, a row group at a time so a group stays in vregs);
           the lanes merge per row in XLA. With block_h = H each step folds the previous step's
           tile from VMEM while the MXU computes its own (one more vocabulary step per row block).
   grads   the one gradient kernel of :mod:`.pallas_tpu_grads` (each logits tile recomputed once for
@@ -70,7 +70,17 @@ def lane_width(block_v: int) -> int:
   return LANES if block_v % LANES == 0 else block_v
 
 
-ROW_GROUP = 16  # rows the statistics fold at a time: a group's slabs and statistics stay in vregs
+STACK_VREGS = 16  # f32 vregs of a row group's slab stack: the group's slabs stay in registers
+
+
+def row_group(slabs: int, interpret: bool) -> int:
+  """Rows the statistics fold at a time: 16, or on TPU 8 where 16 rows of ``slabs`` 128-column slabs
+  would stack more than STACK_VREGS vregs (a 1536-wide tile's 12 slabs; the interpreter keeps 16:
+  fewer unrolled groups to trace). Compiled for v6e at qwen2.5-3b-8k, the statistics kernel alone:
+  512 x 1536 folds 8 rows at 6.80 ms (16: 6.90, 4: 9.60); 512 x 512 folds 16 at 7.09 (8: 7.09,
+  32: 7.08); v7x's 512 x 512 and v5e's 512 x 768 are slower at 8 (4.48 / 20.98 ms against 4.11 /
+  20.45)."""
+  return 16 if interpret or slabs * 16 // 8 <= STACK_VREGS else 8
 
 
 def _stats_kernel(*refs, cfg: FusedConfig, gapped: bool, lagged: bool):
@@ -78,7 +88,7 @@ def _stats_kernel(*refs, cfg: FusedConfig, gapped: bool, lagged: bool):
   the vocabulary columns that land on it (column j*bv + k*128 + lane), folded slab by slab with
   elementwise max / add only; the lanes merge once, outside (:func:`stats`). The statistics are the
   resident output blocks themselves, started by a select at the first fold (no branch the schedule
-  issues each step), and the fold runs over groups of ROW_GROUP rows whose tiles stay in registers.
+  issues each step), and the fold runs over row groups (:func:`row_group`) whose tiles stay in registers.
 
   ``lagged`` (block_h = H): step j folds the previous step's tile, kept in VMEM scratch, and then
   stores its own: the fold depends on nothing the step's matmul produces, so the static schedule
@@ -116,8 +126,9 @@ def _fold(z_tile, ids_ref, stat_refs, j, cfg: FusedConfig, thr_ref=None, first=N
   slabs = bv // width
   tail = cfg.vocab % bv  # columns of the last vocabulary block; 0: every block is whole
   first = j == 0 if first is None else first
-  for r in range(0, bn, ROW_GROUP):
-    rows = slice(r, min(bn, r + ROW_GROUP))
+  group = row_group(slabs, cfg.target.interpret)
+  for r in range(0, bn, group):
+    rows = slice(r, min(bn, r + group))
     lane = jax.lax.broadcasted_iota(jnp.int32, (rows.stop - r, width), 1)
     idrel = ids_ref[rows, :] - j * bv  # [rg, 1]: the id's column within this block
     thr = None if thr_ref is None else thr_ref[rows, :]  # [rg, 1]

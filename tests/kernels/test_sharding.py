@@ -233,11 +233,16 @@ def test_grpo_loss_v4_f32_tiles_the_vocabulary():
 def test_linear_blocks_per_generation():
   """The fused kernels' dweight step holds an [H, bv] f32 accumulator: (256, 512) at H = 2048 is
   18.5 MiB compiled on v4 (16 MiB), so v4 and an unnamed TPU get (256, 256); the single-core
-  generations' one gradient kernel (issue 51) takes (512, 512) on v6e.
-  Catches: one heuristic for every generation, an explicit illegal tile reaching Mosaic."""
+  generations' one gradient kernel (issue 51) takes (512, 1536) on v6e, and (512, 512) on v7x, whose
+  64 MiB hold too few dh rows for the one kernel at (512, 1536) or (512, 768).
+  Catches: one heuristic for every generation, an explicit illegal tile reaching Mosaic, a tile
+  that sends v7x to the dhidden + dweight split (10 N·H·V flops instead of 8)."""
   shape = dict(tokens=8192, hidden=2048, vocab=151936, dtype="bfloat16")
   unnamed = backend.make_target("tpu", interpret=False)
-  assert linear_blocks.default_blocks(V6E, 8192, 2048, 151936) == LinearBlocks(512, 512, 2048)
+  assert linear_blocks.default_blocks(V6E, 8192, 2048, 151936) == LinearBlocks(512, 1536, 2048)
+  v7x = backend.make_target("tpu", interpret=False, generation="v7x")
+  b7 = linear_blocks.default_blocks(v7x, 8192, 2048, 151936)
+  assert b7 == LinearBlocks(512, 512, 2048) and linear_blocks.fused_rows(b7, 8192, 2048, 2, v7x) > 0
   for target in (V4, unnamed):
     b = linear_blocks.default_blocks(target, 8192, 2048, 151936)
     assert b == LinearBlocks(256, 256, 2048) and linear_blocks.legal_on(target, b, shape) is None

@@ -46,19 +46,19 @@ def _compile(name: str) -> dict:
 
 
 # mode -> (kernels by name prefix: most spill loads per grid step, most bundles per step), modelled
-# ceiling of the whole case (ms). Compiled with the statistics' fold one step behind the matmul
-# (issue 51): fwd statistics 2604 bundles / 1499 spill loads per step over 16 x 298 steps, 7.150 ms
-# modelled; fwd+bwd adds the one gradient kernel, 6704 bundles / 3501 spill loads per step over
-# 297 x 16 steps, 25.545 ms in all, under the XLA reference's optimal time (25.911 ms, the compiled
-# report's). Before it: the fold after the matmul in each step, 2952 bundles / 1308 spill loads per
-# step over 16 x 297 (8.071 ms forward, 26.465 ms forward + backward); before the rework 11.78 /
-# 48.04 ms (separate dhidden and dweight kernels, 10 N·H·V flops). The lagged fold spills more per
-# step (the matmul's accumulator and the fold share the registers) but issues fewer bundles: the
-# bundle ceiling is the one that holds the time.
+# ceiling of the whole case (ms). Compiled at 512 x 1536 tiles (issue 51): fwd statistics 7443
+# bundles / 5755 spill loads per step over 16 x 100 steps (row groups of 8), 6.80 ms for the kernel;
+# fwd+bwd adds the one gradient kernel once per 2048-row superblock (4 at N = 8192), 19044-19082
+# bundles / 13382-13438 spill loads per step over 99 x 4 steps each. Before: 512 x 512 tiles, 2604
+# bundles / 1499 spill loads (statistics, 16 x 298 steps, 7.150 ms forward) and 6704 / 3501 (one
+# gradient kernel over 297 x 16, 25.545 ms forward + backward); the fold after the matmul in each
+# step, 2952 bundles per step (8.071 / 26.465 ms); before the rework 11.78 / 48.04 ms (separate
+# dhidden and dweight kernels, 10 N·H·V flops). Bigger tiles spill more per step but issue fewer
+# bundles per column: the bundle ceiling is the one that holds the time.
 LIMITS = {
-  "fwd": ({"fused_linear_grpo_stats": (1650, 2700)}, 7.4),
+  "fwd": ({"fused_linear_grpo_stats": (6050, 7650)}, 6.9),  # the issue's forward target
   "fwd+bwd": (
-    {"fused_linear_grpo_stats": (1650, 2700), "fused_linear_grpo_grads": (3900, 7050)},
+    {"fused_linear_grpo_stats": (6050, 7650), "fused_linear_grpo_grads": (14100, 19600)},
     25.9,  # ahead of XLA's optimal time for the reference (25.911 ms), the issue's goal
   ),
 }
@@ -69,26 +69,20 @@ LIMITS = {
 @pytest.mark.parametrize("mode", sorted(LIMITS))
 def test_fused_head_schedule_at_qwen_8k_on_v6e(mode):
   """Catches: the gradients split back into dhidden + dweight kernels (two recomputations of each
-  logits tile), an accumulator initialised in a branch over the whole buffer (the static schedule
+  logits tile; no limits for them here), an accumulator initialised in a branch over the whole buffer (the static schedule
   issues it every step: 12992 bundles per gradient step when dh was zeroed so), tiles that spill
   more (the statistics' tile folded outside registers), the statistics' fold back after the matmul
   in each step (2952 bundles per step), a modelled time past the ceiling."""
   row = _compile(f"fused_linear/pallas/qwen2.5-3b-8k/{mode}")
   limits, ceiling_ms = LIMITS[mode]
-  names = [k["name"] for k in row["side"]["kernels"]]  # "jvp_fused_linear_grpo_grads_.1" under grad
-  kernels = {n: k for k in row["side"]["kernels"] for n in limits if n in k["name"]}
-  assert set(kernels) == set(limits) and len(names) == len(limits), names
-  print(
-    json.dumps(
-      {
-        n: {f: k[f] for f in ("grid", "step_bundles", "step_spill_loads")}
-        for n, k in kernels.items()
-      }
-    ),
-    row["model"],
-  )
-  for name, (spills, bundles) in limits.items():
-    k = kernels[name]
+  # "jvp_fused_linear_grpo_grads_.4" under grad; one gradient kernel per row superblock
+  found = [(n, k) for k in row["side"]["kernels"] for n in limits if n in k["name"]]
+  names = [k["name"] for k in row["side"]["kernels"]]
+  assert {n for n, _ in found} == set(limits) and len(found) == len(names), names
+  print(json.dumps([{f: k[f] for f in ("name", "grid", "step_bundles", "step_spill_loads")} for _, k in found]))  # fmt: skip
+  print(row["model"])
+  for name, k in found:
+    spills, bundles = limits[name]
     assert k["step_spill_loads"] <= spills and k["step_bundles"] <= bundles, k
   model = row["model"]
   assert model["modelled_s"] * 1e3 <= ceiling_ms, model
