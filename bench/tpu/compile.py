@@ -169,10 +169,9 @@ def _linear_case(
   return build
 
 
-# pallas fwd+bwd: statistics + one gradient kernel on single-core generations (issue 51), once per
-# row superblock where dh's rows outgrow VMEM: 4 at N = 8192 on v5e / v6e (512 x 1536 tiles) and v7x
-# (64 MiB of VMEM, 512 x 512), one on the v6e-4 slice (4096 rows a device); statistics + dhidden +
-# dweight on megacore ones (v4, v5p)
+# pallas fwd+bwd: statistics + one gradient kernel per row superblock on single-core generations
+# (issue 51): 4 at N = 8192 on v5e / v6e (512 x 1536) and v7x (512 x 512), 1 on the v6e-4 slice
+# (4096 rows a device); statistics + dhidden + dweight on megacore ones (v4, v5p)
 LINEAR_KERNELS = {("pallas", False): 1, ("pallas", True): 2, ("chunked", False): 1, ("chunked", True): 2}  # fmt: skip
 LINEAR_KERNELS_ON = {("pallas", True): (("v4", 3), ("v5e", 5), ("v5p", 3), ("v6e", 5), ("v7x", 5))}
 LINEAR_MESH = dict(mesh_axes=(("fsdp", 2), ("tp", 2)), sharding=(("batch_axes", ("fsdp",)), ("vocab_axis", "tp")))  # fmt: skip
