@@ -107,9 +107,10 @@ TPU_TILES = ((256, 512), (256, 256), (128, 256), (128, 128))
 #   v7x  512 x 768 / 1536 leave too few dh rows in its 64 MiB for the one kernel (dhidden + dweight:
 #        20.7 ms of gradients at 512 x 768, against 8.6 ms over one-kernel superblocks at 512 x 512),
 #        and its statistics are slower there (4.33 ms at 512 x 768 against 4.11): 512 x 512.
-# Not better for v6e's statistics (16-row groups unless said): 512 x 1792 / 2048 (6.85 / 7.24 ms,
-# 8-row groups), 512 x 1280 (7.00), 512 x 1024 (7.26), 1024 x 512 (7.08), 768 x 512 (7.61), 256 x
-# 1024 (7.85), 256 x 512 (7.60), 512 x 384 (8.86), 512 x 256 (8.31); the product issued as smaller
+# Not better for v6e's statistics (16-row groups unless said): 512 x 1792 / 2048 (6.85 / 7.24 ms),
+# 1024 x 768 (6.91), 256 x 1536 (6.96), 512 x 1280 (7.00), 512 x 896 (7.67), 512 x 640 (8.04) (these
+# at 8-row groups), 512 x 1024 (7.26), 1024 x 512 (7.08), 768 x 512 (7.61), 256 x 1024 (7.85), 256 x
+# 512 (7.60), 512 x 384 (8.86), 512 x 256 (8.31); the product issued as smaller
 # dots (row / column chunks of 64-256, K whole: fewer spills, more bundles, 7.33-12.1 ms); the ids
 # broadcast across lanes once a row group, or passed lane-dense (7.59-7.95 ms). Each step pops 8
 # K-passes of the f32 tile from the MXU and spills the partial sums.
