@@ -136,7 +136,7 @@ def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) ->
   if target.platform == "tpu" and not target.interpret:
     gen = target.tpu
     one_core = gen is not None and gen.cores_per_chip == gen.devices_per_chip
-    fits = []
+    first_fit = None  # where no tile's one-kernel gradients hold their rows: the split runs
     for bn, bv in ONE_CORE_TPU_TILES if one_core else TPU_TILES:
       blocks = LinearBlocks(
         block_n=n if n <= bn else bn, block_v=v if v <= bv else bv, block_h=block_h
@@ -144,8 +144,8 @@ def default_blocks(target: Target, n: int, h: int, v: int, itemsize: int = 2) ->
       if max(kernel_vmem_bytes(blocks, h, itemsize).values()) <= target.vmem_bytes:
         if not one_core or fused_rows(blocks, n, h, itemsize, target) > 0:
           return blocks
-        fits.append(blocks)
-    return fits[0] if fits else blocks
+        first_fit = first_fit or blocks
+    return first_fit or blocks
   return LinearBlocks(block_n=min(n, 256), block_v=min(v, 2048), block_h=h)
 
 

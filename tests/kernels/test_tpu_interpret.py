@@ -225,6 +225,7 @@ def test_fused_head_kernels(gen, capsys):
 
   with production(gen) as target:
     blocks = fused_blocks(target, n, h, v)
+    assert v > blocks.block_v and v % blocks.block_v, blocks  # a whole tile and a ragged tail
     one_kernel = fused_rows(blocks, n, h, 2, target) > 0  # its grid has no parallel axis
     steps = 1 if one_kernel else -(-v // blocks.block_v)  # the last kernel's parallel axis
     value, (dh, dw) = run_checked(lambda: loss("pallas")(hidden, head), capsys, steps)

@@ -69,10 +69,11 @@ LIMITS = {
 @pytest.mark.parametrize("mode", sorted(LIMITS))
 def test_fused_head_schedule_at_qwen_8k_on_v6e(mode):
   """Catches: the gradients split back into dhidden + dweight kernels (two recomputations of each
-  logits tile; no limits for them here), an accumulator initialised in a branch over the whole buffer (the static schedule
-  issues it every step: 12992 bundles per gradient step when dh was zeroed so), tiles that spill
-  more (the statistics' tile folded outside registers), the statistics' fold back after the matmul
-  in each step (2952 bundles per step), a modelled time past the ceiling."""
+  logits tile; no limits for them here), an accumulator initialised in a branch over the whole
+  buffer (the static schedule issues it every step: 12992 bundles per gradient step when dh was
+  zeroed so), tiles that spill more (the statistics' tile folded outside registers), the
+  statistics' fold back after the matmul in each step (2952 bundles per step), a modelled time past
+  the ceiling."""
   row = _compile(f"fused_linear/pallas/qwen2.5-3b-8k/{mode}")
   limits, ceiling_ms = LIMITS[mode]
   # "jvp_fused_linear_grpo_grads_.4" under grad; one gradient kernel per row superblock
