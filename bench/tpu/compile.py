@@ -134,11 +134,11 @@ def _loss_cases() -> list[CompileCase]:
     out.append(CompileCase(f"grpo_loss/{PRODUCTION_LOSS_SHAPES[0]}/{mode}-gapped", "grpo_loss", gapped, 1))  # fmt: skip
   on_policy = _loss_case(PRODUCTION_LOSS_SHAPES[0], "fwd+bwd", on_policy=True, beta=0.0)
   out.append(CompileCase(f"grpo_loss/{PRODUCTION_LOSS_SHAPES[0]}/on-policy", "grpo_loss", on_policy, 1))  # fmt: skip
-  # f32 logits at Qwen's vocabulary: whole rows outgrow v4's VMEM, where the heuristic tiles the
-  # vocabulary (statistics then backward: 2 kernels; one training kernel elsewhere); a vocabulary
+  # f32 logits at Qwen's V: whole rows outgrow v4's VMEM, where the heuristic tiles the vocabulary
+  # (one-sweep statistics, their exact fallback, backward: 3; one training kernel elsewhere); a vocabulary
   # that is not a multiple of 128 (the training kernel's chosen-column gather, issue 52: E2003)
   big = _loss_case("qwen2.5-f32-4k", "fwd+bwd")
-  out.append(CompileCase("grpo_loss/qwen2.5-f32-4k/fwd+bwd", "grpo_loss", big, 1, kernels_on=(("v4", 2),)))  # fmt: skip
+  out.append(CompileCase("grpo_loss/qwen2.5-f32-4k/fwd+bwd", "grpo_loss", big, 1, kernels_on=(("v4", 3),)))  # fmt: skip
   out.append(CompileCase("grpo_loss/ragged-32001/fwd+bwd", "grpo_loss", _loss_case("ragged-32001", "fwd+bwd"), 1))  # fmt: skip
   return out
 

@@ -17,7 +17,11 @@ module reads the compiled HLO text (``compiled.as_text()``) of a program:
   compiled once and dumped under one of their names, so :attr:`Loops.same_program` maps each call
   to the first call of its program and the model charges that schedule for every call;
 * the matmul flops (dots) that a count-once model leaves out: ``(multiplicity - 1) x flops`` of each
-  dot in a loop body.
+  dot in a loop body;
+* a conditional's fallback kernels: a Mosaic call named ``*_fallback*`` inside a branch of a
+  ``conditional`` runs only when the program's fast path flags its input (the vocab-tiled loss
+  statistics' exact kernel: rows whose one-sweep sums overflow). It is charged 0 runs and listed in
+  :attr:`Loops.fallback` with the runs it would take, so a report says what it left out.
 
 Optimized HLO text is XLA's dump format, not an API: whatever is not read is reported, never guessed.
 """
@@ -55,6 +59,7 @@ class Loops:
   # Mosaic call -> the first call (text order) whose kernel is the same program
   same_program: dict[str, str] = dataclasses.field(default_factory=dict)
   uncounted_dot_flops: float = 0.0  # dot flops in loop bodies beyond their first trip
+  fallback: dict[str, int] = dataclasses.field(default_factory=dict)  # not charged: would-be runs
   unknown: list[str] = dataclasses.field(default_factory=list)  # loops whose trip was not read
 
   def as_dict(self) -> dict:
@@ -183,6 +188,7 @@ def read(hlo: str) -> Loops:
   comps = computations(hlo)
   out = Loops()
   mult = {name: 0 for name in comps}
+  branch: set[str] = set()  # computations a conditional's branch runs (and their callees)
   order = list(comps)[::-1]  # callers print after their callees: ENTRY first from the end
   if order:
     mult[order[0]] = 1
@@ -198,12 +204,18 @@ def read(hlo: str) -> Loops:
         if callee in mult:
           times = (trip if trip is not None else 1) if kind in ("body", "condition") else 1
           mult[callee] += mult[name] * times
+          if name in branch or kind in ("branch", "true_computation", "false_computation"):
+            branch.add(callee)
   first: dict[str, str] = {}  # a kernel's program (its backend_config) -> its first call
   for name, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}
     for instr in instrs:
       if instr.op == "custom-call" and "tpu_custom_call" in instr.attrs:
-        out.kernels[instr.name] = out.kernels.get(instr.name, 0) + mult[name]
+        if name in branch and "_fallback" in instr.name:
+          out.fallback[instr.name] = out.fallback.get(instr.name, 0) + mult[name]
+          out.kernels.setdefault(instr.name, 0)
+        else:
+          out.kernels[instr.name] = out.kernels.get(instr.name, 0) + mult[name]
         program = instr.attrs.partition("backend_config=")[2]
         out.same_program[instr.name] = first.setdefault(program, instr.name) if program else instr.name  # fmt: skip
       extra = max(mult[name] - 1, 0)

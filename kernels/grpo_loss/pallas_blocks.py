@@ -120,7 +120,10 @@ def default_blocks(target: Target, n: int, v: int, dtype=None) -> LossBlocks:
       # 16 x 16384 tiles: v4 f32 V = 151936 modelled at 1.19x one read of the logits forward, vs
       # 1.38x at 64 x 4096 and 1.88x at 128 x 2048 (libtpu's schedule: the per-tile merge of
       # each row group's lane partials and the running sums amortised over longer rows)
-      return LossBlocks(block_n=n if n <= 16 else 16, block_v=vocab_tile(v), vocab_tiled=True)
+      # 2-byte logits: 65536 columns (v4 bf16 V = 262144: 3902 bundles a step against 16384's 4 x
+      # 1214, libtpu's schedule; the one-sweep statistics' per-tile work amortised)
+      widest = 65536 if jnp.dtype(dtype).itemsize <= 2 else 16384
+      return LossBlocks(n if n <= 16 else 16, vocab_tile(v, widest), vocab_tiled=True)
     return blocks
   return LossBlocks(block_n=min(n, 256), block_v=min(v, 4096))
 
@@ -227,11 +230,12 @@ def mosaic_budget(n: int, v: int, itemsize: int, blocks, hw: Hopper = Hopper()):
 MiB = 2**20
 
 
-def tile_vmem_bytes(bn: int, bv: int, itemsize: int) -> int:
+def tile_vmem_bytes(bn: int, bv: int, itemsize: int, temporaries: int = 6) -> int:
   """VMEM of the statistics / backward kernels' [bn, bv] step (a model, conservative against the
-  compiler's figures): the logits tile in and dlogits out, double-buffered, ~6 f32 tile temporaries,
-  and the [bn, 1] per-token blocks, each padded to a 128-lane tile (8 of them, double-buffered)."""
-  return 4 * bn * bv * itemsize + 6 * bn * bv * 4 + 16 * bn * 128 * 4
+  compiler's figures): the logits tile in and dlogits out, double-buffered, ``temporaries`` f32 tile
+  temporaries (~6 in the whole-tile backward; 0 in the vocab-tiled kernels, swept in register-sized
+  slabs), and the [bn, 1] per-token blocks, each padded to a 128-lane tile (8 of them, double-buffered)."""
+  return 4 * bn * bv * itemsize + temporaries * bn * bv * 4 + 16 * bn * 128 * 4
 
 
 def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
@@ -250,7 +254,7 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
     return None
   bn, bv = min(blocks.block_n, n), min(blocks.block_v, v)
   where = f"TPU {target.generation or '(any generation)'}"
-  tile = tile_vmem_bytes(bn, bv, itemsize)
+  tile = tile_vmem_bytes(bn, bv, itemsize, 0 if blocks.vocab_tiled else 6)
   if tile > scoped_vmem(target):
     return f"{where}: a [{bn}, {bv}] tile needs ~{tile / MiB:.1f} MiB of VMEM, over the {scoped_vmem(target) / MiB:.0f} MiB scoped default"  # fmt: skip
   return None if blocks.vocab_tiled else whole_row_misfit(target, blocks, n, v, shape["dtype"])

@@ -13,8 +13,9 @@ and each group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
 chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
 Where a [rows, V] block outgrows the generation's VMEM (``LossBlocks.vocab_tiled``, the heuristic's
 choice: v4 at f32 V 128256 / 151936 or bf16 V 262144), the statistics run over (rows, vocabulary)
-tiles (:mod:`kernels.grpo_loss.pallas_tpu_vocab`) and the training path is that pass then the
-backward kernel: two reads of the logits, one write of dlogits.
+tiles (:mod:`kernels.grpo_loss.pallas_tpu_vocab`: one sweep against the chosen logit, an exact
+fallback for flagged rows) and the training path is that pass then its slab-swept backward kernel:
+two reads of the logits, one write of dlogits.
 
 Per-token inputs and outputs are [N, 1] f32 (a (bn, 1) block spans the last dim, which satisfies
 Mosaic's tiling rule). :mod:`kernels.grpo_loss.pallas` picks this family or the Triton one
@@ -108,8 +109,10 @@ def bwd(cfg: LossConfig, x, ids, lse, shift, g, thr=None):
   bn, bv = cfg.blocks.block_n, cfg.blocks.block_v
   tile = pl.BlockSpec((bn, bv), lambda i, j: (i, j))
   row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
+  # vocab-tiled: the slab-swept kernel (its tiles are as wide as the statistics kernel's)
+  body = pallas_tpu_vocab.bwd_kernel if cfg.blocks.vocab_tiled else _tiled_bwd_kernel
   return pl.pallas_call(
-    functools.partial(_tiled_bwd_kernel, cfg=cfg),
+    functools.partial(body, cfg=cfg),
     grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
     in_specs=[tile] + [row_spec] * len(rows),
     out_specs=tile,

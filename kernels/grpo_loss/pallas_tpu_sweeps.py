@@ -111,7 +111,7 @@ def for_row_groups(block_n: int, group: int, body) -> None:
     body(pl.ds(full * group, rest), rest)
 
 
-def _tree(op, a):
+def tree(op, a):
   """op-reduce a stack [k, ...] over its leading axis pairwise: independent ops, not one chain."""
   while a.shape[0] > 1:
     h = a.shape[0] // 2
@@ -131,7 +131,7 @@ def load_z(x_ref, rows, start, sw: Sweep, floor=None):
   return jnp.where(col >= floor - start, z, -jnp.inf)
 
 
-def _raw(x_ref, rows, first, count, sw: Sweep):
+def load_window(x_ref, rows, first, count, sw: Sweep):
   """[count, G, lanes] logits in their own dtype from column ``first``: one wide load (one base
   address, immediate offsets: separate slab loads each cost a chain of scalar address arithmetic),
   split into slabs in registers. ``sw.unpack``: converted to f32 first, one native unpack a vreg
@@ -141,7 +141,7 @@ def _raw(x_ref, rows, first, count, sw: Sweep):
   return jnp.stack([x[:, i * sw.lanes : (i + 1) * sw.lanes] for i in range(count)])
 
 
-def _scaled(raw, sw: Sweep):
+def scale_z(raw, sw: Sweep):
   z = raw.astype(jnp.float32)
   return z if sw.inv_t == 1.0 else z * sw.inv_t
 
@@ -179,8 +179,8 @@ def sweep_slabs(x_ref, rows, sw: Sweep, each, carry, per_step: int, unroll: int,
   steps, rest = divmod(sw.full, k)
 
   def full(first, count):
-    z = _raw(x_ref, rows, first, count, sw)
-    return z if raw else _scaled(z, sw)
+    z = load_window(x_ref, rows, first, count, sw)
+    return z if raw else scale_z(z, sw)
 
   if steps > 1:
     step = lambda c, cr: each(full(pl.multiple_of(c * (k * sw.lanes), sw.lanes), k), cr)
@@ -188,8 +188,8 @@ def sweep_slabs(x_ref, rows, sw: Sweep, each, carry, per_step: int, unroll: int,
   elif steps:
     carry = each(full(0, k), carry)
   if rest:
-    z = _raw(x_ref, rows, steps * k * sw.lanes, rest, sw)
-    carry = each(z if raw else _scaled(z, sw), carry)
+    z = load_window(x_ref, rows, steps * k * sw.lanes, rest, sw)
+    carry = each(z if raw else scale_z(z, sw), carry)
   if sw.tail:
     z = load_z(x_ref, rows, sw.width - sw.lanes, sw, floor=sw.full * sw.lanes)[None]
     carry = each(z, carry, scaled=True) if raw else each(z, carry)
@@ -206,11 +206,11 @@ def lane_max(x_ref, rows, sw: Sweep, size: int):
   def each(z, carry, scaled=False):
     lo, hi = carry
     if scaled:  # the f32 tail, already scaled
-      return lo, jnp.maximum(hi, _tree(jnp.maximum, z))
-    return jnp.maximum(lo, _tree(jnp.maximum, z)), hi
+      return lo, jnp.maximum(hi, tree(jnp.maximum, z))
+    return jnp.maximum(lo, tree(jnp.maximum, z)), hi
 
   low, top = sweep_slabs(x_ref, rows, sw, each, (low, top), MAX_SLABS, 4 * sw.unroll, raw=True)
-  return jnp.maximum(top, _scaled(low, sw))
+  return jnp.maximum(top, scale_z(low, sw))
 
 
 def lane_stats(x_ref, rows, sw: Sweep, size: int, thr=None):
@@ -220,7 +220,7 @@ def lane_stats(x_ref, rows, sw: Sweep, size: int, thr=None):
   outside S give p = 0), or None. The max sweep is not gapped: a row's max is >= z_y >= its
   threshold, so it is the max over S too (a lane's may lie outside S: its terms are then 0)."""
   m = lane_max(x_ref, rows, sw, size)
-  rsum = lambda a: _tree(jnp.add, a)
+  rsum = lambda a: tree(jnp.add, a)
   if thr is not None:  # loop-invariant, over the lanes once
     thr = support.sweep_threshold(jnp.broadcast_to(thr, (size, sw.lanes)), m)
 
@@ -293,17 +293,17 @@ def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g, thr=None):
 
   def step(c, carry):
     first = pl.multiple_of(c * (k * sw.lanes), sw.lanes)
-    block(first, _scaled(_raw(x_ref, rows, first, k, sw), sw))
+    block(first, scale_z(load_window(x_ref, rows, first, k, sw), sw))
     return carry
 
   if steps:
     unrolled_loop(steps, sw.unroll, step, 0)
   if rest:
     first = steps * k * sw.lanes
-    block(first, _scaled(_raw(x_ref, rows, first, rest, sw), sw))
+    block(first, scale_z(load_window(x_ref, rows, first, rest, sw), sw))
   if sw.tail:
     first = sw.full * sw.lanes
-    block(first, _scaled(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
+    block(first, scale_z(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
 
 
 def _group_ids(ids_ref, first_row, size: int, sw: Sweep):
@@ -373,7 +373,7 @@ def gather_chosen(x_ref, rows, size: int, first_row, ids_ref, sw: Sweep):
       kept = kept + jnp.where((row == r) & (lane == c - at) & (c >= aligned), tail, 0.0)
     picked.append(jnp.where((row == r) & (lane == 0) & ~ok, jnp.nan, kept))
 
-  chosen = jnp.sum(_tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
+  chosen = jnp.sum(tree(jnp.add, jnp.stack(picked)), axis=1, keepdims=True)
   return chosen if sw.inv_t == 1.0 else chosen * sw.inv_t
 
 

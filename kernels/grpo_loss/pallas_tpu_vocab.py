@@ -1,26 +1,35 @@
-"""The vocab-tiled statistics kernel of the tiled (TPU) family: any vocabulary on any generation.
+"""The vocab-tiled kernels of the tiled (TPU) family: any vocabulary on any generation.
 
 The whole-row kernels (:mod:`kernels.grpo_loss.pallas_tpu`) hold [rows, V] blocks in VMEM; at f32
 V = 151936 the training kernel's 8-row block (in and dlogits out, double-buffered) needs 22.5 MiB,
 over v4's 16 MiB. When :func:`kernels.grpo_loss.pallas_blocks.default_blocks` says the row block does
-not fit (``LossBlocks.vocab_tiled``), the statistics run here instead:
+not fit (``LossBlocks.vocab_tiled``), the statistics run here instead, on a grid (rows / bn, V / bv),
+rows ``parallel``, vocabulary ``arbitrary``, and the training path is these statistics, the
+coefficient g on [N] in XLA and :func:`bwd_kernel` over (rows, V)-tiles: two reads of the logits and
+one write of dlogits.
 
-grid (rows / bn, V / bv), rows ``parallel``, vocabulary ``arbitrary``: each [bn, bv] tile is swept by
-the whole-row kernels' register-sized sweeps (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`,
-whose width is the tile's: the last tile's is the vocabulary's remainder, static, so its columns past
-V are never read as logits), its lane partials merged per row, and folded into the rows' running
-(max, sum exp, sum exp * z) kept in VMEM scratch across the vocabulary axis; the last tile finishes
-them into (log p, entropy, lse_rel, shift). The sweeps' windows are unpacked to f32 before they
-are split into slabs (``Sweep.unpack``): this kernel's chips (v4, an unnamed generation) have no
-bf16 VPU, and libtpu compiles a bf16 slab stack on v4 into four sublane rotations a vreg. The
-chosen logits are gathered outside (N elements), as the whole-row forward does; with a support gap the rows' thresholds ride in one more [N, 1] input
-and every tile's exponentials are gapped (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`).
-The training path is this pass, the in-XLA coefficient on [N] and the
-(rows, V)-tiled backward kernel: two reads of the logits and one write of dlogits.
+**One sweep, against the chosen logit.** v4 has two VALU slots a bundle and no bf16 VPU, so the
+statistics are VALU-bound: the max sweep then the exponentials' (the whole-row kernels' form: unpack,
+max, unpack, subtract, the exponential's scale, clamp, product, two sums per element) scheduled at 1.8x
+one read of bf16 logits at V = 262144. Here each row's sums are taken against its chosen logit z_y
+(gathered outside, N elements), known before the sweep: l = sum exp(z - z_y), s = sum exp(z - z_y)
+(z - z_y), no max, one unpack (:func:`relative_sums`), and logp = -log l. A term overflows only where
+a logit is ~88 nats above z_y, i.e. p_y < 1e-30, which real runs' sampled tokens never are; the
+kernel flags such rows (sums past :data:`SUM_LIMIT`, inf or NaN: +inf / NaN logits too), and :func:`fwd` then reruns the exact two-sweep kernel (the running (max, sum, sum) of
+each tile's :func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`, merged across tiles) under a
+``lax.cond``, so every input gets the reference's answer and ordinary ones pay one sweep. The
+compiled report charges that kernel 0 runs and says so (:mod:`bench.tpu.hlo_loops`). -inf logits (a
+masked vocabulary) stay on the one-sweep path: the product's clamp at LOG_FLOOR.
+
+The sweeps' windows are unpacked to f32 before they are split into slabs (``Sweep.unpack``): libtpu
+compiles a bf16 slab stack on v4 into four sublane rotations a vreg. The last tile's sweep is its
+remainder's width (static), so its columns past V are never read as logits. With a support gap the
+rows' thresholds ride in one more [N, 1] input and every tile's exponentials are gapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,9 +37,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import backend, lse
+from kernels import backend, lse, support
 from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
 from kernels.grpo_loss.pallas_blocks import LossConfig
+
+# A row whose relative sums pass this is redone exactly (:func:`fwd`): finite sums of terms each at
+# most e^88 stay below it unless a logit is ~69 nats above the chosen one's (p_y < 1e-30).
+SUM_LIMIT = 1e30
+# The sweeps' shape here, read off libtpu 0.0.42.1's v4 schedule of bf16 V = 262144 (bundles per
+# 16384 columns of 16 rows): 2 slabs a fold and 16384 columns a loop trip in 65536-column tiles,
+# 1108. In 16384-column tiles (the per-tile merge and the loop's ramp 4x as often): 1378 (479 spill
+# reloads), 8192 columns a trip 1317, the whole-row kernels' 4-slab folds 1507 (493). Without the
+# LOG_FLOOR clamp, 993.
+PER_FOLD = 2
+COLUMNS_PER_TRIP = 16384
+
+
+def _sweep(width: int, cfg: LossConfig, gapped: bool) -> sweeps.Sweep:
+  """A [rows, width] tile's sweep: unpacked to f32 first (v4, this kernel's chip, has no bf16 VPU)."""
+  sw = sweeps.sweep_of(width, cfg.temperature, COLUMNS_PER_TRIP, cfg.target.interpret, unpack=True)
+  if sw.whole_rows:
+    return sw
+  per_fold = min(PER_FOLD, sw.per_fold)
+  unroll = max(1, COLUMNS_PER_TRIP // (per_fold * sw.lanes)) * (
+    sweeps.GAPPED_UNROLL if gapped else 1
+  )
+  return dataclasses.replace(sw, per_fold=per_fold, unroll=unroll)
 
 
 def _combine(a, b):
@@ -43,31 +75,71 @@ def _combine(a, b):
   return top, w1 * l1 + w2 * l2, part(w1, m1, l1, s1) + part(w2, m2, l2, s2)
 
 
-def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool):
-  """One [bn, bv] tile folded into the rows' running statistics (scratch: m, l, s [bn, 1] f32);
-  ``steps`` tiles per row, the last ``rem`` columns wide (static); ``gapped``: refs starts with the
-  rows' [bn, 1] support thresholds, applied to every tile's exponentials."""
+def _reference(chosen):
+  """The one-sweep sums' reference per row ([G, 1]): the chosen logit, 0 where it is not finite (an
+  id outside [0, V): NaN, as the vocabulary shard that does not hold the token sees it; a -inf
+  logit): those rows' log-probs are NaN / -inf from the chosen logit itself, and their sums stay
+  on the one-sweep path unless a logit passes ~88."""
+  return jnp.where(jnp.abs(chosen) < jnp.inf, chosen, 0.0)
+
+
+def relative_sums(x_ref, rows, sw: sweeps.Sweep, size: int, ref, thr=None):
+  """(l, s) lane partials [size, lanes] of a row group against ``ref`` ([size, 1]: the chosen
+  logits), in one sweep: l = sum exp(d), s = sum exp(d) * max(d, LOG_FLOOR) with d = z - ref (or d
+  gapped by thr: :func:`kernels.support.gapped_shift`). No max sweep: a term overflows only past
+  ~88 nats above ref, which :func:`_stats_kernel` flags for the exact kernel. The clamp costs one
+  op an element (~8 % of the schedule) and keeps -inf logits (a masked vocabulary) on this path."""
+  rsum = lambda a: sweeps.tree(jnp.add, a)
+  if thr is not None:  # loop-invariant, over the lanes once
+    thr = support.sweep_threshold(jnp.broadcast_to(thr, (size, sw.lanes)), ref)
+
+  def each(z, ls):
+    d = z - ref[None]
+    if thr is not None:  # the gap's select is the clamp: LOG_FLOOR outside S
+      d = support.gapped_shift(d, thr[None])
+      p = jnp.exp(d)
+      return ls[0] + rsum(p), ls[1] + rsum(p * d)
+    p = jnp.exp(d)
+    return ls[0] + rsum(p), ls[1] + rsum(p * jnp.maximum(d, lse.LOG_FLOOR))
+
+  zeros = jnp.zeros((size, sw.lanes), jnp.float32)
+  return sweeps.sweep_slabs(x_ref, rows, sw, each, (zeros, zeros), sw.per_fold, sw.unroll)
+
+
+def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool, exact: bool):
+  """One [bn, bv] tile folded into the rows' running statistics; ``steps`` tiles per row, the last
+  ``rem`` columns wide (static); ``gapped``: refs starts with the rows' [bn, 1] support thresholds.
+
+  ``exact``: scratch (m, l, s), the max sweep then the exponentials (any finite logits). Else the
+  one-sweep form against the chosen logit (:func:`relative_sums`, scratch (l, s)), and a fifth
+  output flags the rows whose sums are not trustworthy (overflow, inf or NaN)."""
   thr_ref, refs = (refs[0], refs[1:]) if gapped else (None, refs)
-  (logp_ref, ent_ref, lse_ref, shift_ref), scratch = refs[:4], refs[4:]
+  outs, scratch = (refs[:4], refs[4:]) if exact else (refs[:5], refs[5:])
   j = pl.program_id(1)  # at the kernel's top level: the interpreter has no rule for it in loops
   bn, bv = x_ref.shape
   group = sweeps.row_group(bn, x_ref.dtype)
 
   @pl.when(j == 0)
   def _():
-    scratch[0][...] = jnp.full((bn, 1), lse.NEG_BIG, jnp.float32)
-    scratch[1][...] = jnp.zeros((bn, 1), jnp.float32)
-    scratch[2][...] = jnp.zeros((bn, 1), jnp.float32)
+    for r, val in zip(scratch, ([lse.NEG_BIG] if exact else []) + [0.0, 0.0]):
+      r[...] = jnp.full((bn, 1), val, jnp.float32)
 
   def fold(width):
-    sw = sweeps.sweep_of(
-      width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped, unpack=True
-    )
+    if exact:
+      sw = sweeps.sweep_of(
+        width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped, unpack=True
+      )
+    else:
+      sw = _sweep(width, cfg, gapped)
 
     def rows_body(rows, size):
       thr = thr_ref[rows, :] if gapped else None
-      tile = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size, thr), axis=1)
-      new = _combine(tuple(r[rows, :] for r in scratch), tile)
+      if exact:
+        tile = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size, thr), axis=1)
+        new = _combine(tuple(r[rows, :] for r in scratch), tile)
+      else:
+        sums = relative_sums(x_ref, rows, sw, size, _reference(chosen_ref[rows, :]), thr)
+        new = [r[rows, :] + jnp.sum(t, axis=1, keepdims=True) for r, t in zip(scratch, sums)]
       for r, val in zip(scratch, new):
         r[rows, :] = val
 
@@ -82,9 +154,14 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool):
   @pl.when(j == steps - 1)
   def _():
     def rows_body(rows, size):
-      m, l, s = (r[rows, :] for r in scratch)
-      stats = lse.finalize(m, l, s, chosen_ref[rows, :], 1.0)
-      for ref, val in zip((logp_ref, ent_ref, lse_ref, shift_ref), stats):
+      chosen = chosen_ref[rows, :]
+      if exact:
+        m, l, s = (r[rows, :] for r in scratch)
+      else:  # a NaN sum fails both comparisons: flagged
+        m, (l, s) = _reference(chosen), (r[rows, :] for r in scratch)
+        ok = (l <= SUM_LIMIT) & (jnp.abs(s) <= SUM_LIMIT)
+        outs[4][rows, :] = jnp.where(ok, 0.0, 1.0)
+      for ref, val in zip(outs, lse.finalize(m, l, s, chosen, 1.0)):
         ref[rows, :] = val
 
     sweeps.for_row_groups(bn, group, rows_body)
@@ -92,27 +169,87 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool):
 
 def fwd(cfg: LossConfig, x, ids, thr=None):
   """(logp, entropy, lse_rel, shift) [N] f32 of logits x [N, V] and ids [N]; thr: [N] f32 support
-  thresholds or None."""
+  thresholds or None. The one-sweep kernel first; the exact two-sweep kernel only when it flags a
+  row (a logit ~69 nats above the chosen one's, +inf or NaN logits)."""
+  n = x.shape[0]
+  chosen = lse.chosen_logit(x, ids, x.shape[1], cfg.temperature).reshape(n, 1)
+  rows = [] if thr is None else [thr.reshape(n, 1)]
+  *stats, flags = _stats_call(cfg, x, chosen, rows, exact=False)
+  flagged = flags > 0
+
+  def exact():  # the flagged rows only: a row's values never depend on the other rows'
+    redone = _stats_call(cfg, x, chosen, rows, exact=True)
+    return tuple(jnp.where(flagged, e, f) for e, f in zip(redone, stats))
+
+  outs = jax.lax.cond(jnp.any(flagged), exact, lambda: tuple(stats))
+  return tuple(o.reshape(n) for o in outs)
+
+
+def _stats_call(cfg: LossConfig, x, chosen, rows, exact: bool):
   n, v = x.shape
   bn, bv = min(cfg.blocks.block_n, n), min(cfg.blocks.block_v, v)
   steps = pl.cdiv(v, bv)
-  chosen = lse.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
-  rows = [] if thr is None else [thr.reshape(n, 1)]
   row_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
   kernel = functools.partial(
-    _stats_kernel, cfg=cfg, steps=steps, rem=v - (steps - 1) * bv, gapped=thr is not None
+    _stats_kernel, cfg=cfg, steps=steps, rem=v - (steps - 1) * bv, gapped=bool(rows), exact=exact
   )
-  outs = pl.pallas_call(
+  outs = 4 if exact else 5
+  return pl.pallas_call(
     kernel,
     grid=(pl.cdiv(n, bn), steps),
     in_specs=[pl.BlockSpec((bn, bv), lambda i, j: (i, j))] + [row_spec] * (1 + len(rows)),
-    out_specs=[row_spec] * 4,
-    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * 4,
-    scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * 3,
+    out_specs=[row_spec] * outs,
+    out_shape=[jax.ShapeDtypeStruct((n, 1), jnp.float32)] * outs,
+    scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * (3 if exact else 2),
     compiler_params=backend.compiler_params(
       cfg.target, dimension_semantics=("parallel", "arbitrary")
     ),
     interpret=cfg.target.interpret,
-    name="grpo_loss_fwd_vocab",
+    # the model (bench.tpu.hlo_loops) charges a conditional's *_fallback kernels as not run
+    name="grpo_loss_fwd_vocab_fallback" if exact else "grpo_loss_fwd_vocab",
   )(x, chosen, *rows)
-  return tuple(o.reshape(n) for o in outs)
+
+
+def bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, *refs, cfg: LossConfig):
+  """One [bn, bv] tile of dlogits (``pallas_tpu.bwd``'s grid), the whole-tile kernel's formula
+  swept in register-sized slabs: row groups x :data:`PER_FOLD` slabs, each stored as it is done.
+  Why: the whole-tile form holds [bn, bv] f32 temporaries (v4, 16 x 16384 bf16: 2442 bundles a
+  step, 1613 spill reloads, and its VMEM bars wider tiles). refs: ([thr_ref,] dx_ref)."""
+  thr_ref, dx_ref = (refs[0] if len(refs) == 2 else None), refs[-1]
+  bn, bv = x_ref.shape
+  sw = _sweep(bv, cfg, thr_ref is not None)
+  base = pl.program_id(1) * bv  # at the kernel's top level: the interpreter has no rule in loops
+  k = max(1, min(sw.per_fold, sw.full))
+
+  def rows_body(rows, size):
+    ids, shift, lse_rel, g = (r[rows, :] for r in (ids_ref, shift_ref, lse_ref, g_ref))
+    thr = None if thr_ref is None else thr_ref[rows, :]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (size, sw.lanes), 1)
+
+    def block(first, z):  # z: [count, G, width] scaled logits of the columns from ``first``
+      out = []
+      for s in range(z.shape[0]):
+        hit = lane[:, : z.shape[2]] == ids - (base + first + s * sw.lanes)
+        zs = z[s] if thr is None else support.gapped(z[s], thr, hit)
+        p = jnp.exp((zs - shift) - lse_rel)
+        # g == 0 (a masked token): exactly 0, even where its logits are NaN / inf
+        out.append(jnp.where(g == 0, 0.0, g * (hit.astype(jnp.float32) - p)))
+      out = jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
+      dx_ref[rows, pl.ds(first, out.shape[1])] = out.astype(dx_ref.dtype)
+
+    def step(c, carry):
+      first = pl.multiple_of(c * (k * sw.lanes), sw.lanes)
+      block(first, sweeps.scale_z(sweeps.load_window(x_ref, rows, first, k, sw), sw))
+      return carry
+
+    steps, rest = divmod(sw.full, k)
+    if steps:
+      sweeps.unrolled_loop(steps, sw.unroll, step, 0)
+    if rest:
+      first = steps * k * sw.lanes
+      block(first, sweeps.scale_z(sweeps.load_window(x_ref, rows, first, rest, sw), sw))
+    if sw.tail:
+      first = sw.full * sw.lanes
+      block(first, sweeps.scale_z(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
+
+  sweeps.for_row_groups(bn, sweeps.row_group(bn, x_ref.dtype), rows_body)

@@ -177,13 +177,32 @@ def test_grpo_loss_vocab_tiled_on_v4(level, capsys):
 
 
 def test_grpo_loss_vocab_tiled_bf16_on_v4(capsys):
-  """bf16 logits at Gemma's V = 262144 on v4 (9 tokens: one ragged row block, 16 vocabulary
-  tiles), the statistics' sweeps in their unpacked form (each window converted to f32 before it is
-  split into slabs: v4 has no bf16 VPU). Catches: a slab of the converted window taken from the
-  wrong columns (one counted twice, another dropped), the lane max of the converted slabs wrong."""
+  """bf16 logits at Gemma's V = 262144 on v4 (9 tokens: one ragged row block, 4 vocabulary tiles
+  of 65536), the one-sweep statistics and the backward in their unpacked form (each window converted
+  to f32 before it is split into slabs: v4 has no bf16 VPU). Catches: a slab of the converted window
+  taken from the wrong columns (one counted twice, another dropped), a backward slab's chosen column
+  (the onehot) placed at the wrong tile or slab offset."""
   with production("v4") as target:
     assert loss_blocks(target, 9, 262144, jnp.bfloat16).vocab_tiled
   assert _loss_case("v4", capsys, 1, 9, 262144, jnp.bfloat16, "sequence") >= 2
+
+
+def test_grpo_loss_vocab_tiled_fallback_on_v4(capsys):
+  """v4's vocab-tiled forward where one token's logits hold one 120 nats above its chosen one's
+  (f32 at Qwen's V, 9 tokens): the one-sweep kernel's sums overflow, it flags the row, and the exact
+  two-sweep kernel reruns; both at v4's production target. Catches: the flag not raised or not
+  read (that token's log-prob -inf instead of about -120), the exact kernel's sweeps wrong at v4's
+  tiles (it runs nowhere else in CI), the other tokens' values taken from the wrong kernel."""
+  logits, ids, mask, adv, old = _loss_inputs(1, 9, QWEN_V, jnp.float32, seed=5)
+  far = (ids[0, 4] + 7) % QWEN_V
+  logits = logits.at[0, 4, far].set(logits[0, 4, ids[0, 4]] + 120.0)
+  logps = lambda impl: kernels.grpo_loss(logits, ids, mask, adv, old_logps=old, impl=impl)[1]
+  with production("v4") as target:
+    assert loss_blocks(target, 9, QWEN_V, jnp.float32).vocab_tiled
+    ours = run_checked(lambda: logps("pallas").per_token_logps, capsys, 1)
+  ref = logps("xla").per_token_logps
+  assert float(ref[0, 4]) < -100.0
+  assert_close(ours, ref, "value", jnp.float32, QWEN_V, "per-token log-probs")
 
 
 @pytest.mark.slow

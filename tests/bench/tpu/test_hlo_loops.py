@@ -117,3 +117,44 @@ def test_one_program_called_twice_is_charged_twice():
   assert m["compute_s"] == pytest.approx(4 * kernel_s) and not m["lower_bound"]
   side["kernels"].append(dict(side["kernels"][0], name="g.6"))  # dumped under both names
   assert compiled.model({"bytes": 1.0, "flops": None}, side, V6E)["compute_s"] == pytest.approx(4 * kernel_s)  # fmt: skip
+
+
+# The vocab-tiled loss statistics as libtpu 0.0.42.1 compiles them for v4 (trimmed): the one-sweep
+# kernel, then a conditional whose second branch runs the exact kernel only when a row is flagged.
+_FALLBACK = """HloModule m
+
+%region_3.10 (a: (f32[8], f32[8])) -> f32[8] {
+  %a = (f32[8]{0}, f32[8]{0}) parameter(0)
+  ROOT %gte = f32[8]{0} get-tuple-element((f32[8]{0}, f32[8]{0}) %a), index=0
+}
+
+%region_4.11 (b: (f32[8], f32[8])) -> f32[8] {
+  %b = (f32[8]{0}, f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element((f32[8]{0}, f32[8]{0}) %b), index=1
+  ROOT %s_fallback.1 = f32[8]{0} custom-call(f32[8]{0} %x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "EXACT"}}
+}
+
+ENTRY %main.9 (p: f32[8], q: s32[]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %q = s32[] parameter(1)
+  %s.1 = f32[8]{0} custom-call(f32[8]{0} %p), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "FAST"}}
+  %t = (f32[8]{0}, f32[8]{0}) tuple(f32[8]{0} %s.1, f32[8]{0} %p)
+  %cond.8 = f32[8]{0} conditional(s32[] %q, (f32[8]{0}, f32[8]{0}) %t, (f32[8]{0}, f32[8]{0}) %t), branch_computations={%region_3.10, %region_4.11}
+  ROOT %other_fallback.2 = f32[8]{0} custom-call(f32[8]{0} %cond.8), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "ALWAYS"}}
+}
+"""
+
+
+def test_a_conditional_fallback_kernel_is_listed_not_charged():
+  """Catches: the exact kernel that runs only for flagged rows charged on every call (the v4 bf16
+  V = 262144 forward modelled as both kernels), a kernel named *_fallback outside a conditional
+  (it always runs) dropped from the model, the fallback left out silently (no note)."""
+  loops = hlo_loops.read(_FALLBACK)
+  assert loops.kernels == {"s_fallback.1": 0, "s.1": 1, "other_fallback.2": 1}
+  assert loops.fallback == {"s_fallback.1": 1}
+  side = _kernel_side(0.0, runs=1)
+  side["loops"] = loops.as_dict()
+  side["kernels"] = [dict(side["kernels"][0], name=n) for n in loops.kernels]
+  m = compiled.model({"bytes": 1.0, "flops": None}, side, V6E)
+  assert m["compute_s"] == pytest.approx(2 * (10 + 1000 * 8) / V6E.clock_hz)
+  assert any("s_fallback.1" in n and "not charged" in n for n in m["notes"])
