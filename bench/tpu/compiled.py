@@ -131,7 +131,7 @@ def model(case: dict, kernel: dict, gen) -> dict:
     out["lower_bound"] |= bool(k.get("unknown_trips"))
   compute += loops.get("uncounted_dot_flops", 0.0) / gen.bf16_flops  # loop bodies' matmuls
   for name, runs in loops.get("fallback", {}).items():
-    out["notes"].append(f"{name}: a conditional's fallback ({runs} run(s) when taken), not charged")
+    out["notes"].append(f"{name}: a conditional's fallback, not charged (best case; {runs} if run)")
   if loops.get("unknown"):
     out["lower_bound"] = True
     out["notes"].append(f"loops of unread trip count counted once: {', '.join(loops['unknown'])}")

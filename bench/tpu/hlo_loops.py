@@ -18,10 +18,11 @@ module reads the compiled HLO text (``compiled.as_text()``) of a program:
   to the first call of its program and the model charges that schedule for every call;
 * the matmul flops (dots) that a count-once model leaves out: ``(multiplicity - 1) x flops`` of each
   dot in a loop body;
-* a conditional's fallback kernels: a Mosaic call named ``*_fallback*`` inside a branch of a
-  ``conditional`` runs only when the program's fast path flags its input (the vocab-tiled loss
-  statistics' exact kernel: rows whose one-sweep sums overflow). It is charged 0 runs and listed in
-  :attr:`Loops.fallback` with the runs it would take, so a report says what it left out.
+* a conditional's fallback kernels: where exactly one branch of a ``conditional`` runs Mosaic
+  kernels and every one of them is named ``*_fallback*``, that branch runs only when the program's
+  fast path flags its input (the vocab-tiled loss statistics' exact kernel: rows whose one-sweep
+  sums overflow). Its kernels are charged 0 runs (the best case: no input flagged) and listed in
+  :attr:`Loops.fallback` with the runs they would take, so a report says what it left out.
 
 Optimized HLO text is XLA's dump format, not an API: whatever is not read is reported, never guessed.
 """
@@ -183,12 +184,42 @@ def _dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
   return 2.0 * math.prod(_dims(instr.shape)) * math.prod(contract)
 
 
+def _reachable(comps: dict, root: str) -> set[str]:
+  seen, todo = set(), [root]
+  while todo:
+    name = todo.pop()
+    if name in comps and name not in seen:
+      seen.add(name)
+      todo += [callee for i in comps[name] for _, callee in _callees(i)]
+  return seen
+
+
+def _is_kernel(instr: Instr) -> bool:
+  return instr.op == "custom-call" and "tpu_custom_call" in instr.attrs
+
+
+def _fallback_branches(comps: dict) -> set[str]:
+  """The computations of every conditional branch that alone among its conditional's branches runs
+  Mosaic kernels, all named ``*_fallback*`` (see the module docstring)."""
+  out: set[str] = set()
+  for instrs in comps.values():
+    for instr in instrs:
+      if instr.op != "conditional":
+        continue
+      branches = [_reachable(comps, c) for kind, c in _callees(instr) if kind != "condition"]
+      kernels = [[i.name for c in b for i in comps[c] if _is_kernel(i)] for b in branches]
+      running = [b for b, k in zip(branches, kernels) if k]
+      if len(running) == 1 and all("_fallback" in k for ks in kernels for k in ks):
+        out |= running[0]
+  return out
+
+
 def read(hlo: str) -> Loops:
   """The loops of one compiled program (see the module docstring)."""
   comps = computations(hlo)
   out = Loops()
   mult = {name: 0 for name in comps}
-  branch: set[str] = set()  # computations a conditional's branch runs (and their callees)
+  rare = _fallback_branches(comps)
   order = list(comps)[::-1]  # callers print after their callees: ENTRY first from the end
   if order:
     mult[order[0]] = 1
@@ -204,14 +235,12 @@ def read(hlo: str) -> Loops:
         if callee in mult:
           times = (trip if trip is not None else 1) if kind in ("body", "condition") else 1
           mult[callee] += mult[name] * times
-          if name in branch or kind in ("branch", "true_computation", "false_computation"):
-            branch.add(callee)
   first: dict[str, str] = {}  # a kernel's program (its backend_config) -> its first call
   for name, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}
     for instr in instrs:
-      if instr.op == "custom-call" and "tpu_custom_call" in instr.attrs:
-        if name in branch and "_fallback" in instr.name:
+      if _is_kernel(instr):
+        if name in rare:
           out.fallback[instr.name] = out.fallback.get(instr.name, 0) + mult[name]
           out.kernels.setdefault(instr.name, 0)
         else:

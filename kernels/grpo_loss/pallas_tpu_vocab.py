@@ -15,11 +15,15 @@ one read of bf16 logits at V = 262144. Here each row's sums are taken against it
 (gathered outside, N elements), known before the sweep: l = sum exp(z - z_y), s = sum exp(z - z_y)
 (z - z_y), no max, one unpack (:func:`relative_sums`), and logp = -log l. A term overflows only where
 a logit is ~88 nats above z_y, i.e. p_y < 1e-30, which real runs' sampled tokens never are; the
-kernel flags such rows (sums past :data:`SUM_LIMIT`, inf or NaN: +inf / NaN logits too), and :func:`fwd` then reruns the exact two-sweep kernel (the running (max, sum, sum) of
-each tile's :func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`, merged across tiles) under a
-``lax.cond``, so every input gets the reference's answer and ordinary ones pay one sweep. The
-compiled report charges that kernel 0 runs and says so (:mod:`bench.tpu.hlo_loops`). -inf logits (a
-masked vocabulary) stay on the one-sweep path: the product's clamp at LOG_FLOOR.
+kernel flags such rows (sums outside [:data:`SUM_FLOOR`, :data:`SUM_LIMIT`], inf or NaN: +inf /
+NaN logits too), and :func:`fwd` then reruns the exact two-sweep kernel (the running (max, sum, sum)
+of each tile's :func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`, merged across tiles) under a
+``lax.cond`` and takes its values for the flagged rows, so every input gets the reference's answer
+and ordinary ones pay one sweep. The compiled report charges that kernel 0 runs and says so
+(:mod:`bench.tpu.hlo_loops`): a best case, for batches with no flagged row. -inf logits (a masked
+vocabulary) stay on the one-sweep path: the product's clamp at LOG_FLOOR. The entropy, log l - s / l,
+is then taken against z_y rather than the max: its absolute error grows with -logp (about 6e-6 at
+logp = -25 against 1.5e-7 in the exact kernel; the log-prob and gradient are unaffected).
 
 The sweeps' windows are unpacked to f32 before they are split into slabs (``Sweep.unpack``): libtpu
 compiles a bf16 slab stack on v4 into four sublane rotations a vreg. The last tile's sweep is its
@@ -44,6 +48,9 @@ from kernels.grpo_loss.pallas_blocks import LossConfig
 # A row whose relative sums pass this is redone exactly (:func:`fwd`): finite sums of terms each at
 # most e^88 stay below it unless a logit is ~69 nats above the chosen one's (p_y < 1e-30).
 SUM_LIMIT = 1e30
+# l >= 1 whenever the chosen logit is finite (its own term is exp(0)); a smaller l is a row whose
+# reference is 0 (:func:`_reference`) with every logit ~69 nats below it: l underflows, so redo it
+SUM_FLOOR = 1e-30
 # The sweeps' shape here, read off libtpu 0.0.42.1's v4 schedule of bf16 V = 262144 (bundles per
 # 16384 columns of 16 rows): 2 slabs a fold and 16384 columns a loop trip in 65536-column tiles,
 # 1108. In 16384-column tiles (the per-tile merge and the loop's ramp 4x as often): 1378 (479 spill
@@ -77,9 +84,9 @@ def _combine(a, b):
 
 def _reference(chosen):
   """The one-sweep sums' reference per row ([G, 1]): the chosen logit, 0 where it is not finite (an
-  id outside [0, V): NaN, as the vocabulary shard that does not hold the token sees it; a -inf
-  logit): those rows' log-probs are NaN / -inf from the chosen logit itself, and their sums stay
-  on the one-sweep path unless a logit passes ~88."""
+  id outside [0, V), e.g. an ignore-index padding row: NaN; a -inf logit): those rows' log-probs are
+  NaN / -inf from the chosen logit itself, and their sums stay on the one-sweep path unless a
+  logit passes ~88 (or all fall ~69 below 0: :data:`SUM_FLOOR`)."""
   return jnp.where(jnp.abs(chosen) < jnp.inf, chosen, 0.0)
 
 
@@ -127,7 +134,7 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool, exact
   def fold(width):
     if exact:
       sw = sweeps.sweep_of(
-        width, cfg.temperature, cfg.blocks.block_v, cfg.target.interpret, gapped, unpack=True
+        width, cfg.temperature, COLUMNS_PER_TRIP, cfg.target.interpret, gapped, unpack=True
       )
     else:
       sw = _sweep(width, cfg, gapped)
@@ -159,7 +166,7 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool, exact
         m, l, s = (r[rows, :] for r in scratch)
       else:  # a NaN sum fails both comparisons: flagged
         m, (l, s) = _reference(chosen), (r[rows, :] for r in scratch)
-        ok = (l <= SUM_LIMIT) & (jnp.abs(s) <= SUM_LIMIT)
+        ok = (l >= SUM_FLOOR) & (l <= SUM_LIMIT) & (jnp.abs(s) <= SUM_LIMIT)
         outs[4][rows, :] = jnp.where(ok, 0.0, 1.0)
       for ref, val in zip(outs, lse.finalize(m, l, s, chosen, 1.0)):
         ref[rows, :] = val

@@ -148,7 +148,8 @@ ENTRY %main.9 (p: f32[8], q: s32[]) -> f32[8] {
 def test_a_conditional_fallback_kernel_is_listed_not_charged():
   """Catches: the exact kernel that runs only for flagged rows charged on every call (the v4 bf16
   V = 262144 forward modelled as both kernels), a kernel named *_fallback outside a conditional
-  (it always runs) dropped from the model, the fallback left out silently (no note)."""
+  (it always runs) or in a conditional whose other branch runs kernels too dropped from the
+  model, the fallback left out silently (no note)."""
   loops = hlo_loops.read(_FALLBACK)
   assert loops.kernels == {"s_fallback.1": 0, "s.1": 1, "other_fallback.2": 1}
   assert loops.fallback == {"s_fallback.1": 1}
@@ -158,3 +159,11 @@ def test_a_conditional_fallback_kernel_is_listed_not_charged():
   m = compiled.model({"bytes": 1.0, "flops": None}, side, V6E)
   assert m["compute_s"] == pytest.approx(2 * (10 + 1000 * 8) / V6E.clock_hz)
   assert any("s_fallback.1" in n and "not charged" in n for n in m["notes"])
+  # both branches run kernels: which one runs is the data's choice, so both are charged
+  both = _FALLBACK.replace(
+    "ROOT %gte = f32[8]{0} get-tuple-element((f32[8]{0}, f32[8]{0}) %a), index=0",
+    "%gte = f32[8]{0} get-tuple-element((f32[8]{0}, f32[8]{0}) %a), index=0\n"
+    '  ROOT %u.3 = f32[8]{0} custom-call(f32[8]{0} %gte), custom_call_target="tpu_custom_call"',
+  )
+  loops = hlo_loops.read(both)
+  assert loops.fallback == {} and loops.kernels["s_fallback.1"] == 1 and loops.kernels["u.3"] == 1

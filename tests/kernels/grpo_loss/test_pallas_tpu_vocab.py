@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from bench.tolerances import assert_close
+from kernels import lse
 from kernels.backend import Target
 from kernels.grpo_loss import LossBlocks, pallas_tpu_vocab
 from kernels.grpo_loss.pallas_blocks import LossConfig
@@ -29,7 +30,7 @@ def _problem(seed=0, dtype=jnp.float32):
 
 def _both(cfg, x, ids):
   x = jnp.asarray(x)
-  chosen = jnp.take_along_axis(x, jnp.asarray(ids)[:, None], 1) * (1.0 / cfg.temperature)
+  chosen = lse.chosen_logit(x, jnp.asarray(ids), V, cfg.temperature)[:, None]  # NaN: out of range
   *fast, flags = pallas_tpu_vocab._stats_call(cfg, x, chosen, [], exact=False)
   exact = pallas_tpu_vocab._stats_call(cfg, x, chosen, [], exact=True)
   return fast, np.asarray(flags)[:, 0], exact
@@ -48,8 +49,9 @@ def _assert_matches_reference(cfg, x, ids, dtype=jnp.float32):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_one_sweep_equals_the_exact_kernel_and_flags_nothing(temperature):
-  """Catches: the one-sweep sums taken against the wrong row's chosen logit, a tile's sums not
-  carried to the next, a flag raised on ordinary logits (every call would pay both kernels)."""
+  """Catches: a tile's sums not carried to the next (or a tile folded twice), the temperature
+  applied to the logits and not to the reference (or twice), a flag raised on ordinary logits
+  (every call would pay both kernels)."""
   cfg = _cfg(temperature)
   x, ids, _ = _problem()
   fast, flags, exact = _both(cfg, x, ids)
@@ -112,3 +114,34 @@ def test_bf16_logits_and_out_of_range_ids():
   ref_logp, ref_ent = token_logps_and_entropy(jnp.asarray(x[ok]), jnp.asarray(ids[ok]), 1.0)
   assert_close(np.asarray(logp)[ok], ref_logp, "value", jnp.float32, V, "logp")
   assert_close(np.asarray(ent)[ok], ref_ent, "value", jnp.float32, V, "entropy")
+
+
+def test_logits_far_from_zero_stay_on_the_one_sweep_kernel():
+  """Every logit shifted by +200 (a model whose logits drift; at T = 0.05 that is what ordinary
+  logits become): the sums against each row's chosen logit are as before, nothing is flagged.
+  Catches: sums taken against a fixed reference (0) or another row's chosen logit, which overflow
+  (all rows flagged: every call paying both kernels) or lose the rows' values."""
+  cfg = _cfg()
+  x, ids, _ = _problem(seed=4)
+  x = x + np.float32(200.0)
+  _, flags, _ = _both(cfg, x, ids)
+  assert not flags.any()
+  _assert_matches_reference(cfg, x, ids)
+
+
+def test_an_out_of_range_id_over_very_negative_logits_is_redone():
+  """An ignore-index row (id outside [0, V): its sums are taken against 0) whose logits all lie
+  ~120 below 0: every term underflows (l = 0). Catches: that row returned unflagged (lse -inf,
+  entropy NaN against the reference's finite value)."""
+  cfg = _cfg()
+  x, ids, _ = _problem(seed=5)
+  x[2] -= 120.0
+  ids[2] = -1
+  _, flags, _ = _both(cfg, x, ids)
+  assert flags.tolist() == [i == 2 for i in range(N)]
+  logp, ent, lse_rel, shift = pallas_tpu_vocab.fwd(cfg, jnp.asarray(x), jnp.asarray(ids))
+  assert np.isnan(float(logp[2])) and np.isfinite(np.asarray(ent)).all()
+  lse_ref = jax.nn.logsumexp(jnp.asarray(x), axis=1)
+  assert_close(shift + lse_rel, lse_ref, "value", jnp.float32, V, "lse")
+  _, ref_ent = token_logps_and_entropy(jnp.asarray(x), jnp.asarray(np.maximum(ids, 0)), 1.0)
+  assert_close(ent, ref_ent, "value", jnp.float32, V, "entropy")
