@@ -47,7 +47,7 @@ class Sweep:
   # the interpreter's form (:func:`sweep_of`): one slab as wide as the row, and each row's chosen
   # column read / written by one whole-group select instead of a window per row
   whole_rows: bool = False
-  # no bf16 VPU (v4): windows converted to f32 before splitting, the max in f32 (:func:`_raw`)
+  # no bf16 VPU (v4): windows converted to f32 before splitting, the max in f32 (:func:`load_window`)
   unpack: bool = False
 
   @property
