@@ -82,7 +82,7 @@ def default_blocks(target: Target, n: int, v: int, dtype=None) -> LossBlocks:
 
   * TPU: block_n 128 (64 where the backward's tile outgrows the scoped VMEM: v4) caps the rows per
     step (the statistics and training kernels hold [rows, V]
-    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.pallas_tpu_sweeps.stats_rows); block_v 4096 is
+    blocks and take fewer rows where VMEM asks: kernels.grpo_loss.pallas_blocks.stats_rows); block_v 4096 is
     the columns one unrolled loop iteration of their exponential sweep covers (8 folds of 4 slabs:
     enough independent work to fill the VLIW slots without spilling, read off libtpu's schedule),
     and the backward kernel's tile width (128 x 4096 bf16: 1 MiB); 6144 (12 folds) where the
@@ -120,8 +120,8 @@ def default_blocks(target: Target, n: int, v: int, dtype=None) -> LossBlocks:
       # 16 x 16384 tiles: v4 f32 V = 151936 modelled at 1.19x one read of the logits forward, vs
       # 1.38x at 64 x 4096 and 1.88x at 128 x 2048 (libtpu's schedule: the per-tile merge of
       # each row group's lane partials and the running sums amortised over longer rows)
-      # 2-byte logits: 65536 columns (v4 bf16 V = 262144: 3902 bundles a step against 16384's 4 x
-      # 1214, libtpu's schedule; the one-sweep statistics' per-tile work amortised)
+      # 2-byte logits: 65536 columns (v4 bf16 V = 262144: 4441 bundles a step against 4 x 1317 at
+      # 16384, libtpu's schedule; the one-sweep statistics' per-tile work amortised)
       widest = 65536 if jnp.dtype(dtype).itemsize <= 2 else 16384
       return LossBlocks(n if n <= 16 else 16, vocab_tile(v, widest), vocab_tiled=True)
     return blocks
@@ -260,16 +260,36 @@ def legal_on(target: Target, blocks: LossBlocks, shape: dict) -> str | None:
   return None if blocks.vocab_tiled else whole_row_misfit(target, blocks, n, v, shape["dtype"])
 
 
+def stats_rows(block_n: int, n: int, v: int, dtype, target, blocks: int = 1) -> int:
+  """Rows per grid step of a kernel holding ``blocks`` [rows, V] blocks double-buffered in VMEM: at
+  most ``block_n``, within half of the target's VMEM (24 MiB at most), whole row groups where
+  the budget allows (8 rows at least); all N when N is smaller. The interpreter takes block_n."""
+  if target.platform != "tpu" or target.interpret:
+    return min(block_n, n)
+  row = 2 * blocks * v * jnp.dtype(dtype).itemsize
+  fit = min(target.vmem_bytes // 2, 24 << 20) // row
+  group = sweeps.row_group(1 << 30, dtype)
+  rows = fit // group * group if fit >= group else max(8, fit // 8 * 8)
+  rows = max(8, min(rows, block_n // 8 * 8 or 8))
+  return n if n <= rows else rows
+
+
+def row_block_vmem_bytes(rows: int, v: int, dtype, blocks: int) -> int:
+  """VMEM of a step holding ``blocks`` double-buffered [rows, V] blocks, plus 4 MiB of headroom for
+  spill room and the small per-row blocks."""
+  return 2 * blocks * rows * v * jnp.dtype(dtype).itemsize + (4 << 20)
+
+
 def whole_row_misfit(target: Target, blocks: LossBlocks, n: int, v: int, dtype) -> str | None:
   """Why the whole-row statistics / training kernels cannot hold their [rows, V] blocks in
   ``target``'s VMEM, or None: the forward (one block) and the training kernel (block in + dlogits
-  out), each double-buffered, at sweeps.stats_rows' rows (8 at least)."""
+  out), each double-buffered, at :func:`stats_rows`' rows (8 at least)."""
   if target.platform != "tpu" or target.interpret:
     return None
   where = f"TPU {target.generation or '(any generation)'}"
   for kernel, count in (("statistics", 1), ("training", 2)):
-    rows = sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=count)
-    need = sweeps.vmem_bytes(rows, v, dtype, count)
+    rows = stats_rows(blocks.block_n, n, v, dtype, target, blocks=count)
+    need = row_block_vmem_bytes(rows, v, dtype, count)
     if need > target.vmem_bytes:
       return (
         f"{where}: the {kernel} kernel's [{rows}, {v}] row block needs {need / MiB:.1f} MiB of "

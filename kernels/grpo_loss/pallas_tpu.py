@@ -7,7 +7,7 @@ never padded in memory. The chosen logits are gathered outside (N elements).
 Backward over grid (rows / bn, V / bv) tiles: dlogits = g / T * (onehot(id) - softmax(z)) from the saved
 log-sum-exp, where g = d loss / d log p; no f32 [N, V] array is ever built.
 Training path (:func:`train_fwd`, token-level specs): grid (rows / bn,); a [bn, V] row block stays in
-VMEM (in and out, double-buffered: bn from :func:`kernels.grpo_loss.pallas_tpu_sweeps.stats_rows`)
+VMEM (in and out, double-buffered: bn from :func:`kernels.grpo_loss.pallas_blocks.stats_rows`)
 and each group of 16 rows is swept from VMEM in 128-lane slabs: the statistics
 (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_stats`), then -g * softmax written, then each row's
 chosen column patched (ids in SMEM): the logits leave HBM once, dlogits once.
@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels import backend, lse, support
+from kernels.grpo_loss import pallas_blocks, pallas_tpu_vocab
 from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
-from kernels.grpo_loss import pallas_tpu_vocab
 from kernels.grpo_loss.pallas_blocks import LossConfig
 from kernels.grpo_loss.train import TrainConfig, coefficient
 
@@ -80,7 +80,7 @@ def fwd(cfg: LossConfig, x, ids, thr=None):
   if cfg.blocks.vocab_tiled:  # the heuristic's choice where a [rows, V] block outgrows VMEM
     return pallas_tpu_vocab.fwd(cfg, x, ids, thr)
   n, v = x.shape
-  bn = sweeps.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
+  bn = pallas_blocks.stats_rows(cfg.blocks.block_n, n, v, x.dtype, cfg.target, blocks=1)
   chosen = lse.chosen_logit(x, ids, v, cfg.temperature).reshape(n, 1)
   rows = [] if thr is None else [thr.reshape(n, 1)]
   row_spec = pl.BlockSpec((bn, 1), lambda i: (i, 0))
@@ -93,7 +93,7 @@ def fwd(cfg: LossConfig, x, ids, thr=None):
     compiler_params=backend.compiler_params(
       cfg.target,
       dimension_semantics=("parallel",),
-      vmem_limit_bytes=sweeps.vmem_bytes(bn, v, x.dtype, blocks=1),
+      vmem_limit_bytes=pallas_blocks.row_block_vmem_bytes(bn, v, x.dtype, blocks=1),
     ),
     interpret=cfg.target.interpret,
     name="grpo_loss_fwd",
@@ -164,7 +164,7 @@ def train_fwd(cfg: TrainConfig, x, ids, tok, thr=None):
   if cfg.loss.blocks.vocab_tiled:
     return _vocab_tiled_train(cfg, x, ids, tok, thr)
   n, v = x.shape
-  bn = sweeps.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
+  bn = pallas_blocks.stats_rows(cfg.loss.blocks.block_n, n, v, x.dtype, cfg.loss.target, blocks=2)
   # the ids ride in SMEM (scalar prefetch, N x 4 bytes): the chosen columns' addresses
   row_spec = pl.BlockSpec((bn, 1), lambda i, ids: (i, 0))
   block = pl.BlockSpec((bn, v), lambda i, ids: (i, 0))
@@ -186,7 +186,7 @@ def train_fwd(cfg: TrainConfig, x, ids, tok, thr=None):
     compiler_params=backend.compiler_params(
       cfg.loss.target,
       dimension_semantics=("parallel",),
-      vmem_limit_bytes=sweeps.vmem_bytes(bn, v, x.dtype, blocks=2),
+      vmem_limit_bytes=pallas_blocks.row_block_vmem_bytes(bn, v, x.dtype, blocks=2),
     ),
     interpret=cfg.loss.target.interpret,
     name="grpo_loss_train",

@@ -220,6 +220,13 @@ def lane_stats(x_ref, rows, sw: Sweep, size: int, thr=None):
   outside S give p = 0), or None. The max sweep is not gapped: a row's max is >= z_y >= its
   threshold, so it is the max over S too (a lane's may lie outside S: its terms are then 0)."""
   m = lane_max(x_ref, rows, sw, size)
+  return (m, *lane_sums(x_ref, rows, sw, size, m, thr))
+
+
+def lane_sums(x_ref, rows, sw: Sweep, size: int, m, thr=None):
+  """(l, s) lane partials [size, lanes] of the exponentials' sweep against ``m`` ([size, lanes] lane
+  maxima, or [size, 1]: any reference whose exp(z - m) does not overflow), the shared online step
+  with nothing rescaled (``rmax=None``); thr as in :func:`lane_stats`."""
   rsum = lambda a: tree(jnp.add, a)
   if thr is not None:  # loop-invariant, over the lanes once
     thr = support.sweep_threshold(jnp.broadcast_to(thr, (size, sw.lanes)), m)
@@ -234,8 +241,7 @@ def lane_stats(x_ref, rows, sw: Sweep, size: int, thr=None):
     return ls[0] + rsum(p), ls[1] + rsum(p * d)
 
   zeros = jnp.zeros((size, sw.lanes), jnp.float32)
-  l, s = sweep_slabs(x_ref, rows, sw, each, (zeros, zeros), sw.per_fold, sw.unroll)
-  return m, l, s
+  return sweep_slabs(x_ref, rows, sw, each, (zeros, zeros), sw.per_fold, sw.unroll)
 
 
 def row_stats(x_ref, rows, size: int, sw: Sweep, chosen, thr=None):
@@ -244,26 +250,6 @@ def row_stats(x_ref, rows, size: int, sw: Sweep, chosen, thr=None):
   support thresholds or None (:func:`lane_stats`)."""
   m, l, s = lse.merge(*lane_stats(x_ref, rows, sw, size, thr), axis=1)
   return lse.finalize(m, l, s, chosen, 1.0)
-
-
-def stats_rows(block_n: int, n: int, v: int, dtype, target, blocks: int = 1) -> int:
-  """Rows per grid step of a kernel holding ``blocks`` [rows, V] blocks double-buffered in VMEM: at
-  most ``block_n``, within half of the target's VMEM (24 MiB at most), whole row groups where
-  the budget allows (8 rows at least); all N when N is smaller. The interpreter takes block_n."""
-  if target.platform != "tpu" or target.interpret:
-    return min(block_n, n)
-  row = 2 * blocks * v * jnp.dtype(dtype).itemsize
-  fit = min(target.vmem_bytes // 2, 24 << 20) // row
-  group = row_group(1 << 30, dtype)
-  rows = fit // group * group if fit >= group else max(8, fit // 8 * 8)
-  rows = max(8, min(rows, block_n // 8 * 8 or 8))
-  return n if n <= rows else rows
-
-
-def vmem_bytes(rows: int, v: int, dtype, blocks: int) -> int:
-  """VMEM of a step holding ``blocks`` double-buffered [rows, V] blocks, plus 4 MiB of headroom for
-  spill room and the small per-row blocks."""
-  return 2 * blocks * rows * v * jnp.dtype(dtype).itemsize + (4 << 20)
 
 
 def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g, thr=None):
@@ -276,7 +262,6 @@ def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g, thr=None):
   thr: [G, 1] support thresholds (softmax 0 outside S) or None.
   """
   nga = -g / l
-  k = max(1, min(sw.per_fold, sw.full))
   if thr is not None:  # a masked row (g == 0): an empty S (NaN) and a 0 factor, so exact zeros
     nga = jnp.where(g == 0, 0.0, nga)
     thr = jnp.where(g == 0, jnp.nan, support.sweep_threshold(thr, m))
@@ -289,6 +274,14 @@ def write_grads(x_ref, dx_ref, rows, sw: Sweep, m, l, g, thr=None):
     out = jnp.concatenate(list(d), axis=1) if d.shape[0] > 1 else d[0]
     dx_ref[rows, pl.ds(first, out.shape[1])] = out.astype(dx_ref.dtype)
 
+  sweep_blocks(x_ref, rows, sw, block)
+
+
+def sweep_blocks(x_ref, rows, sw: Sweep, block) -> None:
+  """block(first, z) over a row group's columns, z [count, G, width] the scaled logits from column
+  ``first``: folds of per_fold slabs in the unrolled loop, the remaining slabs, then a tail
+  narrower than a slab as it is (the gradient sweeps, which store each block as it is done)."""
+  k = max(1, min(sw.per_fold, sw.full))
   steps, rest = divmod(sw.full, k)
 
   def step(c, carry):

@@ -13,7 +13,7 @@ statistics are VALU-bound: the max sweep then the exponentials' (the whole-row k
 max, unpack, subtract, the exponential's scale, clamp, product, two sums per element) scheduled at 1.8x
 one read of bf16 logits at V = 262144. Here each row's sums are taken against its chosen logit z_y
 (gathered outside, N elements), known before the sweep: l = sum exp(z - z_y), s = sum exp(z - z_y)
-(z - z_y), no max, one unpack (:func:`relative_sums`), and logp = -log l. A term overflows only where
+(z - z_y), no max, one unpack (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_sums`), and logp = -log l. A term overflows only where
 a logit is ~88 nats above z_y, i.e. p_y < 1e-30, which real runs' sampled tokens never are; the
 kernel flags such rows (sums outside [:data:`SUM_FLOOR`, :data:`SUM_LIMIT`], inf or NaN: +inf /
 NaN logits too), and :func:`fwd` then reruns the exact two-sweep kernel (the running (max, sum, sum)
@@ -53,7 +53,7 @@ SUM_LIMIT = 1e30
 SUM_FLOOR = 1e-30
 # The sweeps' shape here, read off libtpu 0.0.42.1's v4 schedule of bf16 V = 262144 (bundles per
 # 16384 columns of 16 rows): 2 slabs a fold and 16384 columns a loop trip in 65536-column tiles,
-# 1108. In 16384-column tiles (the per-tile merge and the loop's ramp 4x as often): 1378 (479 spill
+# 1110. In 16384-column tiles (the per-tile merge and the loop's ramp 4x as often): 1378 (479 spill
 # reloads), 8192 columns a trip 1317, the whole-row kernels' 4-slab folds 1507 (493). Without the
 # LOG_FLOOR clamp, 993.
 PER_FOLD = 2
@@ -90,35 +90,12 @@ def _reference(chosen):
   return jnp.where(jnp.abs(chosen) < jnp.inf, chosen, 0.0)
 
 
-def relative_sums(x_ref, rows, sw: sweeps.Sweep, size: int, ref, thr=None):
-  """(l, s) lane partials [size, lanes] of a row group against ``ref`` ([size, 1]: the chosen
-  logits), in one sweep: l = sum exp(d), s = sum exp(d) * max(d, LOG_FLOOR) with d = z - ref (or d
-  gapped by thr: :func:`kernels.support.gapped_shift`). No max sweep: a term overflows only past
-  ~88 nats above ref, which :func:`_stats_kernel` flags for the exact kernel. The clamp costs one
-  op an element (~8 % of the schedule) and keeps -inf logits (a masked vocabulary) on this path."""
-  rsum = lambda a: sweeps.tree(jnp.add, a)
-  if thr is not None:  # loop-invariant, over the lanes once
-    thr = support.sweep_threshold(jnp.broadcast_to(thr, (size, sw.lanes)), ref)
-
-  def each(z, ls):
-    d = z - ref[None]
-    if thr is not None:  # the gap's select is the clamp: LOG_FLOOR outside S
-      d = support.gapped_shift(d, thr[None])
-      p = jnp.exp(d)
-      return ls[0] + rsum(p), ls[1] + rsum(p * d)
-    p = jnp.exp(d)
-    return ls[0] + rsum(p), ls[1] + rsum(p * jnp.maximum(d, lse.LOG_FLOOR))
-
-  zeros = jnp.zeros((size, sw.lanes), jnp.float32)
-  return sweeps.sweep_slabs(x_ref, rows, sw, each, (zeros, zeros), sw.per_fold, sw.unroll)
-
-
 def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool, exact: bool):
   """One [bn, bv] tile folded into the rows' running statistics; ``steps`` tiles per row, the last
   ``rem`` columns wide (static); ``gapped``: refs starts with the rows' [bn, 1] support thresholds.
 
   ``exact``: scratch (m, l, s), the max sweep then the exponentials (any finite logits). Else the
-  one-sweep form against the chosen logit (:func:`relative_sums`, scratch (l, s)), and a fifth
+  one-sweep form against the chosen logit (:func:`kernels.grpo_loss.pallas_tpu_sweeps.lane_sums`, scratch (l, s)), and a fifth
   output flags the rows whose sums are not trustworthy (overflow, inf or NaN)."""
   thr_ref, refs = (refs[0], refs[1:]) if gapped else (None, refs)
   outs, scratch = (refs[:4], refs[4:]) if exact else (refs[:5], refs[5:])
@@ -145,7 +122,8 @@ def _stats_kernel(x_ref, chosen_ref, *refs, cfg, steps, rem, gapped: bool, exact
         tile = lse.merge(*sweeps.lane_stats(x_ref, rows, sw, size, thr), axis=1)
         new = _combine(tuple(r[rows, :] for r in scratch), tile)
       else:
-        sums = relative_sums(x_ref, rows, sw, size, _reference(chosen_ref[rows, :]), thr)
+        # no max sweep: exp(z - z_y) overflows only ~88 nats above z_y, which the flag catches
+        sums = sweeps.lane_sums(x_ref, rows, sw, size, _reference(chosen_ref[rows, :]), thr)
         new = [r[rows, :] + jnp.sum(t, axis=1, keepdims=True) for r, t in zip(scratch, sums)]
       for r, val in zip(scratch, new):
         r[rows, :] = val
@@ -226,7 +204,6 @@ def bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, *refs, cfg: LossConfig
   bn, bv = x_ref.shape
   sw = _sweep(bv, cfg, thr_ref is not None)
   base = pl.program_id(1) * bv  # at the kernel's top level: the interpreter has no rule in loops
-  k = max(1, min(sw.per_fold, sw.full))
 
   def rows_body(rows, size):
     ids, shift, lse_rel, g = (r[rows, :] for r in (ids_ref, shift_ref, lse_ref, g_ref))
@@ -244,19 +221,6 @@ def bwd_kernel(x_ref, ids_ref, lse_ref, shift_ref, g_ref, *refs, cfg: LossConfig
       out = jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
       dx_ref[rows, pl.ds(first, out.shape[1])] = out.astype(dx_ref.dtype)
 
-    def step(c, carry):
-      first = pl.multiple_of(c * (k * sw.lanes), sw.lanes)
-      block(first, sweeps.scale_z(sweeps.load_window(x_ref, rows, first, k, sw), sw))
-      return carry
-
-    steps, rest = divmod(sw.full, k)
-    if steps:
-      sweeps.unrolled_loop(steps, sw.unroll, step, 0)
-    if rest:
-      first = steps * k * sw.lanes
-      block(first, sweeps.scale_z(sweeps.load_window(x_ref, rows, first, rest, sw), sw))
-    if sw.tail:
-      first = sw.full * sw.lanes
-      block(first, sweeps.scale_z(x_ref[rows, pl.ds(first, sw.tail)][None], sw))
+    sweeps.sweep_blocks(x_ref, rows, sw, block)
 
   sweeps.for_row_groups(bn, sweeps.row_group(bn, x_ref.dtype), rows_body)

@@ -22,7 +22,6 @@ from kernels.fused_linear import pallas_blocks as linear_blocks
 from kernels.grpo_loss import OP as LOSS_OP
 from kernels.grpo_loss import LossBlocks
 from kernels.grpo_loss import pallas_blocks as loss_blocks
-from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
 from kernels.paged_attention import PagedBlocks
 from kernels.paged_attention import pallas_blocks as paged_blocks
 from kernels.sharding import KernelSharding
@@ -201,8 +200,8 @@ def test_loss_blocks_legal_on_each_generation():
   f32 = loss_blocks.default_blocks(V4, 8192, 151936, "float32")
   assert f32.vocab_tiled and loss_blocks.legal_on(V4, f32, dict(shape, dtype="float32")) is None
   assert not loss_blocks.default_blocks(V6E, 8192, 151936, "float32").vocab_tiled
-  assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
-  assert sweeps.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
+  assert loss_blocks.stats_rows(128, 8192, 151936, "bfloat16", V4, blocks=2) == 8
+  assert loss_blocks.stats_rows(128, 8192, 151936, "bfloat16", V6E, blocks=2) == 16
   assert "16 MiB" in loss_blocks.legal_on(V4, heuristic, dict(shape, dtype="float32"))
   assert loss_blocks.legal_on(V6E, heuristic, dict(shape, dtype="float32")) is None
   assert "scoped default" in loss_blocks.legal_on(V4, LossBlocks(512, 16384), shape)

@@ -42,7 +42,7 @@ from kernels import backend
 from kernels.fused_linear import default_blocks as fused_blocks
 from kernels.fused_linear import reference as fl_reference
 from kernels.fused_linear.pallas_blocks import fused_rows
-from kernels.grpo_loss import pallas_tpu_sweeps as sweeps
+from kernels.grpo_loss import pallas_blocks as grpo_blocks
 from kernels.grpo_loss.pallas_blocks import default_blocks as loss_blocks
 from kernels.optim import pallas_tpu as optim_pallas
 from kernels.paged_attention import paged_attention_reference
@@ -132,11 +132,18 @@ def _loss_case(gen, capsys, b, t, v, dtype, level, edge_ids=False):
     edge = jnp.asarray([v - 1, v // 128 * 128, v // 128 * 128 - 1], jnp.int32)
     ids = ids.at[0, :3].set(edge).at[-1, -3:].set(edge)
   loss = _value_and_grad(ids, mask, adv, old_logps=old, importance_sampling_level=level)
-  n = b * t
+  return _compare_at_production(gen, capsys, loss, logits, level)
+
+
+def _compare_at_production(gen, capsys, loss, logits, level):
+  """loss (:func:`_value_and_grad`) at G's production target in the TPU interpreter against the
+  reference: loss, per-token log-probs and dlogits. Returns the last kernel's parallel steps."""
+  b, t, v = logits.shape
+  n, dtype = b * t, logits.dtype
   with production(gen) as target:
     blocks = loss_blocks(target, n, v, dtype)
     if level == "token" and not blocks.vocab_tiled:  # the training kernel's [rows, V] blocks
-      rows = sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2)
+      rows = grpo_blocks.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2)
       steps = -(-n // rows)
     else:  # the backward kernel (last to run): (rows / block_n, V / block_v), both parallel
       steps = -(-n // blocks.block_n) * -(-v // blocks.block_v)
@@ -382,20 +389,7 @@ def _gapped_loss_case(gen, capsys, b, t, v, dtype, level):
   logits, ids, mask, adv, old = _loss_inputs(b, t, v, dtype, seed=b * t + 1)
   gap = top_k_gaps(logits, ids, 1.0, seed=b * t)
   opts = dict(old_logps=old, importance_sampling_level=level, support_gap=gap)
-  loss = _value_and_grad(ids, mask, adv, **opts)
-  n = b * t
-  with production(gen) as target:
-    blocks = loss_blocks(target, n, v, dtype)
-    steps = -(-n // blocks.block_n) * -(-v // blocks.block_v)
-    if level == "token" and not blocks.vocab_tiled:
-      steps = -(-n // sweeps.stats_rows(blocks.block_n, n, v, dtype, target, blocks=2))
-    (value, logps), grad = run_checked(lambda: loss("pallas")(logits), capsys, steps)
-  (ref_value, ref_logps), ref_grad = loss("xla")(logits)
-  assert float(jnp.max(jnp.abs(ref_grad))) > 0, "a case whose gradient is 0 checks no backward"
-  assert_close(value, ref_value, "value", jnp.float32, n * v, "loss")
-  assert_close(logps, ref_logps, "value", jnp.float32, v, "per-token log-probs")
-  assert_close(grad, ref_grad, "grad", dtype, v, "dlogits")
-  return steps
+  return _compare_at_production(gen, capsys, _value_and_grad(ids, mask, adv, **opts), logits, level)
 
 
 def test_grpo_loss_gapped_training_kernel(capsys):
