@@ -29,6 +29,11 @@ the model's head_dim is not 128: use --size h128), and "paged:<attn_impl>" for a
 other than the default. The random weights are scaled x10 as in bench.rollout.throughput, so distributions are
 peaked and the bf16 differences between kernels show.
 
+`--numerics batch-invariant` (with `xla`, the default) adds bf16 rows whose decoder has
+`ModelConfig.batch_invariant` (rl.model.numerics): every reduction in a fixed order and every
+rounding explicit, so the engines' decode gives each token the trainer's hidden state bit for bit and
+what is left is f32 round-off in the logits and the two log-prob formulas (docs/rollout.md).
+
 `--exact-bf16` runs with XLA's excess precision off (`--xla_allow_excess_precision=false`, set before
 the backend starts): by default XLA may keep a bf16 value in f32 where it fuses the producer with its
 consumer, and it fuses the engine's decode program and the trainer's teacher-forced forward
@@ -84,6 +89,8 @@ NOTE = (
 )
 TRUNCATED = ", truncated (kernel)"  # the suffix of a filtered sampling's truncated-trainer row
 DTYPES = ("bfloat16", "float32")
+# the decoder's numerics: XLA's own reduction orders and roundings, or ModelConfig.batch_invariant
+NUMERICS = ("xla", "batch-invariant")
 # name -> (top_k, top_p); temperature 1 everywhere, the trainer's
 SAMPLINGS = {"plain": (0, 1.0), "top-k 20 + top-p 0.9": (20, 0.9)}
 
@@ -103,11 +110,14 @@ class MismatchRow:
   filtered_k3_kl: float
   filtered_outside: int  # drawn tokens the trainer's filter excludes (its set differs at the edge)
   skipped: str | None = None  # why the engine did not run
+  numerics: str = "xla"  # NUMERICS (tables recorded before the column: xla)
 
 
 def skip_reason(engine: str, model_cfg) -> str | None:
   if engine.split(":")[0] != "sglang_jax":
     return None
+  if model_cfg.batch_invariant:
+    return "sglang-jax runs its own forward (batch-invariant numerics are this decoder's)"
   if importlib.util.find_spec("sglang_jax") is None:
     return "sglang-jax is not installed (the `sglang` extra)"
   if model_cfg.dim_per_head != 128:
@@ -214,17 +224,24 @@ def stats_of(result: RolloutResult, size: dict, plain, filtered) -> dict:
   )
 
 
-def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLINGS)):
-  """One row per dtype x engine x sampling; an engine that cannot run here is one row, `skipped`."""
+def run(
+  size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLINGS), numerics=NUMERICS
+):
+  """One row per dtype x numerics x engine x sampling; an engine that cannot run here is one row,
+  `skipped`. Batch-invariant numerics run in bf16 only: f32 rounds nothing to a narrower type."""
   size = SIZES[size_name]
   rows = []
-  for dtype in dtypes:
-    model = scale_weights(init_model(preset(size["model"], dtype=dtype), seed=0), 10.0)
+  arms = [(d, n) for d in dtypes for n in numerics if n == "xla" or d != "float32"]
+  for dtype, mode in arms:
+    invariant = mode == "batch-invariant"
+    cfg = preset(size["model"], dtype=dtype, batch_invariant=invariant)
+    model = scale_weights(init_model(cfg, seed=0), 10.0)
     # sglang_jax last: its in-process scheduler thread lingers after close() (see bench.rollout.throughput)
     for name in sorted(engines, key=lambda e: e.startswith("sglang_jax")):
       reason = skip_reason(name, model.cfg)
       if reason:
-        rows.append(MismatchRow(name, dtype, "-", 0, *[float("nan")] * 7, 0, skipped=reason))
+        nan = [float("nan")] * 7
+        rows.append(MismatchRow(name, dtype, "-", 0, *nan, 0, skipped=reason, numerics=mode))
         continue
       engine = make(model, size, name)
       try:
@@ -234,7 +251,7 @@ def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLING
           for label, found in zip(
             (sampling, sampling + TRUNCATED), measure(model, result, size, top_k, top_p)
           ):
-            rows.append(MismatchRow(name, dtype, label, **found))
+            rows.append(MismatchRow(name, dtype, label, **found, numerics=mode))
       finally:
         engine.close()
   return rows
@@ -247,11 +264,12 @@ def markdown(rows: list[MismatchRow]) -> str:
     "|" + "---|" * 12,
   ]
   for r in rows:
+    dtype = r.dtype if r.numerics == "xla" else f"{r.dtype}, {r.numerics}"
     if r.skipped:
-      lines.append(f"| {r.engine} | {r.dtype} | skipped: {r.skipped} |" + " |" * 9)
+      lines.append(f"| {r.engine} | {dtype} | skipped: {r.skipped} |" + " |" * 9)
       continue
     lines.append(
-      f"| {r.engine} | {r.dtype} | {r.sampling} | {r.tokens} | {r.abs_mean:.2g} | {r.abs_p99:.2g} "
+      f"| {r.engine} | {dtype} | {r.sampling} | {r.tokens} | {r.abs_mean:.2g} | {r.abs_p99:.2g} "
       f"| {r.abs_max:.2g} | {r.k3_kl:.2g} | {r.exp_abs_mean:.4g} | {r.filtered_abs_max:.2g} "
       f"| {r.filtered_k3_kl:.2g} | {r.filtered_outside} |"
     )
@@ -293,6 +311,12 @@ def main(argv=None) -> int:
     help=f"repeatable: a backend or paged:<attn_impl> (default: {' '.join(ENGINES)})",
   )
   p.add_argument("--dtype", action="append", choices=DTYPES)
+  p.add_argument(
+    "--numerics",
+    action="append",
+    choices=NUMERICS,
+    help="repeatable: the decoder's numerics (default: both; batch-invariant in bf16 only)",
+  )
   p.add_argument("--out", type=pathlib.Path, help="write mismatch.json and mismatch.md here")
   p.add_argument(
     "--exact-bf16",
@@ -303,7 +327,8 @@ def main(argv=None) -> int:
   if a.exact_bf16:
     exact_bf16()
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  rows = run(size, tuple(a.engine or ENGINES), tuple(a.dtype or DTYPES))
+  numerics = tuple(a.numerics or NUMERICS)
+  rows = run(size, tuple(a.engine or ENGINES), tuple(a.dtype or DTYPES), numerics=numerics)
   table = markdown(rows)
   mode = ", XLA excess precision off" if a.exact_bf16 else ""
   print(f"engine mismatch, size {size!r} on {jax.devices()[0].device_kind}{mode}\n{table}")

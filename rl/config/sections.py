@@ -44,6 +44,9 @@ class ModelSection:
   )
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"  # the stored parameters' dtype
+  # rl.model.numerics: rollouts and the trainer give a token the same bits (the XLA attention in
+  # decode: rollout.attn_impl "xla", or "auto" on CPU; not the sglang_jax backend)
+  batch_invariant: bool = False
 
   CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": DTYPES, "param_dtype": DTYPES}
 

@@ -14,6 +14,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from rl.model import numerics
+
 Array = jax.Array
 
 # A masked score; finite so a query with no visible key (padding) gives a uniform row, not NaN.
@@ -24,7 +26,14 @@ class KVCache(Protocol):
   """What a decoder layer needs from a cache. Implementations are pytrees (they cross `jax.jit`)."""
 
   def attend(
-    self, layer: Array | int, q: Array, k: Array, v: Array, positions: Array
+    self,
+    layer: Array | int,
+    q: Array,
+    k: Array,
+    v: Array,
+    positions: Array,
+    *,
+    invariant: bool = False,
   ) -> tuple[Array, KVCache]:
     """Stores `k`/`v` of the new tokens and attends `q` to every cached token at or before its position.
 
@@ -35,6 +44,9 @@ class KVCache(Protocol):
       k: [B, T, Hkv, D] keys of the new tokens, RoPE applied.
       v: [B, T, Hkv, D] values of the new tokens.
       positions: [B, T] int32 absolute position of each new token.
+      invariant: ModelConfig.batch_invariant: the same bits as `attention(..., invariant=True)` of the
+        teacher-forced forward gives the token (a cache that cannot, e.g. a decode kernel with its own
+        reduction order, raises ValueError).
 
     Returns:
       ([B, T, Hq, D] attention output, the updated cache).
@@ -47,11 +59,14 @@ def attention(
   k: Array,  # [B, S, Hkv, D]
   v: Array,  # [B, S, Hkv, D]
   visible: Array,  # [B, T, S] bool: query t may attend to key s
+  invariant: bool = False,  # ModelConfig.batch_invariant (rl.model.numerics)
 ) -> Array:  # [B, T, Hq, D]
   """Grouped-query softmax attention with f32 scores; the q heads of one kv head share its keys."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.reshape(b, t, hkv, hq // hkv, d)
+  if invariant:
+    return _invariant_attention(qg, k, v, visible).reshape(b, t, hq, d)
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
   scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -59,6 +74,30 @@ def attention(
   # in f32) also avoids XLA:CPU's unfused bf16 x bf16 -> f32 batched dot, which it cannot execute.
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _invariant_attention(
+  qg: Array,  # [B, T, Hkv, G, D]
+  k: Array,  # [B, S, Hkv, D]
+  v: Array,  # [B, S, Hkv, D]
+  visible: Array,  # [B, T, S] bool
+) -> Array:  # [B, T, Hkv, G, D]
+  """`attention` under ModelConfig.batch_invariant: a fixed-order softmax denominator, f32
+  accumulation of p @ v rounded once. One query row (a decode step of a model with one q head per kv
+  head) is computed as two: XLA:CPU runs a one-row product as a matrix-vector kernel, which sums in
+  another order than the matrix-matrix kernel of the teacher-forced forward."""
+  g = qg.shape[3]
+  if qg.shape[1] * g == 1:
+    qg = jnp.concatenate([qg, qg], axis=3)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(visible[:, None, None], scores * (qg.shape[-1] ** -0.5), MASK_VALUE)
+  probs = numerics.round_to(numerics.softmax(scores), v.dtype)
+  # p @ v as products summed by pairwise_sum: XLA:CPU's matmul kernels for it sum in an order that
+  # depends on the query count, and cannot run it in bf16 -> f32 where they do not fuse it.
+  vt = v.astype(jnp.float32).transpose(0, 2, 3, 1)[:, :, None, None]  # [B, Hkv, 1, 1, D, S]
+  products = probs.astype(jnp.float32)[:, :, :, :, None, :] * vt  # [B, Hkv, G, T, D, S]
+  out = numerics.pairwise_sum(products).transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]
+  return numerics.round_to(out[:, :, :, :g], qg.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +152,7 @@ class DenseKVCache:
     x = x.astype(self.dtype)
     return x if self.value_dtype is None else jax.lax.bitcast_convert_type(x, self.k.dtype)
 
-  def attend(self, layer, q, k, v, positions):
+  def attend(self, layer, q, k, v, positions, *, invariant=False):
     # `layer` (traced or not) joins rows and positions as one more advanced index: a scatter of the
     # [B, T] new tokens into the carried buffer (in place under the scan), never a copy of the slab.
     rows = jnp.arange(q.shape[0])[:, None]
@@ -122,7 +161,7 @@ class DenseKVCache:
     new_v = self.v.at[layer, rows, positions].set(self._stored(v), mode="drop")
     visible = jnp.arange(self.max_len)[None, None, :] <= positions[:, :, None]
     kd, vd = self.values(new_k[layer]), self.values(new_v[layer])
-    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible)
+    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible, invariant)
     return out, dataclasses.replace(self, k=new_k, v=new_v)
 
 

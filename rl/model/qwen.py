@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rl.model import numerics
 from rl.model.cache import KVCache, attention
 from rl.model.config import ModelConfig
 
@@ -48,22 +49,30 @@ def unrolled_layers():
 
 
 class RMSNorm(nnx.Module):
-  """HF's Qwen2RMSNorm: normalise in f32, cast back, then scale."""
+  """HF's Qwen2RMSNorm: normalise in f32, cast back, then scale. `invariant`: the mean square by
+  `numerics.pairwise_sum` and each rounding by `numerics.round_to` (ModelConfig.batch_invariant)."""
 
-  def __init__(self, dim: int, eps: float, param_dtype):
+  def __init__(self, dim: int, eps: float, param_dtype, invariant: bool = False):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
+    self.invariant = invariant
 
   def __call__(self, x: Array) -> Array:  # [..., dim]
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+    if not self.invariant:
+      normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+      return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+    mean_square = numerics.pairwise_sum(x32 * x32)[..., None] / x.shape[-1]
+    normed = numerics.round_to(x32 * jax.lax.rsqrt(mean_square + self.eps), x.dtype)
+    scale = self.scale[...].astype(x.dtype).astype(jnp.float32)
+    return numerics.round_to(scale * normed.astype(jnp.float32), x.dtype)
 
 
 def rope(
   x: Array,  # [B, T, heads, D]
   positions: Array,  # [B, T] int32
   theta: float,
+  invariant: bool = False,  # round with numerics.round_to (ModelConfig.batch_invariant)
 ) -> Array:
   """Rotary embedding in HF's rotate-half layout (first half pairs with second half), computed in f32."""
   d = x.shape[-1]
@@ -73,7 +82,7 @@ def rope(
   sin = jnp.sin(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return numerics.round_to(out, x.dtype) if invariant else out.astype(x.dtype)
 
 
 def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
@@ -88,6 +97,15 @@ def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -
   )
 
 
+def project(cfg: ModelConfig, layer: nnx.Linear, x: Array) -> Array:  # [..., din] -> [..., dout]
+  """`layer(x)`; under ModelConfig.batch_invariant with f32 accumulation, rounded once where the
+  model says (numerics.linear), in the decode step and the teacher-forced forward alike."""
+  if not cfg.batch_invariant:
+    return layer(x)
+  bias = None if layer.bias is None else layer.bias[...]
+  return numerics.linear(x.astype(cfg.compute_dtype), layer.kernel[...], bias)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d = cfg.dim_per_head
@@ -96,8 +114,8 @@ class Attention(nnx.Module):
     self.v_proj = _linear(cfg, cfg.hidden_size, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * d, cfg.hidden_size, False, rngs)
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype)
-      self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype)
+      self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype, cfg.batch_invariant)
+      self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.weight_dtype, cfg.batch_invariant)
     self.cfg = cfg
 
   def __call__(
@@ -111,17 +129,18 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     d = cfg.dim_per_head
-    q = self.q_proj(x).reshape(b, t, cfg.num_heads, d)
-    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, d)
-    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, d)
+    q = project(cfg, self.q_proj, x).reshape(b, t, cfg.num_heads, d)
+    k = project(cfg, self.k_proj, x).reshape(b, t, cfg.num_kv_heads, d)
+    v = project(cfg, self.v_proj, x).reshape(b, t, cfg.num_kv_heads, d)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    inv = cfg.batch_invariant
+    q, k = rope(q, positions, cfg.rope_theta, inv), rope(k, positions, cfg.rope_theta, inv)
     if cache is None:
-      out = attention(q, k, v, visible)
+      out = attention(q, k, v, visible, invariant=inv)
     else:
-      out, cache = cache.attend(layer, q, k, v, positions)
-    return self.o_proj(out.reshape(b, t, cfg.num_heads * d)), cache
+      out, cache = cache.attend(layer, q, k, v, positions, invariant=inv)
+    return project(cfg, self.o_proj, out.reshape(b, t, cfg.num_heads * d)), cache
 
 
 class MLP(nnx.Module):
@@ -129,22 +148,34 @@ class MLP(nnx.Module):
     self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
     self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
     self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, rngs)
+    self.cfg = cfg
 
-  def __call__(self, x: Array) -> Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+  def __call__(self, x: Array) -> Array:  # [..., H]
+    cfg = self.cfg
+    if not cfg.batch_invariant:
+      return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate = project(cfg, self.gate_proj, x).astype(jnp.float32)
+    up = project(cfg, self.up_proj, x).astype(jnp.float32)
+    return project(cfg, self.down_proj, numerics.round_to(jax.nn.silu(gate) * up, x.dtype))
 
 
 class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.input_layernorm = RMSNorm(
+      cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype, cfg.batch_invariant
+    )
     self.self_attn = Attention(cfg, rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.post_attention_layernorm = RMSNorm(
+      cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype, cfg.batch_invariant
+    )
     self.mlp = MLP(cfg, rngs)
+    self.invariant = cfg.batch_invariant
 
   def __call__(self, x, positions, visible, layer, cache):
     attn, cache = self.self_attn(self.input_layernorm(x), positions, visible, layer, cache)
-    x = x + attn
-    return x + self.mlp(self.post_attention_layernorm(x)), cache
+    add = numerics.add if self.invariant else jnp.add
+    x = add(x, attn)
+    return add(x, self.mlp(self.post_attention_layernorm(x))), cache
 
 
 class Qwen(nnx.Module):
@@ -161,7 +192,7 @@ class Qwen(nnx.Module):
       rngs=rngs,
     )
     self.layers = _stacked_layers(cfg, rngs)
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype, cfg.batch_invariant)
     if not cfg.tie_word_embeddings:
       self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 

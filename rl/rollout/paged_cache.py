@@ -116,9 +116,15 @@ class PagedKVCache:
       self, k=_store(self.k, dst, None, self.k[:, src]), v=_store(self.v, dst, None, self.v[:, src])
     )
 
-  def attend(self, layer, q, k, v, positions):
+  def attend(self, layer, q, k, v, positions, *, invariant=False):
     """q [B, T, Hq, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, Hq, D], cache). `layer`: a
-    Python int or a traced int32 scalar."""
+    Python int or a traced int32 scalar. `invariant` (ModelConfig.batch_invariant) needs the model's
+    attention in decode: a paged kernel sums in its own order."""
+    if invariant and not self.model_attention:
+      raise ValueError(
+        "ModelConfig.batch_invariant needs the model's attention in decode: set the engine's "
+        f"attn_impl to 'xla' (got {self.attn_impl!r}, a paged kernel with its own reduction order)"
+      )
     ps = self.page_size
     capacity = self.page_table.shape[1] * ps
     slot_page = jnp.take_along_axis(
@@ -144,7 +150,7 @@ class PagedKVCache:
     # 0, but 0 * NaN = NaN, so they are zeroed (the visible ones, hence the result, are unchanged).
     seen = slots[None, :] <= jnp.max(positions, axis=1)[:, None]  # [B, S]
     vd = jnp.where(seen[:, :, None, None], vd, jnp.zeros((), vd.dtype))
-    return attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible), cache
+    return attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible, invariant), cache
 
   @property
   def model_attention(self) -> bool:

@@ -192,6 +192,11 @@ class SglangJaxEngine(RolloutEngine):
         f"has head_dim={cfg.dim_per_head}, num_kv_heads={cfg.num_kv_heads} (e.g. Qwen2.5-1.5B / 3B "
         "/ 7B fit, Qwen2.5-0.5B's head_dim 64 does not; the preset tiny-h128 is the small one)"
       )
+    if cfg.batch_invariant:
+      raise ValueError(
+        "model batch_invariant=True: sglang-jax runs its own forward, which cannot give the "
+        "trainer's bits; use the paged or dense backend"
+      )
     if jax.process_count() > 1:
       raise ValueError(
         "the sglang_jax backend runs one engine per process on one device; multi-process "

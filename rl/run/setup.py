@@ -73,7 +73,11 @@ def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
 
 def build_model(cfg: GRPOConfig, mesh):
   model_cfg = cfg.model
-  dtypes = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
+  dtypes = dict(
+    dtype=model_cfg.dtype,
+    param_dtype=model_cfg.param_dtype,
+    batch_invariant=model_cfg.batch_invariant,
+  )
   if model_cfg.checkpoint:
     with reading("model.checkpoint", model_cfg.checkpoint):
       return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **dtypes)

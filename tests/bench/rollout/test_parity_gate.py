@@ -24,8 +24,8 @@ class _ShiftedCache(PagedKVCache):
   """Decode writes and attends one slot late (an off-by-one position in the decode step): each step
   sees a slot nothing was written to and its own key one slot later."""
 
-  def attend(self, layer, q, k, v, positions):
-    return super().attend(layer, q, k, v, positions + (q.shape[1] == 1))
+  def attend(self, layer, q, k, v, positions, **kw):
+    return super().attend(layer, q, k, v, positions + (q.shape[1] == 1), **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,8 @@ class _LostWriteCache(PagedKVCache):
   """A decode step's KV never lands in the pool (a write to a page the device table does not have
   yet): the step itself sees its key, every later step reads the page's stale contents."""
 
-  def attend(self, layer, q, k, v, positions):
-    out, cache = super().attend(layer, q, k, v, positions)
+  def attend(self, layer, q, k, v, positions, **kw):
+    out, cache = super().attend(layer, q, k, v, positions, **kw)
     return out, (self if q.shape[1] == 1 else cache)
 
 

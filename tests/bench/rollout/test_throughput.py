@@ -84,7 +84,7 @@ class _CopyingCache(DenseKVCache):
     c = DenseKVCache.create(*args, **kwargs)
     return cls(c.k, c.v, c.value_dtype)
 
-  def attend(self, layer, q, k, v, positions):  # decode only: positions [B, 1]
+  def attend(self, layer, q, k, v, positions, *, invariant=False):  # decode only: positions [B, 1]
     num_layers, _, max_len = self.k.shape[:3]
     hit = (jnp.arange(num_layers)[:, None, None] == layer) & (
       jnp.arange(max_len)[None, None, :] == positions[None, :, :1]
@@ -93,7 +93,7 @@ class _CopyingCache(DenseKVCache):
     new_k, new_v = write(self.k, k), write(self.v, v)
     visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
     kd, vd = self.values(new_k[layer]), self.values(new_v[layer])
-    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible)
+    out = attention(q, kd.astype(q.dtype), vd.astype(q.dtype), visible, invariant)
     return out, dataclasses.replace(self, k=new_k, v=new_v)
 
 

@@ -1,0 +1,90 @@
+"""Batch-invariant numerics (`ModelConfig.batch_invariant`): the same bits for a token whether the
+decoder runs it in a [B, 1] decode step through a cache or in a [B, T] teacher-forced forward.
+
+Two things make a bf16 forward depend on the shape it runs at, both measured on XLA:CPU
+(bench.mismatch; docs/rollout.md):
+
+- **Reductions.** XLA picks a reduction's order (and its vectorisation) per shape, so the softmax's
+  and the RMSNorm's sums differ in their last f32 bits between a 1-query and a 48-query program; one
+  such bit in a hundred flips a bf16 rounding. `pairwise_sum` fixes the order: adjacent pairs first,
+  then pairs of pairs, over the axis zero-padded to a power of two. A row's result then depends on
+  that row alone, and on no number of zeros after its last element (a masked attention tail).
+- **Excess precision.** XLA may keep a bf16 value in f32 where it fuses its producer with its
+  consumer, and it fuses a decode step and a teacher-forced forward differently.
+  `round_to` rounds with `lax.reduce_precision`, which XLA keeps (a convert pair it may drop), so
+  every bf16 value is rounded where the model says, in every program.
+
+The matmuls take their operands widened to f32 (exact) and return f32, rounded once by `round_to`;
+XLA:CPU's f32-output matmuls gave the same bits at every row count tested here (tests/rl/model/
+test_numerics.py pins the presets where the whole decoder is bitwise batch-invariant).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def pairwise_sum(x: Array) -> Array:  # [..., n] -> [...]
+  """The sum over the last axis in a fixed order: adjacent pairs, then pairs of those, ... over the
+  axis zero-padded at its end to a power of two. Its bits depend on a row's values alone: not on how
+  many rows are summed at once, nor on how many zeros follow the row's last element."""
+  n = x.shape[-1]
+  width = 1 << max(n - 1, 0).bit_length()
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    x = pairs[..., 0] + pairs[..., 1]
+  return x[..., 0]
+
+
+def round_to(x: Array, dtype) -> Array:  # [...] f32 -> [...] dtype
+  """`x` rounded to `dtype` (round to nearest even), in every program that computes it: XLA may drop
+  an f32 -> bf16 -> f32 convert pair inside a fusion, never a reduce_precision."""
+  dtype = jnp.dtype(dtype)
+  if dtype == x.dtype or jnp.finfo(dtype).bits >= jnp.finfo(x.dtype).bits:
+    return x.astype(dtype)
+  info = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(
+    dtype
+  )
+
+
+def softmax(scores: Array) -> Array:  # [..., S] f32 -> [..., S] f32
+  """Softmax over the last axis with `pairwise_sum` for its denominator (the max is exact in any
+  order; a masked score's exponential is an exact 0, so a longer masked tail changes nothing)."""
+  e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  return e / pairwise_sum(e)[..., None]
+
+
+def linear(
+  x: Array,  # [..., din] compute dtype
+  kernel: Array,  # [din, dout]
+  bias: Array | None,  # [dout] or None
+) -> Array:  # [..., dout] in x's dtype
+  """x @ kernel (+ bias) with f32 accumulation, the bias added in f32, rounded once. One row is
+  computed as two: XLA:CPU runs a one-row product as a matrix-vector kernel, which sums in another
+  order than the matrix-matrix kernel a batch of rows gets."""
+  rows = x.reshape(-1, x.shape[-1])  # [N, din]
+  n = rows.shape[0]
+  if n == 1:
+    rows = jnp.concatenate([rows, rows])
+  y = jnp.dot(rows, kernel.astype(x.dtype), preferred_element_type=jnp.float32)[:n]
+  y = y.reshape(*x.shape[:-1], y.shape[-1])
+  if bias is not None:
+    y = y + bias.astype(x.dtype).astype(jnp.float32)
+  return round_to(y, x.dtype)
+
+
+def f32(x: Array) -> Array:  # [...] -> [...] f32, exactly
+  """A matmul operand widened to f32 (exact from bf16): its products are exact either way, and
+  XLA:CPU cannot execute a bf16 x bf16 -> f32 matmul it did not fuse."""
+  return x.astype(jnp.float32)
+
+
+def add(a: Array, b: Array) -> Array:  # [...] x2, one dtype -> [...] rounded once
+  """a + b in f32, rounded to their dtype (a residual connection)."""
+  return round_to(a.astype(jnp.float32) + b.astype(jnp.float32), a.dtype)

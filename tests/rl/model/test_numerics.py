@@ -1,0 +1,93 @@
+"""Batch-invariant numerics (ModelConfig.batch_invariant, rl.model.numerics): a token's hidden state has
+the same bits in a cached decode step as in the teacher-forced forward, the invariant path computes
+the model's function, and a cache that cannot be invariant refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bench.tolerances import assert_close
+from rl.model import DenseKVCache, init_model, numerics, preset, scale_weights
+from rl.rollout import EngineConfig, SamplingParams, make_engine
+
+
+def test_pairwise_sum_ignores_the_row_count_and_a_zero_tail():
+  """Catches a denominator whose order depends on how many rows are summed at once or on how far
+  the masked tail runs: a 1-query decode step and a 48-query forward (or a longer page gather) then
+  differ in the last bits, which a bf16 rounding turns into a different token state."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(48, 37)) * 100, jnp.float32)
+  total = jax.jit(numerics.pairwise_sum)
+  all_rows = np.asarray(total(x))
+  np.testing.assert_allclose(all_rows, np.asarray(x, np.float64).sum(-1), rtol=1e-5, atol=1e-3)
+  for i in (0, 17, 47):
+    assert np.asarray(total(x[i : i + 1]))[0] == all_rows[i]
+  tail = jnp.concatenate([x, jnp.zeros((48, 91), jnp.float32)], axis=-1)
+  np.testing.assert_array_equal(np.asarray(total(tail)), all_rows)
+  assert float(numerics.pairwise_sum(jnp.ones((1,)))) == 1.0
+
+
+def test_round_to_rounds_like_a_cast():
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(257,)) * 30, jnp.float32)
+  got = jax.jit(lambda v: numerics.round_to(v * 1.7, jnp.bfloat16))(x)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got), np.asarray((x * 1.7).astype(jnp.bfloat16)))
+  np.testing.assert_array_equal(np.asarray(numerics.round_to(x, jnp.float32)), np.asarray(x))
+
+
+def _model(name, dtype="bfloat16", invariant=True, seed=0):
+  cfg = preset(name, dtype=dtype, batch_invariant=invariant)
+  return scale_weights(init_model(cfg, seed=seed), 10.0)
+
+
+@pytest.mark.parametrize("name,batch", [("tiny-h128", 4), ("cpu-small", 1)])
+def test_decode_gives_the_teacher_forced_bits(name, batch):
+  """bf16, x10 weights (peaked, as bench.mismatch): prefill 16 tokens, then decode 32 through the
+  dense cache one at a time; every hidden state equals the full forward's bit for bit. Catches a
+  reduction, a matmul or a fused rounding whose result depends on the query count: with XLA's
+  default numerics 12% (tiny-h128, 4 sequences) and 66% (cpu-small, one sequence: one-row
+  matmuls) of these decode states differ."""
+  model = _model(name)
+  cfg = model.cfg
+  prompt, new = 16, 32
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, 200, (batch, prompt + new)), jnp.int32)
+  graphdef, state = nnx.split(model)
+  full = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, tokens)
+  step = jax.jit(lambda st, t, p, c: nnx.merge(graphdef, st).forward_with_cache(t, p, c))
+  cache = DenseKVCache.create(
+    cfg.num_layers, batch, prompt + new, cfg.num_kv_heads, cfg.dim_per_head, cfg.compute_dtype
+  )
+  positions = jnp.broadcast_to(jnp.arange(prompt), (batch, prompt))
+  hidden, cache = step(state, tokens[:, :prompt], positions, cache)
+  states = [hidden]
+  for i in range(prompt, prompt + new):
+    pos = jnp.full((batch, 1), i, jnp.int32)
+    hidden, cache = step(state, tokens[:, i : i + 1], pos, cache)
+    states.append(hidden)
+  decoded = np.asarray(jnp.concatenate(states, axis=1).astype(jnp.float32))
+  np.testing.assert_array_equal(decoded, np.asarray(full.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-h128"])
+def test_the_invariant_path_computes_the_same_function(name):
+  """In f32 the invariant path rounds nothing, so only summation order separates it from the
+  default: catches a dropped bias, a misplaced scale, a softmax or p @ v over the wrong axis."""
+  tokens = jnp.asarray(np.random.default_rng(4).integers(3, 200, (2, 13)), jnp.int32)
+  plain, inv = (_model(name, "float32", flag, seed=2) for flag in (False, True))
+  want, got = plain.logits(plain(tokens)), inv.logits(inv(tokens))
+  cfg = plain.cfg
+  assert_close(got, want, "value", jnp.float32, max(cfg.hidden_size, cfg.intermediate_size) * 2)
+
+
+def test_a_paged_decode_kernel_refuses_batch_invariant_numerics():
+  """A Pallas decode kernel sums in its own order: asking for invariant numerics through it is an
+  error naming the setting, not a silently different engine."""
+  model = _model("tiny")
+  cfg = EngineConfig(backend="paged", max_seq_len=24, max_slots=2, page_size=8, attn_impl="pallas")
+  engine = make_engine(model, cfg, eos_ids=[])
+  try:
+    with pytest.raises(ValueError, match=r"batch_invariant.*attn_impl"):
+      engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=1.0))
+  finally:
+    engine.close()
