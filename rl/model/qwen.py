@@ -211,10 +211,17 @@ class Qwen(nnx.Module):
     attention_mask = attention_mask.astype(jnp.bool_)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0).astype(jnp.int32)
+    if self.cfg.batch_invariant:  # each row's real tokens first, in order: a key's column is its
+      # position, as in a cache, so the pairwise sums pair the same terms (padding: a zero tail)
+      order = jnp.argsort(~attention_mask, axis=1, stable=True)  # [B, T]
+      take = lambda a: jnp.take_along_axis(a, order, axis=1)
+      tokens, attention_mask, positions = take(tokens), take(attention_mask), take(positions)
     t = tokens.shape[1]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
     visible = causal[None] & attention_mask[:, None, :]
     x, _ = self._run_layers(self.embed_tokens(tokens), positions, visible, None, remat)
+    if self.cfg.batch_invariant:  # back to the caller's columns
+      x = jnp.take_along_axis(x, jnp.argsort(order, axis=1)[..., None], axis=1)
     return self.norm(x)
 
   def forward_with_cache(

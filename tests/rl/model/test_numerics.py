@@ -11,6 +11,7 @@ from flax import nnx
 from bench.tolerances import assert_close
 from rl.model import DenseKVCache, init_model, numerics, preset, scale_weights
 from rl.rollout import EngineConfig, SamplingParams, make_engine
+from rl.update import pack
 
 
 def test_pairwise_sum_ignores_the_row_count_and_a_zero_tail():
@@ -67,6 +68,39 @@ def test_decode_gives_the_teacher_forced_bits(name, batch):
     states.append(hidden)
   decoded = np.asarray(jnp.concatenate(states, axis=1).astype(jnp.float32))
   np.testing.assert_array_equal(decoded, np.asarray(full.astype(jnp.float32)))
+
+
+def test_left_padded_trainer_rows_give_the_engines_bits():
+  """The trainer's rows are [left-padded prompt | completion] (rl.update.pack); an engine's cache
+  holds a sequence from slot 0 (right-padded prompts). Catches a teacher-forced forward whose key
+  columns are not the cache's slots: the pairwise sums then pair other terms and the states differ
+  in their last bits (the forward compacts each row's real tokens to its front; without that, this
+  test fails)."""
+  model = _model("cpu-small")
+  cfg = model.cfg
+  lengths, width, new = np.array([31, 9, 13, 5, 22, 17]), 32, 40
+  b = len(lengths)
+  seqs = np.random.default_rng(0).integers(3, 200, (b, width + new))
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda st, t, p, c: nnx.merge(graphdef, st).forward_with_cache(t, p, c))
+  cache = DenseKVCache.create(
+    cfg.num_layers, b, width + new, cfg.num_kv_heads, cfg.dim_per_head, cfg.compute_dtype
+  )
+  prompts = np.where(np.arange(width) < lengths[:, None], seqs[:, :width], 0)
+  positions = jnp.broadcast_to(jnp.arange(width), (b, width))
+  hidden, cache = step(state, jnp.asarray(prompts), positions, cache)
+  states = [hidden[np.arange(b), lengths - 1]]  # each predicts completion token 0
+  for i in range(new - 1):
+    pos = jnp.asarray(lengths + i)[:, None]
+    hidden, cache = step(state, jnp.asarray(seqs[:, width + i])[:, None], pos, cache)
+    states.append(hidden[:, 0])
+  tokens, mask = pack(
+    [seqs[r, : lengths[r]] for r in range(b)], list(seqs[:, width:]), width, new, pad_id=0
+  )
+  full = jax.jit(lambda st, t, m: nnx.merge(graphdef, st)(t, m))(state, tokens, mask)
+  decoded = jnp.stack(states, axis=1).astype(jnp.float32)
+  want = full[:, width - 1 : width - 1 + new].astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(decoded), np.asarray(want))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-h128"])
