@@ -21,7 +21,8 @@ class ModelConfig:
   `dtype` is the compute dtype and `param_dtype` the storage dtype of the weights (f32 master weights
   with bf16 compute is the usual training setting). `batch_invariant`: every reduction in a fixed
   order and every rounding explicit (rl.model.numerics), so a rollout engine's decode step and the
-  trainer's forward give a token the same hidden state, bit for bit (on XLA:CPU, tested).
+  trainer's forward give a token the same hidden state, bit for bit (bf16 compute on XLA:CPU,
+  tested; in f32 nothing is rounded and the matmuls' orders still differ in the last bits).
   """
 
   vocab_size: int

@@ -1,7 +1,7 @@
 """Batch-invariant numerics (`ModelConfig.batch_invariant`): the same bits for a token whether the
 decoder runs it in a [B, 1] decode step through a cache or in a [B, T] teacher-forced forward.
 
-Two things make a bf16 forward depend on the shape it runs at, both measured on XLA:CPU
+Three things make a bf16 forward depend on the shape it runs at, each measured on XLA:CPU
 (bench.mismatch; docs/rollout.md):
 
 - **Reductions.** XLA picks a reduction's order (and its vectorisation) per shape, so the softmax's
@@ -14,9 +14,17 @@ Two things make a bf16 forward depend on the shape it runs at, both measured on 
   `round_to` rounds with `lax.reduce_precision`, which XLA keeps (a convert pair it may drop), so
   every bf16 value is rounded where the model says, in every program.
 
-The matmuls take their operands widened to f32 (exact) and return f32, rounded once by `round_to`;
-XLA:CPU's f32-output matmuls gave the same bits at every row count tested here (tests/rl/model/
-test_numerics.py pins the presets where the whole decoder is bitwise batch-invariant).
+- **Matmul kernels.** XLA:CPU picks a matmul's kernel by shape: a one-row product runs as a
+  matrix-vector kernel that sums in another order than the matrix-matrix kernel of many rows, and an
+  f32 x f32 product's order changed with the row count in every layout tried. The projections and
+  q @ k take bf16 operands with f32 results (`preferred_element_type`; the same bits at every row
+  count of two or more that was tried), a single row is computed as two, and p @ v (which XLA:CPU
+  cannot run in bf16 -> f32 where it does not fuse it) is formed as products summed by
+  `pairwise_sum`.
+
+This is measured, not promised: tests/rl/model/test_numerics.py pins the presets and shapes where
+the whole decoder is bitwise batch-invariant on XLA:CPU (jax 0.10 and 0.11). Accelerator kernels
+(MXU, Pallas) choose their own orders and are not covered.
 """
 
 from __future__ import annotations
@@ -77,12 +85,6 @@ def linear(
   if bias is not None:
     y = y + bias.astype(x.dtype).astype(jnp.float32)
   return round_to(y, x.dtype)
-
-
-def f32(x: Array) -> Array:  # [...] -> [...] f32, exactly
-  """A matmul operand widened to f32 (exact from bf16): its products are exact either way, and
-  XLA:CPU cannot execute a bf16 x bf16 -> f32 matmul it did not fuse."""
-  return x.astype(jnp.float32)
 
 
 def add(a: Array, b: Array) -> Array:  # [...] x2, one dtype -> [...] rounded once
