@@ -74,6 +74,16 @@ class GRPOConfig:
       )
     if not self.reward.weights():
       raise ValueError("every reward weight is 0: nothing to learn from")
+    if self.model.batch_invariant and self.rollout.backend == "sglang_jax":
+      raise ValueError(
+        "model.batch_invariant needs the decoder's own decode: rollout.backend must be paged or "
+        "dense, not sglang_jax (it runs its own forward)"
+      )
+    if self.model.batch_invariant and self.rollout.attn_impl not in ("auto", "xla"):
+      raise ValueError(
+        "model.batch_invariant needs the model's attention in decode: rollout.attn_impl must be "
+        f"'xla' (or 'auto' on CPU), not {self.rollout.attn_impl!r} (a paged kernel's own order)"
+      )
     if -1 not in (self.mesh.dp, self.mesh.fsdp, self.mesh.tp):
       self.grad_accum_steps  # noqa: B018 (validates now; with a -1 axis once the devices are known)
       self.sft_accum_steps  # noqa: B018

@@ -119,6 +119,15 @@ def test_yaml_then_overrides(tmp_path):
     (["train.is_cap=nan"], r"train\.is_cap must be finite and > 0, got nan"),
     (["train.epsilon_c=1"], r"train\.epsilon_c must be finite and > 1 \(or null\), got 1"),
     (["train.max_log_ratio=-5"], r"train\.max_log_ratio must be finite and > 0 \(or null\)"),
+    # batch-invariant numerics (issue 48) need the decoder's own decode and attention
+    (
+      ["model.batch_invariant=true", "rollout.backend=sglang_jax"],
+      r"model\.batch_invariant .*rollout\.backend must be paged or dense",
+    ),
+    (
+      ["model.batch_invariant=true", "rollout.attn_impl=pallas"],
+      r"model\.batch_invariant .*rollout\.attn_impl must be 'xla'",
+    ),
   ],
 )
 def test_bad_values_are_clear_errors(overrides, match):
