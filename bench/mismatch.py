@@ -65,6 +65,7 @@ from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
+from rl.rollout.paged_cache import uses_model_attention
 from rl.rollout.sampling import processed_logprobs
 from rl.update import completion_hidden, pack, split_completion
 
@@ -114,7 +115,12 @@ class MismatchRow:
 
 
 def skip_reason(engine: str, model_cfg) -> str | None:
-  if engine.split(":")[0] != "sglang_jax":
+  backend, _, impl = engine.partition(":")
+  if backend == "paged" and model_cfg.batch_invariant and not uses_model_attention(impl or "auto"):
+    return (
+      f"batch-invariant numerics need the model's attention; {impl or 'auto'} runs a kernel here"
+    )
+  if backend != "sglang_jax":
     return None
   if model_cfg.batch_invariant:
     return "sglang-jax runs its own forward (batch-invariant numerics are this decoder's)"
@@ -224,14 +230,18 @@ def stats_of(result: RolloutResult, size: dict, plain, filtered) -> dict:
   )
 
 
-def run(
-  size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLINGS), numerics=NUMERICS
-):
+def run(size_name: str, engines=ENGINES, dtypes=DTYPES, samplings=tuple(SAMPLINGS), numerics=None):
   """One row per dtype x numerics x engine x sampling; an engine that cannot run here is one row,
-  `skipped`. Batch-invariant numerics run in bf16 only: f32 rounds nothing to a narrower type."""
+  `skipped`. Batch-invariant numerics run in bf16 only (f32 rounds nothing to a narrower type) and,
+  by default (`numerics=None`), on CPU only: on an accelerator the paged engine decodes through a
+  kernel, and the invariant p @ v's [B, Hkv, G, T, D, S] products are a CPU-sized setting."""
   size = SIZES[size_name]
   rows = []
+  if numerics is None:
+    numerics = NUMERICS if jax.default_backend() == "cpu" else ("xla",)
   arms = [(d, n) for d in dtypes for n in numerics if n == "xla" or d != "float32"]
+  if not arms:
+    raise ValueError(f"no rows to measure: numerics {numerics} run in bf16 only, dtypes {dtypes}")
   for dtype, mode in arms:
     invariant = mode == "batch-invariant"
     cfg = preset(size["model"], dtype=dtype, batch_invariant=invariant)
@@ -315,7 +325,8 @@ def main(argv=None) -> int:
     "--numerics",
     action="append",
     choices=NUMERICS,
-    help="repeatable: the decoder's numerics (default: both; batch-invariant in bf16 only)",
+    help="repeatable: the decoder's numerics (default: both on CPU, xla elsewhere; "
+    "batch-invariant in bf16 only)",
   )
   p.add_argument("--out", type=pathlib.Path, help="write mismatch.json and mismatch.md here")
   p.add_argument(
@@ -327,7 +338,7 @@ def main(argv=None) -> int:
   if a.exact_bf16:
     exact_bf16()
   size = a.size or ("small" if jax.default_backend() == "cpu" else "large")
-  numerics = tuple(a.numerics or NUMERICS)
+  numerics = tuple(a.numerics) if a.numerics else None
   rows = run(size, tuple(a.engine or ENGINES), tuple(a.dtype or DTYPES), numerics=numerics)
   table = markdown(rows)
   mode = ", XLA excess precision off" if a.exact_bf16 else ""

@@ -79,7 +79,8 @@ class GRPOConfig:
         "model.batch_invariant needs the decoder's own decode: rollout.backend must be paged or "
         "dense, not sglang_jax (it runs its own forward)"
       )
-    if self.model.batch_invariant and self.rollout.attn_impl not in ("auto", "xla"):
+    paged = self.rollout.backend == "paged"
+    if self.model.batch_invariant and paged and self.rollout.attn_impl not in ("auto", "xla"):
       raise ValueError(
         "model.batch_invariant needs the model's attention in decode: rollout.attn_impl must be "
         f"'xla' (or 'auto' on CPU), not {self.rollout.attn_impl!r} (a paged kernel's own order)"

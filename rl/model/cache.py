@@ -1,6 +1,7 @@
 """The KV-cache interface the decoder attends through, and the dense cache that implements it.
 
-The decoder does not own its cache: prefill and decode call `cache.attend(layer, q, k, v, positions)`,
+The decoder does not own its cache: prefill and decode call `cache.attend(layer, q, k, v, positions)`
+(with `invariant=True` under ModelConfig.batch_invariant),
 which stores the new keys/values wherever the cache keeps them and returns the attention output. The
 rollout engine supplies the cache: `DenseKVCache` here (one contiguous [S] slab per sequence, the way
 tunix and MLLM-JAX sample; the dense engine's), a paged cache over `kernels.paged_attention` in `rl.rollout`.

@@ -1,7 +1,7 @@
 """Batch-invariant numerics (`ModelConfig.batch_invariant`): the same bits for a token whether the
 decoder runs it in a [B, 1] decode step through a cache or in a [B, T] teacher-forced forward.
 
-Three things make a bf16 forward depend on the shape it runs at, each measured on XLA:CPU
+Four things make a bf16 forward depend on the shape it runs at, each measured on XLA:CPU
 (bench.mismatch; docs/rollout.md):
 
 - **Reductions.** XLA picks a reduction's order (and its vectorisation) per shape, so the softmax's
@@ -21,6 +21,11 @@ Three things make a bf16 forward depend on the shape it runs at, each measured o
   count of two or more that was tried), a single row is computed as two, and p @ v (which XLA:CPU
   cannot run in bf16 -> f32 where it does not fuse it) is formed as products summed by
   `pairwise_sum`.
+
+- **Where a key sits.** The trainer's rows are [left-padded prompt | completion] and a cache holds
+  a sequence from slot 0, so the same keys would sit at other columns and the pairwise sums would
+  pair other terms: the teacher-forced forward (`Qwen.__call__`) moves each row's real tokens to its
+  front, and its states back.
 
 This is measured, not promised: tests/rl/model/test_numerics.py pins the presets and shapes where
 the whole decoder is bitwise batch-invariant on XLA:CPU (jax 0.10 and 0.11). Accelerator kernels
@@ -53,12 +58,18 @@ def round_to(x: Array, dtype) -> Array:  # [...] f32 -> [...] dtype
   """`x` rounded to `dtype` (round to nearest even), in every program that computes it: XLA may drop
   an f32 -> bf16 -> f32 convert pair inside a fusion, never a reduce_precision."""
   dtype = jnp.dtype(dtype)
-  if dtype == x.dtype or jnp.finfo(dtype).bits >= jnp.finfo(x.dtype).bits:
+  info, source = jnp.finfo(dtype), jnp.finfo(x.dtype)
+  if info.nexp >= source.nexp and info.nmant >= source.nmant:  # a widening: exact, nothing rounds
     return x.astype(dtype)
-  info = jnp.finfo(dtype)
   return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(
     dtype
   )
+
+
+def param(w: Array, dtype) -> Array:  # [...] stored -> [...] f32 holding `dtype`'s values
+  """A parameter as the compute dtype rounds it, widened back to f32 for an f32 computation (the
+  rounding kept: a plain cast pair is one XLA may drop)."""
+  return round_to(w.astype(jnp.float32), dtype).astype(jnp.float32)
 
 
 def softmax(scores: Array) -> Array:  # [..., S] f32 -> [..., S] f32
@@ -83,7 +94,7 @@ def linear(
   y = jnp.dot(rows, kernel.astype(x.dtype), preferred_element_type=jnp.float32)[:n]
   y = y.reshape(*x.shape[:-1], y.shape[-1])
   if bias is not None:
-    y = y + bias.astype(x.dtype).astype(jnp.float32)
+    y = y + param(bias, x.dtype)
   return round_to(y, x.dtype)
 
 

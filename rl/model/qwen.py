@@ -64,7 +64,7 @@ class RMSNorm(nnx.Module):
       return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
     mean_square = numerics.pairwise_sum(x32 * x32)[..., None] / x.shape[-1]
     normed = numerics.round_to(x32 * jax.lax.rsqrt(mean_square + self.eps), x.dtype)
-    scale = self.scale[...].astype(x.dtype).astype(jnp.float32)
+    scale = numerics.param(self.scale[...], x.dtype)
     return numerics.round_to(scale * normed.astype(jnp.float32), x.dtype)
 
 
@@ -139,7 +139,8 @@ class Attention(nnx.Module):
     if cache is None:
       out = attention(q, k, v, visible, invariant=inv)
     else:
-      out, cache = cache.attend(layer, q, k, v, positions, invariant=inv)
+      # the keyword only when set: a cache written before it existed still serves the default
+      out, cache = cache.attend(layer, q, k, v, positions, **({"invariant": True} if inv else {}))
     return project(cfg, self.o_proj, out.reshape(b, t, cfg.num_heads * d)), cache
 
 

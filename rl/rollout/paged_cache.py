@@ -72,7 +72,7 @@ class PagedKVCache:
     dtype = jnp.dtype(dtype)
     # Kept as bits only where XLA reads the pool (the gathers view the bits in their fusion): a
     # kernel takes the pool as a custom call's operand in its value dtype.
-    bits = _uses_model_attention(attn_impl)
+    bits = uses_model_attention(attn_impl)
     storage = _bits_dtype(dtype) if bits else dtype
     return cls(
       jnp.zeros(shape, storage, device=sharding),
@@ -157,10 +157,10 @@ class PagedKVCache:
     """Whether decode runs the model's attention over the gathered pages (the XLA impl) rather than
     the paged kernel; "auto" is XLA on CPU, as in `kernels.paged_attention` (resolved at trace time,
     so `kernels.backend.use_target` applies)."""
-    return _uses_model_attention(self.attn_impl)
+    return uses_model_attention(self.attn_impl)
 
 
-def _uses_model_attention(attn_impl: str) -> bool:
+def uses_model_attention(attn_impl: str) -> bool:
   return attn_impl == "xla" or (attn_impl == "auto" and backend.resolve().platform == "cpu")
 
 

@@ -97,6 +97,17 @@ def test_bf16_truncated_rows_are_within_2x_under_batch_invariant_numerics():
     assert r.abs_mean <= 2 * plain.abs_mean, (engine, r.abs_mean, plain.abs_mean)
 
 
+def test_the_numerics_arms_refuse_what_cannot_be_invariant():
+  """A paged engine on a decode kernel cannot give the trainer's bits: its batch-invariant row is
+  skipped with the reason (not a crashed suite); an arm list with nothing to run is an error."""
+  cfg = preset("tiny", batch_invariant=True)
+  assert "kernel" in mismatch.skip_reason("paged:pallas", cfg)
+  assert mismatch.skip_reason("paged", cfg) is None and mismatch.skip_reason("dense", cfg) is None
+  assert mismatch.skip_reason("paged:pallas", preset("tiny")) is None
+  with pytest.raises(ValueError, match="bf16 only"):
+    mismatch.run("tiny", dtypes=("float32",), numerics=("batch-invariant",))
+
+
 def test_the_measure_catches_a_wrong_engine():
   """Log-probs from other weights (a stale or mis-synced engine) give a large mismatch."""
   size = mismatch.SIZES["tiny"]

@@ -2,6 +2,8 @@
 the same bits in a cached decode step as in the teacher-forced forward, the invariant path computes
 the model's function, and a cache that cannot be invariant refuses."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,17 +40,33 @@ def test_round_to_rounds_like_a_cast():
 
 
 def _model(name, dtype="bfloat16", invariant=True, seed=0):
+  """x10 weights (peaked, as bench.mismatch), and biases and norm scales moved off their init (0 and
+  1), so the invariant path's bias and scale roundings are exercised."""
   cfg = preset(name, dtype=dtype, batch_invariant=invariant)
-  return scale_weights(init_model(cfg, seed=seed), 10.0)
+  model = scale_weights(init_model(cfg, seed=seed), 10.0)
+  keys = iter(jax.random.split(jax.random.key(seed + 100), 1000))
+
+  def perturb(path, x):
+    name = jax.tree_util.keystr(path)
+    if "bias" in name or "norm" in name:
+      return x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) + 0.3 * ("bias" in name)
+    return x
+
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree_util.tree_map_with_path(perturb, params))
+  return model
 
 
-@pytest.mark.parametrize("name,batch", [("tiny-h128", 4), ("cpu-small", 1)])
+@pytest.mark.parametrize(
+  "name,batch", [("tiny-h128", 4), ("cpu-small", 1), ("tiny-qwen3", 4), ("tiny", 8)]
+)
 def test_decode_gives_the_teacher_forced_bits(name, batch):
   """bf16, x10 weights (peaked, as bench.mismatch): prefill 16 tokens, then decode 32 through the
   dense cache one at a time; every hidden state equals the full forward's bit for bit. Catches a
   reduction, a matmul or a fused rounding whose result depends on the query count: with XLA's
   default numerics 12% (tiny-h128, 4 sequences) and 66% (cpu-small, one sequence: one-row
-  matmuls) of these decode states differ."""
+  matmuls) of these decode states differ. tiny-qwen3 adds the q / k norms; biases and norm scales
+  are off their init (see _model)."""
   model = _model(name)
   cfg = model.cfg
   prompt, new = 16, 32
@@ -103,25 +121,47 @@ def test_left_padded_trainer_rows_give_the_engines_bits():
   np.testing.assert_array_equal(np.asarray(decoded), np.asarray(want))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-h128"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-h128"])
 def test_the_invariant_path_computes_the_same_function(name):
-  """In f32 the invariant path rounds nothing, so only summation order separates it from the
-  default: catches a dropped bias, a misplaced scale, a softmax or p @ v over the wrong axis."""
-  tokens = jnp.asarray(np.random.default_rng(4).integers(3, 200, (2, 13)), jnp.int32)
+  """In f32 the invariant path rounds nothing, so only summation order separates it from the default:
+  catches a dropped bias or norm scale, a softmax or p @ v over the wrong axis, and a row compaction
+  that loses a token or its position. Rows with holes in the mask and explicit positions, compared
+  at the real tokens; the gradient of a masked loss too."""
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.integers(3, 200, (3, 13)), jnp.int32)
+  mask = jnp.asarray(rng.random((3, 13)) > 0.3).at[:, 0].set(True)
+  positions = jnp.asarray(np.cumsum(rng.integers(1, 3, (3, 13)), axis=1), jnp.int32)
   plain, inv = (_model(name, "float32", flag, seed=2) for flag in (False, True))
-  want, got = plain.logits(plain(tokens)), inv.logits(inv(tokens))
   cfg = plain.cfg
-  assert_close(got, want, "value", jnp.float32, max(cfg.hidden_size, cfg.intermediate_size) * 2)
+  depth = max(cfg.hidden_size, cfg.intermediate_size) * cfg.num_layers
+
+  def loss(model):  # [] f32: the masked mean log-likelihood of the next tokens
+    logits = model.logits(model(tokens, mask, positions))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+    return jnp.sum(jnp.where(mask[:, 1:] & mask[:, :-1], logp, 0.0)) / 10.0, logits
+
+  (want, want_logits), want_grad = nnx.value_and_grad(loss, has_aux=True)(plain)
+  (got, got_logits), got_grad = nnx.value_and_grad(loss, has_aux=True)(inv)
+  real = np.asarray(mask)
+  assert_close(
+    np.asarray(got_logits)[real], np.asarray(want_logits)[real], "value", jnp.float32, depth
+  )
+  assert_close(got, want, "value", jnp.float32, depth)
+  for g, w in zip(jax.tree.leaves(nnx.state(got_grad)), jax.tree.leaves(nnx.state(want_grad))):
+    assert_close(g, w, "value", jnp.float32, depth, scale=float(jnp.max(jnp.abs(w))) + 1e-3)
 
 
 def test_a_paged_decode_kernel_refuses_batch_invariant_numerics():
   """A Pallas decode kernel sums in its own order: asking for invariant numerics through it is an
-  error naming the setting, not a silently different engine."""
+  error naming the setting when the engine is built, not a silently different engine; the XLA
+  attention is accepted."""
   model = _model("tiny")
   cfg = EngineConfig(backend="paged", max_seq_len=24, max_slots=2, page_size=8, attn_impl="pallas")
-  engine = make_engine(model, cfg, eos_ids=[])
+  with pytest.raises(ValueError, match=r"batch_invariant.*attn_impl='xla'.*'pallas'"):
+    make_engine(model, cfg, eos_ids=[])
+  engine = make_engine(model, dataclasses.replace(cfg, attn_impl="xla"), eos_ids=[])
   try:
-    with pytest.raises(ValueError, match=r"batch_invariant.*attn_impl"):
-      engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=1.0))
+    result = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=1.0))
+    assert len(result.completions[0].token_ids) == 2
   finally:
     engine.close()
