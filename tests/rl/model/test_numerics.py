@@ -2,8 +2,6 @@
 the same bits in a cached decode step as in the teacher-forced forward, the invariant path computes
 the model's function, and a cache that cannot be invariant refuses."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,7 @@ from flax import nnx
 
 from bench.tolerances import assert_close
 from rl.model import DenseKVCache, init_model, numerics, preset, scale_weights
-from rl.rollout import EngineConfig, SamplingParams, make_engine
+from rl.rollout import EngineConfig, make_engine
 from rl.update import pack
 
 
@@ -57,9 +55,7 @@ def _model(name, dtype="bfloat16", invariant=True, seed=0):
   return model
 
 
-@pytest.mark.parametrize(
-  "name,batch", [("tiny-h128", 4), ("cpu-small", 1), ("tiny-qwen3", 4), ("tiny", 8)]
-)
+@pytest.mark.parametrize("name,batch", [("tiny-h128", 4), ("cpu-small", 1), ("tiny-qwen3", 4)])
 def test_decode_gives_the_teacher_forced_bits(name, batch):
   """bf16, x10 weights (peaked, as bench.mismatch): prefill 16 tokens, then decode 32 through the
   dense cache one at a time; every hidden state equals the full forward's bit for bit. Catches a
@@ -140,8 +136,9 @@ def test_the_invariant_path_computes_the_same_function(name):
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
     return jnp.sum(jnp.where(mask[:, 1:] & mask[:, :-1], logp, 0.0)) / 10.0, logits
 
-  (want, want_logits), want_grad = nnx.value_and_grad(loss, has_aux=True)(plain)
-  (got, got_logits), got_grad = nnx.value_and_grad(loss, has_aux=True)(inv)
+  value_and_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+  (want, want_logits), want_grad = value_and_grad(plain)
+  (got, got_logits), got_grad = value_and_grad(inv)
   real = np.asarray(mask)
   assert_close(
     np.asarray(got_logits)[real], np.asarray(want_logits)[real], "value", jnp.float32, depth
@@ -153,15 +150,9 @@ def test_the_invariant_path_computes_the_same_function(name):
 
 def test_a_paged_decode_kernel_refuses_batch_invariant_numerics():
   """A Pallas decode kernel sums in its own order: asking for invariant numerics through it is an
-  error naming the setting when the engine is built, not a silently different engine; the XLA
-  attention is accepted."""
+  error naming the setting when the engine is built, not a silently different engine (the XLA
+  attention's runs: tests/bench/test_mismatch_bench.py's batch-invariant rows)."""
   model = _model("tiny")
   cfg = EngineConfig(backend="paged", max_seq_len=24, max_slots=2, page_size=8, attn_impl="pallas")
   with pytest.raises(ValueError, match=r"batch_invariant.*attn_impl='xla'.*'pallas'"):
     make_engine(model, cfg, eos_ids=[])
-  engine = make_engine(model, dataclasses.replace(cfg, attn_impl="xla"), eos_ids=[])
-  try:
-    result = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=1.0))
-    assert len(result.completions[0].token_ids) == 2
-  finally:
-    engine.close()
