@@ -65,7 +65,7 @@ from kernels.paged_attention import IMPLS as ATTN_IMPLS
 from rl.mismatch import mismatch_metrics
 from rl.model import init_model, preset, scale_weights
 from rl.rollout import EngineConfig, RolloutResult, SamplingParams, make_engine
-from rl.rollout.paged_cache import uses_model_attention
+from rl.rollout.paged_cache import invariant_refusal
 from rl.rollout.sampling import processed_logprobs
 from rl.update import completion_hidden, pack, split_completion
 
@@ -116,10 +116,8 @@ class MismatchRow:
 
 def skip_reason(engine: str, model_cfg) -> str | None:
   backend, _, impl = engine.partition(":")
-  if backend == "paged" and model_cfg.batch_invariant and not uses_model_attention(impl or "auto"):
-    return (
-      f"batch-invariant numerics need the model's attention; {impl or 'auto'} runs a kernel here"
-    )
+  if backend == "paged" and model_cfg.batch_invariant and invariant_refusal(impl or "auto"):
+    return f"batch-invariant numerics need the model's attention, not {impl or 'auto'}'s kernel"
   if backend != "sglang_jax":
     return None
   if model_cfg.batch_invariant:

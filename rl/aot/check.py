@@ -130,21 +130,16 @@ def _check_mesh(cfg: GRPOConfig, slice_devices: int | None = None) -> int:
   return devices
 
 
-def _numerics(cfg: GRPOConfig) -> dict:  # the model section's fields that shape the compiled step
-  m = cfg.model
-  return dict(dtype=m.dtype, param_dtype=m.param_dtype, batch_invariant=m.batch_invariant)
-
-
 def _model_config(cfg: GRPOConfig):
   if cfg.model.checkpoint:  # a local HF directory's config.json (rl.model.checkpoint reads it)
     from rl.model.checkpoint import _model_config as read_config
 
     try:
-      return read_config(cfg.model.checkpoint, **_numerics(cfg))
+      return read_config(cfg.model.checkpoint, **cfg.model.overrides)
     except (OSError, ValueError) as e:
       raise ConfigError(f"model.checkpoint={cfg.model.checkpoint}: {e}") from e
   try:
-    return preset(cfg.model.preset, **_numerics(cfg))
+    return preset(cfg.model.preset, **cfg.model.overrides)
   except (KeyError, ValueError) as e:
     raise ConfigError(f"model.preset={cfg.model.preset}: {e}") from e
 

@@ -55,6 +55,13 @@ class ModelSection:
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
 
+  @property
+  def overrides(self) -> dict:
+    """The rl.model.ModelConfig fields this section sets over a preset's or a checkpoint's."""
+    return dict(
+      dtype=self.dtype, param_dtype=self.param_dtype, batch_invariant=self.batch_invariant
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:

@@ -13,7 +13,6 @@ Four things make a bf16 forward depend on the shape it runs at, each measured on
   consumer, and it fuses a decode step and a teacher-forced forward differently.
   `round_to` rounds with `lax.reduce_precision`, which XLA keeps (a convert pair it may drop), so
   every bf16 value is rounded where the model says, in every program.
-
 - **Matmul kernels.** XLA:CPU picks a matmul's kernel by shape: a one-row product runs as a
   matrix-vector kernel that sums in another order than the matrix-matrix kernel of many rows, and an
   f32 x f32 product's order changed with the row count in every layout tried. The projections and
@@ -21,7 +20,6 @@ Four things make a bf16 forward depend on the shape it runs at, each measured on
   count of two or more that was tried), a single row is computed as two, and p @ v (which XLA:CPU
   cannot run in bf16 -> f32 where it does not fuse it) is formed as products summed by
   `pairwise_sum`.
-
 - **Where a key sits.** The trainer's rows are [left-padded prompt | completion] and a cache holds
   a sequence from slot 0, so the same keys would sit at other columns and the pairwise sums would
   pair other terms: the teacher-forced forward (`Qwen.__call__`) moves each row's real tokens to its

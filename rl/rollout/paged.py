@@ -29,18 +29,16 @@ import numpy as np
 
 from rl.rollout import steps
 from rl.rollout.engine import MIN_DECODE_ROWS, RolloutEngine, Seq, bucket
-from rl.rollout.paged_cache import NULL_PAGE, PagedKVCache, PagePool, uses_model_attention
+from rl.rollout.paged_cache import NULL_PAGE, PagedKVCache, PagePool, invariant_refusal
 from rl.rollout.types import RolloutResult, RolloutStats, SamplingParams
 
 
 class PagedEngine(RolloutEngine):
   def __init__(self, model, config, tokenizer=None, eos_ids=None):
     super().__init__(model, config, tokenizer, eos_ids)
-    if model.cfg.batch_invariant and not uses_model_attention(config.attn_impl):
-      raise ValueError(
-        "model batch_invariant=True needs the model's attention in decode: set attn_impl='xla' "
-        f"(attn_impl={config.attn_impl!r} runs a paged kernel here, which sums in its own order)"
-      )
+    refusal = invariant_refusal(config.attn_impl) if model.cfg.batch_invariant else None
+    if refusal:
+      raise ValueError(refusal)
     self._spare_cache: PagedKVCache | None = self._new_cache()
     self._spare_lock = threading.Lock()  # check-out / return of the spare cache across threads
 

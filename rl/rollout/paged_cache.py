@@ -121,10 +121,7 @@ class PagedKVCache:
     Python int or a traced int32 scalar. `invariant` (ModelConfig.batch_invariant) needs the model's
     attention in decode: a paged kernel sums in its own order."""
     if invariant and not self.model_attention:
-      raise ValueError(
-        "ModelConfig.batch_invariant needs the model's attention in decode: set the engine's "
-        f"attn_impl to 'xla' (got {self.attn_impl!r}, a paged kernel with its own reduction order)"
-      )
+      raise ValueError(invariant_refusal(self.attn_impl))
     ps = self.page_size
     capacity = self.page_table.shape[1] * ps
     slot_page = jnp.take_along_axis(
@@ -162,6 +159,17 @@ class PagedKVCache:
 
 def uses_model_attention(attn_impl: str) -> bool:
   return attn_impl == "xla" or (attn_impl == "auto" and backend.resolve().platform == "cpu")
+
+
+def invariant_refusal(attn_impl: str) -> str | None:
+  """Why ModelConfig.batch_invariant cannot decode through `attn_impl` here, or None: it needs the
+  model's attention (a paged kernel sums in its own order)."""
+  if uses_model_attention(attn_impl):
+    return None
+  return (
+    "model batch_invariant=True needs the model's attention in decode: set attn_impl='xla' "
+    f"(attn_impl={attn_impl!r} runs a paged kernel here, which sums in its own order)"
+  )
 
 
 def _bits_dtype(dtype):

@@ -73,16 +73,11 @@ def load_data(cfg: GRPOConfig) -> tuple[list[Example], list[Example]]:
 
 def build_model(cfg: GRPOConfig, mesh):
   model_cfg = cfg.model
-  dtypes = dict(
-    dtype=model_cfg.dtype,
-    param_dtype=model_cfg.param_dtype,
-    batch_invariant=model_cfg.batch_invariant,
-  )
   if model_cfg.checkpoint:
     with reading("model.checkpoint", model_cfg.checkpoint):
-      return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **dtypes)
+      return load_checkpoint(model_cfg.checkpoint, mesh=mesh, **model_cfg.overrides)
   with reading("model.preset", model_cfg.preset):
-    architecture = preset(model_cfg.preset, **dtypes)
+    architecture = preset(model_cfg.preset, **model_cfg.overrides)
   return shard_model(init_model(architecture, seed=cfg.train.seed), mesh)
 
 

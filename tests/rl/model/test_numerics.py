@@ -30,6 +30,9 @@ def test_pairwise_sum_ignores_the_row_count_and_a_zero_tail():
 
 
 def test_round_to_rounds_like_a_cast():
+  """Catches a rounding that is not the cast's (truncation, or exponent and mantissa bits swapped:
+  the decoder's invariant path would then compute another function than its default) and an f32
+  "rounding" that changes values."""
   x = jnp.asarray(np.random.default_rng(1).normal(size=(257,)) * 30, jnp.float32)
   got = jax.jit(lambda v: numerics.round_to(v * 1.7, jnp.bfloat16))(x)
   assert got.dtype == jnp.bfloat16
